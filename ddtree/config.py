@@ -1,0 +1,104 @@
+"""Configuration dataclasses: the model's shape (read from a Hugging Face config.json) and the engine's knobs."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope_scaling: dict | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "ModelConfig":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; ddtree supports {SUPPORTED_MODEL_TYPES}")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            max_position=cfg.get("max_position_embeddings", 32768),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            # Qwen2 always has q/k/v biases; Llama has them only with attention_bias; Qwen3 never.
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)) and model_type == "llama",
+            qk_norm=model_type == "qwen3",
+            rope_scaling=cfg.get("rope_scaling"),
+            eos_token_ids=eos,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelConfig":
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        mc = cls.from_dict(cfg)
+        gen = os.path.join(path, "generation_config.json")
+        if os.path.exists(gen):  # generation_config often lists more stop ids than config.json
+            with open(gen) as f:
+                eos = json.load(f).get("eos_token_id")
+            for e in [eos] if isinstance(eos, int) else (eos or []):
+                if e not in mc.eos_token_ids:
+                    mc.eos_token_ids.append(e)
+        return mc
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str) -> torch.dtype:
+    # bf16 matmuls are fast on GPUs; on CPU fp32 is both faster and exact enough for parity tests.
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
+    return names[dtype]
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized from memory (GPU) or a fixed budget (CPU)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # prefill tokens per step (long prompts are chunked)
+    max_model_len: int | None = None  # None: the model's max_position
+    kv_cache_gb: float = 2.0  # CPU: memory for the KV cache when num_pages is None
+    gpu_memory_utilization: float = 0.85

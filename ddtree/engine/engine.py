@@ -1,0 +1,103 @@
+"""The engine loop: schedule -> run -> sample -> commit tokens (stops, detokenization) -> finished."""
+from __future__ import annotations
+
+import torch
+
+from ddtree.config import EngineConfig, ModelConfig
+from ddtree.engine.detokenizer import IncrementalDetokenizer
+from ddtree.engine.kv_cache import PageAllocator
+from ddtree.engine.runner import ModelRunner
+from ddtree.engine.sampler import sample
+from ddtree.engine.scheduler import Scheduler
+from ddtree.engine.sequence import Sequence
+from ddtree.models.transformer import CausalLM
+from ddtree.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, cfg: ModelConfig, tokenizer, engine_cfg: EngineConfig,
+                 device: torch.device, dtype: torch.dtype):
+        self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
+        self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype)
+        self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size)
+        self.scheduler = Scheduler(self.allocator, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens)
+        capacity = self.runner.num_pages * engine_cfg.page_size
+        self.max_model_len = min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position, capacity)
+        self.eos_ids = set(cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_model_len} "
+                             "(including at least one generated token)")
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        seq = Sequence(list(prompt_ids), params, IncrementalDetokenizer(self.tokenizer, prompt_ids))
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Sequence]:
+        """Runs one step; returns the requests that received tokens or finished in it."""
+        step = self.scheduler.schedule()
+        if step.empty:
+            self._unblock()
+            return []
+        # AR: prompt chunks and single-token decodes share one forward.
+        chunks = step.prefill + [(seq, 1) for seq in step.decode]
+        logits = self.runner.run(chunks)
+        done = [i for i, (seq, _) in enumerate(chunks) if seq.num_uncached == 0]  # chunk reached the end
+        if not done:
+            return []
+        seqs = [chunks[i][0] for i in done]
+        tokens = sample(logits[done], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        for seq, tok in zip(seqs, tokens):
+            self.commit(seq, [tok])
+        return seqs
+
+    def _unblock(self) -> None:
+        # Nothing could be scheduled: the queue head needs more pages than the whole cache has
+        # (a preempted request that grew too long). Finish it rather than wait forever.
+        if self.scheduler.waiting and not self.scheduler.running:
+            self.scheduler.finish(self.scheduler.waiting[0], "length")
+
+    def commit(self, seq: Sequence, tokens: list[int]) -> int:
+        """Appends tokens one at a time until a stop condition; returns how many were kept."""
+        p = seq.params
+        for n, tok in enumerate(tokens, 1):
+            seq.output_ids.append(tok)
+            before = len(seq.text)
+            seq.text += seq.detok.add([tok])
+            reason = None
+            if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
+                reason = "stop"
+            elif p.stop and self._cut_at_stop(seq, before):
+                reason = "stop"
+            elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
+                reason = "length"
+            if reason:
+                self.scheduler.finish(seq, reason)
+                return n
+        return len(tokens)
+
+    @staticmethod
+    def _cut_at_stop(seq: Sequence, before: int) -> bool:
+        # A new match must end in the newly added text, so search only from just before it.
+        start = max(0, before - max(map(len, seq.params.stop)) + 1)
+        hits = [i for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        seq.text = seq.text[:min(hits)]
+        return True

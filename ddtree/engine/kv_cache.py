@@ -1,0 +1,58 @@
+"""Paged KV cache: a pool of fixed-size pages and the allocator that hands them to requests.
+
+The cache itself is one tensor per layer of shape [num_pages * page_size, Hkv, D]; a request's
+token at position p lives at slot block_table[p // page_size] * page_size + p % page_size.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ddtree.engine.sequence import Sequence
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int):
+        assert num_pages > 0 and page_size > 0
+        self.num_pages, self.page_size = num_pages, page_size
+        self.free_pages: deque[int] = deque(range(num_pages))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_pages)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self.free_pages)
+
+    def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Extra pages `seq` needs so that positions [0, num_tokens) have a slot."""
+        need = -(-num_tokens // self.page_size)
+        return max(0, need - len(seq.block_table))
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.pages_needed(seq, num_tokens) <= self.num_free
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        n = self.pages_needed(seq, num_tokens)
+        assert n <= self.num_free, "caller must check can_grow"
+        seq.block_table.extend(self.free_pages.popleft() for _ in range(n))
+
+    def release(self, seq: Sequence) -> None:
+        self.free_pages.extend(seq.block_table)
+        seq.block_table = []
+        seq.num_cached = 0
+        assert len(self.free_pages) <= self.num_pages
+
+
+def allocate_kv_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """[2, layers, slots, Hkv, D]: K and V for every layer in one allocation."""
+    return torch.zeros(2, num_layers, num_pages * page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+
+def pages_for_memory(bytes_available: float, num_layers: int, page_size: int, num_kv_heads: int,
+                     head_dim: int, dtype: torch.dtype) -> int:
+    per_page = 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return max(1, int(bytes_available // per_page))

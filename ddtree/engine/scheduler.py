@@ -1,0 +1,101 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each feeds.
+
+How prefill and decode share a step: every running request that has finished its prompt decodes
+(AR: one token; speculative: a draft block and a verify of `decode_width` tokens), and in the same
+step the remaining token budget (`max_num_batched_tokens`) goes to prompt chunks, first to requests
+part-way through their prompt, then to newly admitted ones in arrival order. Long prompts are
+chunked across steps, so decoding requests never stall behind a long prefill and a new request
+starts within one step. AR mode runs both kinds in one forward; speculative mode runs the prompt
+chunks first, then the draft and verify.
+
+Pages: a decode that cannot get a page preempts the most recently admitted request (its pages are
+released and it goes back to the front of the queue; its prompt and output are recomputed when it
+returns), so running out of KV pages slows the engine down but never crashes it or drops work.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ddtree.engine.kv_cache import PageAllocator
+from ddtree.engine.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (request, tokens in this chunk)
+    decode: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 decode_width: int = 1):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_width = decode_width  # new K/V slots a decode step writes per request
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted, holding pages, in admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        # 1. Decode every request past its prompt; grow its pages, preempting the newest if needed.
+        for seq in list(self.running):
+            if seq not in self.running or seq.num_uncached != 1:
+                continue
+            while not self.allocator.can_grow(seq, seq.num_cached + self.decode_width):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.allocator.grow(seq, seq.num_cached + self.decode_width)
+                step.decode.append(seq)
+        # 2. Prompt chunks: requests mid-prompt first, then newly admitted ones. Admission reserves
+        #    pages for the whole prompt, so a chunked prefill never stalls.
+        budget = self.max_num_batched_tokens
+        for seq in self.running:
+            if seq.num_uncached > 1 and budget > 0:
+                budget -= self._chunk(seq, budget, step)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.allocator.can_grow(seq, len(seq)):
+                break
+            self.waiting.popleft()
+            self.allocator.grow(seq, len(seq))
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            budget -= self._chunk(seq, budget, step)
+        return step
+
+    def _chunk(self, seq: Sequence, budget: int, step: ScheduledStep) -> int:
+        n = min(seq.num_uncached, budget)
+        step.prefill.append((seq, n))
+        return n
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.release(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.release(seq)

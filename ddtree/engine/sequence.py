@@ -1,0 +1,53 @@
+"""A request's state as it moves through the engine: tokens, KV pages, progress and output."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.engine.detokenizer import IncrementalDetokenizer
+from ddtree.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    accept_lengths: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    text: str = ""  # detokenized output, cut at a stop string
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncached(self) -> int:
+        """Tokens still to be fed to the model (a prompt, a prompt's tail after a chunk, or a
+        preempted request's prompt plus output)."""
+        return len(self) - self.num_cached
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED

@@ -1,0 +1,105 @@
+"""The offline Python API: `LLM(...).generate(prompts, params)` and `LLM(...).chat(conversations, params)`."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from ddtree.config import EngineConfig, default_device, parse_dtype
+from ddtree.engine.engine import LLMEngine
+from ddtree.engine.sequence import Sequence
+from ddtree.sampling_params import SamplingParams
+
+SPEC_MODES = ("none", "dflash", "ddtree")
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]  # generated ids only
+    finish_reason: str | None
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verify step; [] for AR
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, draft: str | None = None, spec: str | None = None,
+                 budget: int | None = None, topk: int | None = None, device: str | None = None,
+                 dtype: str | torch.dtype | None = None, page_size: int = 16, num_pages: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 kv_cache_gb: float = 1.0, tokenizer=None):
+        from ddtree.models.hub import resolve_model
+        from ddtree.models.loader import load_model
+
+        spec = spec or "none"
+        if spec not in SPEC_MODES:
+            raise ValueError(f"spec must be one of {SPEC_MODES}, got {spec!r}")
+        if spec != "none" or draft is not None or budget is not None or topk is not None:
+            raise NotImplementedError("speculative decoding (draft/spec/budget/topk) is not available yet")
+        self.device = torch.device(device or default_device())
+        self.dtype = parse_dtype(dtype, self.device.type)
+        self.model_path = resolve_model(model)
+        net, self.config = load_model(self.model_path, self.device, self.dtype)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
+        engine_cfg = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                  kv_cache_gb=kv_cache_gb)
+        self.engine = LLMEngine(net, self.config, self.tokenizer, engine_cfg, self.device, self.dtype)
+        self.last_stats: dict = {}
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """`prompts`: a string, a list of token ids, or a list of either."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(ids, params, use_tqdm)
+
+    def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """`conversations`: one conversation (a list of {"role", "content"} messages) or a list of them."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        ids = [self.encode_chat(c) for c in conversations]
+        return self._run(ids, params, use_tqdm)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if not messages:
+            raise ValueError("a conversation needs at least one message")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, prompt_ids: list[list[int]], params, use_tqdm: bool) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompt_ids)
+        if len(plist) != len(prompt_ids):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompt_ids)} prompts")
+        seqs: list[Sequence] = []
+        try:
+            for ids, p in zip(prompt_ids, plist):
+                seqs.append(self.engine.add_request(ids, p))
+        except Exception:
+            for s in seqs:  # a bad prompt loses nothing: the ones already queued are withdrawn
+                self.engine.abort(s)
+            raise
+        t0, steps = time.perf_counter(), 0
+        bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate")
+        while any(not s.is_finished for s in seqs):
+            finished_before = sum(s.is_finished for s in seqs)
+            self.engine.step()
+            steps += 1
+            bar.update(sum(s.is_finished for s in seqs) - finished_before)
+        bar.close()
+        elapsed = time.perf_counter() - t0
+        generated = sum(len(s.output_ids) for s in seqs)
+        self.last_stats = {"elapsed_s": elapsed, "generated_tokens": generated, "steps": steps,
+                           "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0}
+        return [RequestOutput(s.prompt_ids, s.text, list(s.output_ids), s.finish_reason, list(s.accept_lengths))
+                for s in seqs]

@@ -1,0 +1,188 @@
+"""One dense decoder for the Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm) and Llama families.
+
+Tokens of all requests in a step are flattened into one [T] sequence; the per-step
+`AttentionBatch` says which tokens belong to which request and where their K/V live.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree.config import ModelConfig
+from ddtree.ops.attention import AttentionBatch, paged_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as transformers so bf16 results match it bit for bit.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor,
+                               torch.where(wavelen < old_len / high, inv_freq, smoothed))
+    elif kind != "default":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    """NEOX-style rotary embedding (rotate halves), cos/sin precomputed for every position."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+
+    def build(self, device: torch.device | str) -> None:
+        inv_freq = rope_inv_freq(self.cfg).to(device)
+        t = torch.arange(self.cfg.max_position, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self.cos_sin[positions].to(q.dtype).chunk(2, dim=-1)
+        cos = torch.cat([cos, cos], -1)[:, None, :]
+        sin = torch.cat([sin, sin], -1)[:, None, :]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class PackedLinear(nn.Linear):
+    """A linear layer holding several checkpoint matrices stacked along the output dim (q|k|v, gate|up)."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_offsets, off = {}, 0
+        for name, size in shard_sizes.items():
+            self.shard_offsets[name] = (off, size)
+            off += size
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        off, size = self.shard_offsets[shard]
+        assert loaded.shape[0] == size, (shard, loaded.shape, size)
+        param.data[off:off + size].copy_(loaded)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+                                     bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+        self.scale = self.head_dim ** -0.5
+        self.k_cache = self.v_cache = torch.empty(0)  # [num_slots, Hkv, D], assigned by the runner
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
+        return self.o_proj(o.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
+                                                           "up": cfg.intermediate_size}, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TransformerModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.rotary = Rotary(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The target model. Parameter names follow Hugging Face, with q/k/v and gate/up packed."""
+
+    packed = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+              "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = TransformerModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                taps: list[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Returns the final-normed hidden states [T, D] and, for each layer id in `taps`, that
+        decoder layer's output (the residual stream, as transformers' hidden_states[l + 1])."""
+        h = self.model.embed_tokens(input_ids)
+        tapped = []
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, positions, batch)
+            if taps and i in taps:
+                tapped.append(h)
+        if taps:  # in the requested order
+            order = sorted(taps)
+            tapped = [tapped[order.index(t)] for t in taps]
+        return self.model.norm(h), tapped
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

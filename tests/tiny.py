@@ -1,0 +1,69 @@
+"""Tiny random checkpoints (Qwen2, Qwen3, Llama) with a small byte-level BPE tokenizer, built in tests."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.",
+          "Hello, world! How are you today?", "for i in range(10):\n    print(i * i)\n",
+          "Ünïcödé text: naïve café, 日本語, emoji 🙂 and more.", "import numpy as np\nx = np.zeros(3)\n"] * 4
+
+
+def make_tokenizer(vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIALS), special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None)
+    fast.chat_template = CHATML
+    return fast
+
+
+def make_config(family: str, vocab_size: int, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
+    common.update(overrides)
+    if family == "qwen2":
+        return Qwen2Config(rope_theta=10000.0, **common)
+    if family == "qwen3":
+        return Qwen3Config(head_dim=16, rope_theta=10000.0, **common)
+    if family == "llama":
+        return LlamaConfig(rope_theta=10000.0, attention_bias=False, **common)
+    raise ValueError(family)
+
+
+def make_tiny_model(path: str, family: str = "qwen2", seed: int = 0, with_tokenizer: bool = True,
+                    **overrides) -> str:
+    """Saves a random model (and tokenizer) to `path` and returns it."""
+    from transformers import AutoModelForCausalLM
+
+    tok = make_tokenizer() if with_tokenizer else None
+    vocab = len(tok) if tok is not None else 384
+    eos = tok.convert_tokens_to_ids("<|im_end|>") if tok is not None else None
+    cfg = make_config(family, vocab, eos_token_id=eos, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; scale up so logits are not all near-ties
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif "bias" in name:
+                p.normal_(0, 0.02)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if tok is not None:
+        tok.save_pretrained(path)
+    return path
