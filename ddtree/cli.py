@@ -1,0 +1,85 @@
+"""Command line: `ddtree generate "prompt"` and `ddtree pull`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: the default model)")
+    p.add_argument("--draft", default=None, help="DFlash drafter checkpoint dir (z-lab format)")
+    p.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None, help="speculative decoding mode")
+    p.add_argument("--budget", type=int, default=None, help="DDTree node budget")
+    p.add_argument("--topk", type=int, default=None, help="DDTree per-depth top-k cap")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
+
+
+def llm_from_args(args):
+    from ddtree import LLM
+    return LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
+               device=args.device, dtype=args.dtype)
+
+
+def cmd_generate(args) -> int:
+    from ddtree import SamplingParams
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    llm = llm_from_args(args)
+    prompts = args.prompt or ["Write a Python function that checks whether a number is prime."]
+    if args.raw:
+        outs = llm.generate(prompts, params)
+    else:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    for prompt, out in zip(prompts, outs):
+        if len(prompts) > 1:
+            print(f"### {prompt}")
+        print(out.text)
+        print()
+    s = llm.last_stats
+    print(f"[{s['generated_tokens']} tokens in {s['elapsed_s']:.2f} s: {s['tokens_per_s']:.1f} tok/s, "
+          f"batch {len(prompts)}, {llm.device.type}, finish: {', '.join(str(o.finish_reason) for o in outs)}]",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from ddtree.models.hub import pull
+    print(pull())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ddtree", description="LLM inference with DFlash and DDTree speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompt", nargs="*", help="prompt(s); each is sent as a user chat message unless --raw")
+    add_model_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--raw", action="store_true", help="no chat template: feed the prompt text as is")
+    g.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("pull", help="download, verify and convert the default model")
+    p.set_defaults(func=cmd_pull)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
