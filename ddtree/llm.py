@@ -13,6 +13,7 @@ from ddtree.engine.sequence import Sequence
 from ddtree.sampling_params import SamplingParams
 
 SPEC_MODES = ("none", "dflash", "ddtree")
+DEFAULT_BUDGET, DEFAULT_TOPK = 16, 4
 
 
 @dataclass(slots=True)
@@ -38,11 +39,16 @@ class LLM:
         from ddtree.models.hub import resolve_model
         from ddtree.models.loader import load_model
 
-        spec = spec or "none"
+        spec = spec or ("ddtree" if draft is not None else "none")
         if spec not in SPEC_MODES:
             raise ValueError(f"spec must be one of {SPEC_MODES}, got {spec!r}")
-        if spec != "none" or draft is not None or budget is not None or topk is not None:
-            raise NotImplementedError("speculative decoding (draft/spec/budget/topk) is not available yet")
+        if spec != "none" and draft is None:
+            raise ValueError(f"spec={spec!r} needs a drafter: pass draft=PATH (a DFlash checkpoint dir)")
+        if budget is not None and (not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"budget must be a non-negative integer, got {budget!r}")
+        if topk is not None and (not isinstance(topk, int) or topk < 1):
+            raise ValueError(f"topk must be a positive integer, got {topk!r}")
+        self.spec = spec
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype, self.device.type)
         self.model_path = resolve_model(model)
@@ -51,7 +57,19 @@ class LLM:
         engine_cfg = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                   kv_cache_gb=kv_cache_gb)
-        self.engine = LLMEngine(net, self.config, self.tokenizer, engine_cfg, self.device, self.dtype)
+        drafter = None
+        if spec != "none":
+            from ddtree.models.dflash import load_drafter
+            drafter = draft if not isinstance(draft, str) else load_drafter(draft, self.config, self.device, self.dtype)
+            block = drafter.dcfg.block_size
+            if spec == "dflash":  # a chain of the drafter's argmax tokens: the tree with topk 1
+                budget, topk = min(budget if budget is not None else block - 1, block - 1), 1
+            else:
+                budget = DEFAULT_BUDGET if budget is None else budget
+                topk = DEFAULT_TOPK if topk is None else topk
+        self.budget, self.topk = budget or 0, topk or 1
+        self.engine = LLMEngine(net, self.config, self.tokenizer, engine_cfg, self.device, self.dtype,
+                                drafter, self.budget, self.topk)
         self.last_stats: dict = {}
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -99,7 +117,9 @@ class LLM:
         bar.close()
         elapsed = time.perf_counter() - t0
         generated = sum(len(s.output_ids) for s in seqs)
+        accepts = [a for s in seqs for a in s.accept_lengths]
         self.last_stats = {"elapsed_s": elapsed, "generated_tokens": generated, "steps": steps,
-                           "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0}
+                           "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
+                           "mean_accept_length": sum(accepts) / len(accepts) if accepts else None}
         return [RequestOutput(s.prompt_ids, s.text, list(s.output_ids), s.finish_reason, list(s.accept_lengths))
                 for s in seqs]

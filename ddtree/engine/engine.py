@@ -10,19 +10,31 @@ from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import sample
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.sequence import Sequence
+from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
 from ddtree.sampling_params import SamplingParams
+from ddtree.spec.decode import Speculator
+from ddtree.spec.draft import DraftRunner
 
 
 class LLMEngine:
     def __init__(self, model: CausalLM, cfg: ModelConfig, tokenizer, engine_cfg: EngineConfig,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, drafter: DFlashDrafter | None = None,
+                 budget: int = 0, topk: int = 1):
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype)
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size)
-        self.scheduler = Scheduler(self.allocator, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens)
         capacity = self.runner.num_pages * engine_cfg.page_size
-        self.max_model_len = min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position, capacity)
+        self.speculator = None
+        if drafter is not None and budget > 0:
+            draft_runner = DraftRunner(drafter, model, capacity, engine_cfg.page_size, device, dtype)
+            self.speculator = Speculator(self.runner, draft_runner, budget, topk)
+        width = self.speculator.width if self.speculator else 1
+        self.scheduler = Scheduler(self.allocator, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens,
+                                   decode_width=width)
+        # A request at the limit must still find room for one step's width of speculative K/V.
+        self.max_model_len = min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position,
+                                 capacity - width + 1)
         self.eos_ids = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
@@ -55,9 +67,18 @@ class LLMEngine:
         if step.empty:
             self._unblock()
             return []
-        # AR: prompt chunks and single-token decodes share one forward.
-        chunks = step.prefill + [(seq, 1) for seq in step.decode]
-        logits = self.runner.run(chunks)
+        if self.speculator is None:  # AR: prompt chunks and single-token decodes share one forward
+            return self._forward_and_sample(step.prefill + [(seq, 1) for seq in step.decode])
+        touched = self._forward_and_sample(step.prefill, self.speculator.drafter.layer_ids) if step.prefill else []
+        if step.decode:
+            self.speculator.step(step.decode, self.commit)
+        return touched + step.decode
+
+    def _forward_and_sample(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
+        logits, feats = self.runner.run(chunks, taps)
+        if feats is not None:  # target features for the drafter's context
+            for (seq, _), f in zip(chunks, feats.split([n for _, n in chunks])):
+                seq.pending_features.append(f)
         done = [i for i, (seq, _) in enumerate(chunks) if seq.num_uncached == 0]  # chunk reached the end
         if not done:
             return []

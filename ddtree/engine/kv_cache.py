@@ -41,8 +41,7 @@ class PageAllocator:
 
     def release(self, seq: Sequence) -> None:
         self.free_pages.extend(seq.block_table)
-        seq.block_table = []
-        seq.num_cached = 0
+        seq.drop_cache()
         assert len(self.free_pages) <= self.num_pages
 
 

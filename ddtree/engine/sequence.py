@@ -34,6 +34,17 @@ class Sequence:
     accept_lengths: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     text: str = ""  # detokenized output, cut at a stop string
+    # Speculative decoding: the drafter's context K/V cover positions [0, draft_len); target features
+    # of positions [draft_len, num_cached) wait in pending_features until the next draft step.
+    draft_len: int = 0
+    pending_features: list[torch.Tensor] = field(default_factory=list)
+
+    def drop_cache(self) -> None:
+        """Forget all cached state (pages were released): everything is recomputed on readmission."""
+        self.block_table = []
+        self.num_cached = 0
+        self.draft_len = 0
+        self.pending_features = []
 
     @property
     def token_ids(self) -> list[int]:

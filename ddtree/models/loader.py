@@ -10,6 +10,7 @@ import json
 import os
 
 import torch
+from torch import nn
 from safetensors import safe_open
 
 from ddtree.config import ModelConfig
@@ -35,41 +36,44 @@ def iter_tensors(path: str):
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: CausalLM, path: str) -> None:
-    params = dict(model.named_parameters(remove_duplicate=False))
+def load_weights(model: nn.Module, tensors, packed: dict[str, tuple[str, str]], source: str,
+                 skip=lambda name: False) -> None:
+    """Copies checkpoint tensors into `model`. `packed` maps a checkpoint leaf module name (q_proj)
+    to (packed module name, shard) for matrices stacked into one PackedLinear. Every parameter must
+    be filled exactly once and every checkpoint tensor must land somewhere."""
+    params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     seen = set()
-    for name, tensor in iter_tensors(path):
-        if "rotary_emb" in name:
+    for name, tensor in tensors:
+        if skip(name):
             continue
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        leaf = name.rsplit(".", 2)
-        if len(leaf) == 3 and leaf[1] in CausalLM.packed:
-            packed_name, shard = CausalLM.packed[leaf[1]]
-            module_name = f"{leaf[0]}.{packed_name}"
-            module = modules[module_name]
-            assert isinstance(module, PackedLinear)
-            target = f"{module_name}.{leaf[2]}"
+        parts = name.rsplit(".", 2)
+        if len(parts) == 3 and parts[1] in packed:
+            packed_name, shard = packed[parts[1]]
+            module_name = f"{parts[0]}.{packed_name}" if parts[0] else packed_name
+            module = modules.get(module_name)
+            if not isinstance(module, PackedLinear):
+                raise KeyError(f"unexpected tensor {name!r} in checkpoint {source}")
+            target = f"{module_name}.{parts[2]}"
             module.load_shard(params[target], tensor, shard)
             seen.add(f"{target}:{shard}")
             continue
         if name not in params:
-            raise KeyError(f"unexpected tensor {name!r} in checkpoint {path}")
-        param = params[name]
-        if param.shape != tensor.shape:
-            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
-        param.data.copy_(tensor)
+            raise KeyError(f"unexpected tensor {name!r} in checkpoint {source}")
+        if params[name].shape != tensor.shape:
+            raise ValueError(f"shape mismatch for {name} in {source}: checkpoint {tuple(tensor.shape)} "
+                             f"vs model {tuple(params[name].shape)}")
+        params[name].data.copy_(tensor)
         seen.add(name)
     missing = []
-    for name, module in modules.items():
+    for pname in params:
+        module = modules[pname.rsplit(".", 1)[0]]
         if isinstance(module, PackedLinear):
-            for p in ("weight", "bias") if module.bias is not None else ("weight",):
-                missing += [f"{name}.{p}:{s}" for s in module.shard_offsets if f"{name}.{p}:{s}" not in seen]
-    missing += [n for n, _ in model.named_parameters() if ("qkv_proj" not in n and "gate_up_proj" not in n)
-                and n not in seen and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
+            missing += [f"{pname}:{s}" for s in module.shard_offsets if f"{pname}:{s}" not in seen]
+        elif pname not in seen:
+            missing.append(pname)
     if missing:
-        raise KeyError(f"checkpoint {path} lacks tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        raise KeyError(f"checkpoint {source} lacks tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
 def load_model(path: str, device: str | torch.device = "cpu",
@@ -78,7 +82,11 @@ def load_model(path: str, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
+    tied = cfg.tie_word_embeddings
+    if tied:
+        del model.lm_head.weight  # re-tied after loading so the shared tensor is filled once
+    load_weights(model, iter_tensors(path), CausalLM.packed, path,
+                 skip=lambda n: "rotary_emb" in n or (tied and n == "lm_head.weight"))
     model.tie_weights()
-    load_weights(model, path)
     model.model.rotary.build(device)
     return model.eval().requires_grad_(False), cfg

@@ -59,15 +59,17 @@ class Rotary(nn.Module):
 
     def build(self, device: torch.device | str) -> None:
         inv_freq = rope_inv_freq(self.cfg).to(device)
-        t = torch.arange(self.cfg.max_position, device=device, dtype=torch.float32)
+        # Headroom past max_position: speculative nodes of a request at the limit sit a little beyond it.
+        t = torch.arange(self.cfg.max_position + 256, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos_sin[positions].to(q.dtype).chunk(2, dim=-1)
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotates each [T, heads, D] tensor in `xs` by its token's position."""
+        cos, sin = self.cos_sin[positions].to(xs[0].dtype).chunk(2, dim=-1)
         cos = torch.cat([cos, cos], -1)[:, None, :]
         sin = torch.cat([sin, sin], -1)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return tuple(x * cos + rotate_half(x) * sin for x in xs)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

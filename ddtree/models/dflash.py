@@ -1,0 +1,215 @@
+"""The DFlash drafter: a few Qwen3-style layers that draft a whole block in one non-causal pass.
+
+It has no embedding and no LM head of its own (it borrows the target's). Target features (the
+outputs of a few target layers, concatenated) are fused once per token, ctx = hidden_norm(fc(.)),
+and injected into every drafter layer as extra keys/values at the tokens' own positions. Those
+context K/V live in the drafter's own paged cache, addressed by the target's page tables; the
+block's K/V are written past the context and overwritten by the next step's context.
+
+Checkpoints use the z-lab format (config.json with Qwen3 keys plus block_size, num_target_layers
+and dflash_config {mask_token_id, target_layer_ids}; weights layers.*, fc, hidden_norm, norm).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from ddtree.config import ModelConfig
+from ddtree.models.transformer import MLP, RMSNorm, Rotary
+from ddtree.ops.attention import AttentionBatch, paged_attention, store_kv
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    if num_features == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
+
+
+@dataclass(slots=True)
+class DrafterConfig:
+    model: ModelConfig  # the drafter's own layer shapes (Qwen3 keys)
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    raw: dict | None = None  # the config.json, written back unchanged on save
+
+    @classmethod
+    def from_dir(cls, path: str) -> "DrafterConfig":
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+        dc = raw.get("dflash_config") or {}
+        get = lambda k, d=None: dc.get(k, raw.get(k, d))  # noqa: E731  dflash_config wins, like the reference
+        if get("mask_token_id") is None:
+            raise ValueError(f"{path}: drafter config lacks dflash_config.mask_token_id")
+        types = raw.get("layer_types") or []
+        if any(t == "sliding_attention" for t in types):
+            raise ValueError(f"{path}: sliding-window drafter layers are not supported")
+        model = ModelConfig.from_dict({**raw, "model_type": "qwen3"})
+        layer_ids = get("target_layer_ids") or default_target_layer_ids(raw["num_target_layers"],
+                                                                         raw["num_hidden_layers"])
+        return cls(model, int(get("block_size", 16)), int(get("mask_token_id")), list(layer_ids),
+                   float(get("input_embedding_scale", 1.0)), float(get("output_multiplier", 1.0)),
+                   get("final_logit_softcapping"), raw)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.qkv_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = [rotary]
+        self.scale = self.head_dim ** -0.5
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.k_norm(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
+        (k,) = self.rotary[0](positions, k)
+        return k, self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor, ctx_positions: torch.Tensor,
+                ctx_slots: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        if ctx.shape[0]:  # new context tokens: K/V into the drafter cache at their positions
+            store_kv(*self.kv(ctx, ctx_positions), self.k_cache, self.v_cache, ctx_slots)
+        q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
+        (q,) = self.rotary[0](positions, q)
+        k, v = self.kv(x, positions)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
+        return self.o_proj(o.flatten(1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, positions, ctx, ctx_positions, ctx_slots, batch):
+        h = h + self.self_attn(self.input_layernorm(h), positions, ctx, ctx_positions, ctx_slots, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    packed = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+    def __init__(self, dcfg: DrafterConfig, target_hidden: int):
+        super().__init__()
+        cfg = dcfg.model
+        self.dcfg = dcfg
+        self.rotary = Rotary(cfg)
+        self.layers = nn.ModuleList([DraftLayer(cfg, self.rotary) for _ in range(cfg.num_layers)])
+        self.fc = nn.Linear(len(dcfg.target_layer_ids) * target_hidden, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
+                ctx_positions: torch.Tensor, ctx_slots: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """block_embeds: [Tb, D] embedded block tokens; features: [Tc, K*D_target] target features of
+        context tokens not yet in the drafter cache. Returns the normed block hidden states [Tb, D]."""
+        ctx = self.hidden_norm(self.fc(features))
+        h = block_embeds
+        for layer in self.layers:
+            h = layer(h, positions, ctx, ctx_positions, ctx_slots, batch)
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        logits = lm_head(hidden).float() * self.dcfg.output_multiplier
+        cap = self.dcfg.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def load_drafter(path: str, target_cfg: ModelConfig, device, dtype) -> DFlashDrafter:
+    from ddtree.models.loader import iter_tensors, load_weights
+
+    dcfg = DrafterConfig.from_dir(path)
+    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < target_cfg.num_layers]
+    if bad:
+        raise ValueError(f"{path}: target_layer_ids {bad} out of range for a {target_cfg.num_layers}-layer target")
+    if dcfg.model.hidden_size != target_cfg.hidden_size:
+        raise ValueError(f"{path}: drafter hidden_size {dcfg.model.hidden_size} != target {target_cfg.hidden_size}")
+    with torch.device("meta"):
+        drafter = DFlashDrafter(dcfg, target_cfg.hidden_size)
+    drafter = drafter.to_empty(device=device).to(dtype)
+    load_weights(drafter, iter_tensors(path), DFlashDrafter.packed, path, skip=lambda n: "rotary_emb" in n)
+    drafter.rotary.build(device)
+    return drafter.eval().requires_grad_(False)
+
+
+def drafter_state_dict(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    """Weights under z-lab names (gate/up unpacked)."""
+    out = {}
+    for name, p in drafter.state_dict().items():
+        if "gate_up_proj" in name:
+            gate, up = p.chunk(2, dim=0)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate
+            out[name.replace("gate_up_proj", "up_proj")] = up
+        else:
+            out[name] = p
+    return {k: v.detach().contiguous().cpu() for k, v in out.items()}
+
+
+def save_drafter(drafter: DFlashDrafter, path: str, dtype: torch.dtype | None = None) -> None:
+    os.makedirs(path, exist_ok=True)
+    sd = drafter_state_dict(drafter)
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    save_file(sd, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(drafter.dcfg.raw, f, indent=2)
+
+
+def drafter_config_dict(target_cfg: ModelConfig, num_layers: int = 1, block_size: int = 16,
+                        num_features: int = 5, mask_token_id: int | None = None,
+                        intermediate_size: int | None = None, num_heads: int | None = None,
+                        num_kv_heads: int | None = None, head_dim: int | None = None,
+                        target_layer_ids: list[int] | None = None) -> dict:
+    """A z-lab style config.json for a new drafter on `target_cfg`."""
+    layer_ids = target_layer_ids or default_target_layer_ids(target_cfg.num_layers, num_features)
+    mask = mask_token_id if mask_token_id is not None else target_cfg.vocab_size - 1
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": target_cfg.hidden_size, "intermediate_size": intermediate_size or target_cfg.intermediate_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": num_heads or target_cfg.num_heads,
+        "num_key_value_heads": num_kv_heads or target_cfg.num_kv_heads, "head_dim": head_dim or target_cfg.head_dim,
+        "rms_norm_eps": target_cfg.rms_norm_eps, "rope_theta": target_cfg.rope_theta,
+        "max_position_embeddings": target_cfg.max_position, "vocab_size": target_cfg.vocab_size,
+        "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu", "tie_word_embeddings": False,
+        "block_size": block_size, "num_target_layers": target_cfg.num_layers,
+        "dflash_config": {"mask_token_id": mask, "target_layer_ids": layer_ids},
+        "torch_dtype": "bfloat16",
+    }
+
+
+def random_drafter(target_cfg: ModelConfig, seed: int = 0, std: float = 0.05, **kw) -> DFlashDrafter:
+    """A randomly initialized drafter (tests; the starting point of training)."""
+    raw = drafter_config_dict(target_cfg, **kw)
+    dcfg = DrafterConfig(ModelConfig.from_dict(raw), raw["block_size"], raw["dflash_config"]["mask_token_id"],
+                         raw["dflash_config"]["target_layer_ids"], raw=raw)
+    g = torch.Generator().manual_seed(seed)
+    drafter = DFlashDrafter(dcfg, target_cfg.hidden_size)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            else:
+                p.fill_(1.0)
+    drafter.rotary.build("cpu")
+    return drafter

@@ -1,0 +1,120 @@
+"""DDTree construction on the device: the `budget` most probable draft paths as a flattened tree.
+
+From the drafter's per-depth log-probabilities lp[d] (d = 1..D), a path of ranks (r1..rd) scores
+sum_i lp[i][r_i]. The tree is the `budget` highest-scoring paths, each node having at most `topk`
+children (the topk best tokens at its depth). Because scores only fall along a path, the set is
+prefix-closed, and it can be found without a heap: at each depth keep the best `budget` children
+of the nodes kept at the previous depth; the global best `budget` of all kept nodes is the answer.
+Every shape is fixed by (requests, budget, topk, depth), so the build is batched and graph-friendly.
+
+Flattened in BFS order (node 0 = root = last committed token, parents before children):
+
+Worked example (asserted in tests/test_tree.py): depth 3, topk 2, budget 4, one request,
+    lp[1] = log([.6, .3]), lp[2] = log([.5, .4]), lp[3] = log([.9, .05]) over token ids
+    tok[1] = [10, 11], tok[2] = [20, 21], tok[3] = [30, 31].
+    Path scores: (10)=.6 (10,20)=.3 (10,20,30)=.27 (10,21)=.24 (11)=.3 (11,20)=.15 ...
+    Best 4: (10) .6, (10,20) .3, (11) .3, (10,20,30) .27   [(10,20) and (11) tie; the shallower wins]
+    node   : 0    1    2    3    4
+    token  : r    10   11   20   30
+    parent : -1   0    0    1    3
+    depth  : 0    1    1    2    3
+    mask (ancestor-or-self, row = query):
+        1 0 0 0 0
+        1 1 0 0 0
+        1 0 1 0 0
+        1 1 0 1 0
+        1 1 0 1 1
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class Tree:
+    tokens: torch.Tensor  # [R, N] token of each node (node 0: the root)
+    parent: torch.Tensor  # [R, N] parent node index, -1 for the root
+    depth: torch.Tensor  # [R, N]
+    valid: torch.Tensor  # [R, N] False for padding nodes (fewer candidate paths than the budget)
+    mask: torch.Tensor  # [R, N, N] ancestor-or-self
+    score: torch.Tensor  # [R, N] path log-probability under the drafter (0 for the root)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+
+def build_tree(logprobs: torch.Tensor, roots: torch.Tensor, budget: int, topk: int) -> Tree:
+    """logprobs: [R, D, V] drafter log-probs for depths 1..D; roots: [R] root tokens.
+    Returns a tree of budget + 1 nodes per request."""
+    R, D, _ = logprobs.shape
+    assert budget >= 1 and topk >= 1 and D >= 1
+    W = budget
+    top_lp, top_tok = logprobs.topk(topk, dim=-1)  # [R, D, K], sorted best first
+    # Level 1: the root's children. Levels are padded to W slots; missing nodes score -inf.
+    lvl_score = torch.full((R, W), float("-inf"), device=logprobs.device)
+    k1 = min(topk, W)
+    lvl_score[:, :k1] = top_lp[:, 0, :k1]
+    lvl_parent = torch.zeros(R, W, dtype=torch.long, device=logprobs.device)
+    lvl_rank = torch.arange(W, device=logprobs.device).clamp(max=topk - 1).expand(R, W).clone()
+    scores, parents, ranks = [lvl_score], [lvl_parent], [lvl_rank]
+    for d in range(1, D):
+        cand = (lvl_score[:, :, None] + top_lp[:, d, None, :]).reshape(R, W * topk)
+        # Stable sort: among equal scores the lower index (earlier parent, better rank) wins.
+        lvl_score, idx = cand.sort(dim=-1, descending=True, stable=True)
+        lvl_score, idx = lvl_score[:, :W], idx[:, :W]
+        scores.append(lvl_score)
+        parents.append(idx // topk)
+        ranks.append(idx % topk)
+    all_score = torch.stack(scores, 1).reshape(R, D * W)  # level-major: shallower first
+    # Global best W; the stable sort prefers shallower nodes on ties, keeping the set prefix-closed.
+    _, order = all_score.sort(dim=-1, descending=True, stable=True)
+    chosen = order[:, :W].sort(dim=-1).values  # ascending flat index == BFS order (depth, then level slot)
+    depth = chosen // W + 1
+    slot = chosen % W
+    rank = torch.stack(ranks, 1).reshape(R, D * W).gather(1, chosen)
+    parent_slot = torch.stack(parents, 1).reshape(R, D * W).gather(1, chosen)
+    score = all_score.gather(1, chosen)
+    valid = torch.isfinite(score)
+    tokens = top_tok[torch.arange(R, device=logprobs.device)[:, None], depth - 1, rank]
+    # Parent's flat index (depth - 1, parent_slot) -> its node index: position among `chosen`, + 1 for root.
+    parent_flat = (depth - 2) * W + parent_slot
+    match = chosen[:, None, :] == parent_flat[:, :, None]  # [R, W, W]
+    parent = torch.where(depth == 1, torch.zeros_like(depth), match.float().argmax(-1) + 1)
+    # Prepend the root.
+    zeros = torch.zeros(R, 1, dtype=torch.long, device=logprobs.device)
+    tokens = torch.cat([roots.view(R, 1).long(), tokens], 1)
+    parent = torch.cat([zeros - 1, parent], 1)
+    depth = torch.cat([zeros, depth], 1)
+    valid = torch.cat([torch.ones(R, 1, dtype=torch.bool, device=logprobs.device), valid], 1)
+    score = torch.cat([zeros.float(), score], 1)
+    parent = torch.where(valid, parent, torch.zeros_like(parent))  # padding hangs off the root
+    return Tree(tokens, parent, depth, valid, ancestor_mask(parent, D), score)
+
+
+def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[R, N, N] ancestor-or-self: row i marks i and every node on its path to the root.
+    Built by following parent pointers max_depth times, all nodes at once (padding nodes hang off
+    the root, so they see only the root and themselves)."""
+    R, N = parent.shape
+    up = parent.clamp(min=0)  # the root is its own parent, so walking past it stays there
+    node = torch.arange(N, device=parent.device).expand(R, N)
+    mask = torch.eye(N, dtype=torch.bool, device=parent.device).repeat(R, 1, 1)
+    for _ in range(max_depth):
+        node = up.gather(1, node)
+        mask.scatter_(2, node[:, :, None], True)
+    return mask
+
+
+def chain_tree(draft_tokens: torch.Tensor, roots: torch.Tensor) -> Tree:
+    """DFlash linear as a tree: the root followed by one draft per depth."""
+    R, D = draft_tokens.shape
+    tokens = torch.cat([roots.view(R, 1).long(), draft_tokens.long()], 1)
+    ar = torch.arange(D + 1, device=tokens.device)
+    parent = (ar - 1).expand(R, D + 1).clone()
+    depth = ar.expand(R, D + 1).clone()
+    valid = torch.ones(R, D + 1, dtype=torch.bool, device=tokens.device)
+    mask = torch.tril(torch.ones(D + 1, D + 1, dtype=torch.bool, device=tokens.device)).expand(R, D + 1, D + 1)
+    return Tree(tokens, parent, depth, valid, mask.clone(), torch.zeros(R, D + 1, device=tokens.device))
