@@ -26,7 +26,12 @@ class RequestOutput:
 
 
 def load_tokenizer(path: str):
+    """The checkpoint's tokenizer, or None for a checkpoint without one (token-id prompts only)."""
+    import os
+
     from transformers import AutoTokenizer
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -77,6 +82,8 @@ class LLM:
         """`prompts`: a string, a list of token ids, or a list of either."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if self.tokenizer is None and any(isinstance(p, str) for p in prompts):
+            raise ValueError(f"{self.model_path} has no tokenizer: pass prompts as lists of token ids")
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         return self._run(ids, params, use_tqdm)
 
@@ -91,6 +98,8 @@ class LLM:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         if not messages:
             raise ValueError("a conversation needs at least one message")
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_path} has no tokenizer (and so no chat template)")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
