@@ -41,9 +41,15 @@ def cmd_generate(args) -> int:
         print(out.text)
         print()
     s = llm.last_stats
+    mode = llm.spec if llm.spec == "none" else f"{llm.spec} budget {llm.budget} topk {llm.topk}"
     print(f"[{s['generated_tokens']} tokens in {s['elapsed_s']:.2f} s: {s['tokens_per_s']:.1f} tok/s, "
-          f"batch {len(prompts)}, {llm.device.type}, finish: {', '.join(str(o.finish_reason) for o in outs)}]",
-          file=sys.stderr)
+          f"batch {len(prompts)}, {llm.device.type}, spec {mode}, "
+          f"finish: {', '.join(str(o.finish_reason) for o in outs)}]", file=sys.stderr)
+    if s["mean_accept_length"] is not None:
+        st = llm.engine.speculator.stats
+        rates = ", ".join(f"{n / st.steps:.2f}" for n in st.depth_accepted[:16])
+        print(f"[mean acceptance length {s['mean_accept_length']:.2f} tokens per verify step; "
+              f"acceptance rate by depth: {rates}]", file=sys.stderr)
     return 0
 
 

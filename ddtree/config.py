@@ -26,6 +26,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    o_bias: bool = False  # Llama with attention_bias also biases o_proj; Qwen2 does not
     rope_scaling: dict | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -51,8 +52,9 @@ class ModelConfig:
             max_position=cfg.get("max_position_embeddings", 32768),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; Llama has them only with attention_bias; Qwen3 never.
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)) and model_type == "llama",
+            qkv_bias=model_type == "qwen2" or (model_type == "llama" and bool(cfg.get("attention_bias", False))),
             qk_norm=model_type == "qwen3",
+            o_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
             rope_scaling=cfg.get("rope_scaling"),
             eos_token_ids=eos,
         )

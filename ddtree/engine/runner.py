@@ -85,7 +85,7 @@ class ModelRunner:
         batch = self.batch_for(seqs, [N] * R, list(mask))
         hidden, tapped = self.model(tokens.flatten(), positions, batch, taps)
         logits = self.model.compute_logits(hidden).float().view(R, N, -1)
-        return logits, torch.cat(tapped, dim=-1).view(R, N, -1)
+        return logits, torch.cat(tapped, dim=-1).view(R, N, -1) if taps else None
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies every layer's K/V from slots `src` to slots `dst` (all sources are read first)."""

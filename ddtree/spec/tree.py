@@ -40,6 +40,7 @@ class Tree:
     valid: torch.Tensor  # [R, N] False for padding nodes (fewer candidate paths than the budget)
     mask: torch.Tensor  # [R, N, N] ancestor-or-self
     score: torch.Tensor  # [R, N] path log-probability under the drafter (0 for the root)
+    max_depth: int  # the deepest a node can be (a static bound: no device read needed)
 
     @property
     def num_nodes(self) -> int:
@@ -91,7 +92,7 @@ def build_tree(logprobs: torch.Tensor, roots: torch.Tensor, budget: int, topk: i
     valid = torch.cat([torch.ones(R, 1, dtype=torch.bool, device=logprobs.device), valid], 1)
     score = torch.cat([zeros.float(), score], 1)
     parent = torch.where(valid, parent, torch.zeros_like(parent))  # padding hangs off the root
-    return Tree(tokens, parent, depth, valid, ancestor_mask(parent, D), score)
+    return Tree(tokens, parent, depth, valid, ancestor_mask(parent, D), score, D)
 
 
 def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -117,4 +118,4 @@ def chain_tree(draft_tokens: torch.Tensor, roots: torch.Tensor) -> Tree:
     depth = ar.expand(R, D + 1).clone()
     valid = torch.ones(R, D + 1, dtype=torch.bool, device=tokens.device)
     mask = torch.tril(torch.ones(D + 1, D + 1, dtype=torch.bool, device=tokens.device)).expand(R, D + 1, D + 1)
-    return Tree(tokens, parent, depth, valid, mask.clone(), torch.zeros(R, D + 1, device=tokens.device))
+    return Tree(tokens, parent, depth, valid, mask.clone(), torch.zeros(R, D + 1, device=tokens.device), D)

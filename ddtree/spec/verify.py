@@ -24,7 +24,7 @@ class Acceptance:
 
 def walk(tree: Tree, pred: torch.Tensor) -> Acceptance:
     R, N = tree.tokens.shape
-    max_depth = int(tree.depth.max()) if N > 1 else 0
+    max_depth = tree.max_depth
     up = tree.parent.clamp(min=0)
     correct = tree.valid & (tree.tokens == pred.gather(1, up))
     correct[:, 0] = True

@@ -1,0 +1,41 @@
+"""The real default model (Qwen2.5-Coder-0.5B-Instruct from PyPI) on CPU against transformers."""
+import pytest
+import torch
+
+from ddtree import LLM, SamplingParams
+
+PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
+           "What is a hash map? Answer in two sentences.",
+           "Translate to French: the cat sleeps on the warm windowsill."]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", dtype="float32")
+
+
+def test_default_model_greedy_chat_matches_transformers(llm):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=torch.float32).eval()
+    convs = [[{"role": "user", "content": p}] for p in PROMPTS]
+    outs = llm.chat(convs, SamplingParams(max_tokens=32))
+    eos = llm.config.eos_token_ids
+    for conv, out in zip(convs, outs):
+        ids = llm.encode_chat(conv)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=eos,
+                              pad_token_id=llm.tokenizer.pad_token_id)[0, len(ids):].tolist()
+        if any(t in eos for t in ref):  # transformers stops after the end-of-turn token, as we do
+            ref = ref[:next(i for i, t in enumerate(ref) if t in eos) + 1]
+        assert out.token_ids == ref
+        assert out.text == llm.tokenizer.decode(ref, skip_special_tokens=True)
+    assert "def" in outs[0].text  # a sensible answer, not just matching noise
+
+
+def test_default_model_stops_at_end_of_turn(llm):
+    out = llm.chat([{"role": "user", "content": "Reply with the single word: yes"}],
+                   SamplingParams(max_tokens=16))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in llm.config.eos_token_ids
+    assert "yes" in out.text.lower()
