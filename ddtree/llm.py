@@ -104,7 +104,7 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, prompt_ids: list[list[int]], params, use_tqdm: bool) -> list[RequestOutput]:
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         plist = params if isinstance(params, list) else [params] * len(prompt_ids)
         if len(plist) != len(prompt_ids):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompt_ids)} prompts")

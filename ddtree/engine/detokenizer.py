@@ -26,3 +26,13 @@ class IncrementalDetokenizer:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return after[len(before):]
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        if self.tokenizer is None or self.read == len(self.ids):
+            return ""
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        after = decode(self.ids[self.prefix:], skip_special_tokens=True)
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]

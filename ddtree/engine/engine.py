@@ -101,14 +101,16 @@ class LLMEngine:
             seq.output_ids.append(tok)
             before = len(seq.text)
             seq.text += seq.detok.add([tok])
-            reason = None
-            if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
+            reason, cut = None, False
+            if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
                 reason = "stop"
             elif p.stop and self._cut_at_stop(seq, before):
-                reason = "stop"
+                reason, cut = "stop", True
             elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
                 reason = "length"
             if reason:
+                if not cut:  # text held back for an incomplete character is emitted at the end
+                    seq.text += seq.detok.flush()
                 self.scheduler.finish(seq, reason)
                 return n
         return len(tokens)

@@ -64,7 +64,10 @@ class Scheduler:
                 step.decode.append(seq)
         # 2. Prompt chunks: requests mid-prompt first, then newly admitted ones. Admission reserves
         #    pages for the whole prompt, so a chunked prefill never stalls.
-        budget = self.max_num_batched_tokens
+        # Decode tokens count against the step's token budget too, but prompts always keep a quarter
+        # of it so new requests still start while a large batch decodes.
+        budget = max(self.max_num_batched_tokens - len(step.decode) * self.decode_width,
+                     self.max_num_batched_tokens // 4)
         for seq in self.running:
             if seq.num_uncached > 1 and budget > 0:
                 budget -= self._chunk(seq, budget, step)

@@ -49,18 +49,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
     store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
     out = torch.empty_like(q)
+    groups = q.shape[1] // k_cache.shape[1]
     start = 0
     for i, (q_len, prefix) in enumerate(zip(batch.q_lens, batch.prefix_lens)):
         qi = q[start:start + q_len].transpose(0, 1)  # [H, q, D]
         slots = batch.kv_slots[i]
-        ki = k_cache[slots].transpose(0, 1)  # [Hkv, kv, D]
-        vi = v_cache[slots].transpose(0, 1)
+        # Expand K/V to every query head: SDPA's enable_gqa path with a mask is ~100x slower on CPU.
+        ki = k_cache[slots].repeat_interleave(groups, dim=1).transpose(0, 1)  # [H, kv, D]
+        vi = v_cache[slots].repeat_interleave(groups, dim=1).transpose(0, 1)
         custom = batch.masks[i] if batch.masks is not None else None
         if custom is None and prefix == 0:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=q_len > 1, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=q_len > 1, scale=scale)
         else:
             mask = attention_mask(q_len, prefix, custom, q.device)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
         out[start:start + q_len] = o.transpose(0, 1)
         start += q_len
     return out

@@ -1,0 +1,171 @@
+"""Triton kernels for the attention entry point: paged attention with causal or per-request masks,
+the KV store and the KV compaction after a tree verify.
+
+One attention kernel serves decode (q = 1), tree verify (q = budget + 1, ancestor mask), the
+drafter block (full mask) and prefill (causal). A program handles BLOCK_M query tokens of one
+request for all query heads that share one KV head (GQA), so each K/V tile read from the paged
+cache is used by the whole head group. Every input is a device tensor of fixed shape, so the
+launch can be captured in a CUDA graph. Under TRITON_INTERPRET=1 the kernels run on the CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(slots=True)
+class KernelMeta:
+    """Device-side attention metadata (all int32) for one step."""
+    block_tables: torch.Tensor  # [R, max_pages]
+    prefix_lens: torch.Tensor  # [R] keys already cached before this step's tokens
+    q_lens: torch.Tensor  # [R]
+    q_starts: torch.Tensor  # [R] offset of each request's first token in the flattened q
+    blk_req: torch.Tensor  # [NB] request of each query block
+    blk_q: torch.Tensor  # [NB] first query index (within its request) of each block
+    mask: torch.Tensor | None  # [R, Qmax, Qmax] bool over new tokens; None = causal
+    block_m: int
+    page_size: int
+
+
+def plan_blocks(q_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
+    req, qs = [], []
+    for r, n in enumerate(q_lens):
+        for s in range(0, n, block_m):
+            req.append(r)
+            qs.append(s)
+    return req, qs
+
+
+def choose_block_m(max_q: int, group: int) -> int:
+    # tl.dot needs >= 16 rows: BLOCK_M tokens x (group padded to a power of two) heads.
+    g = triton.next_power_of_2(group)
+    bm = max(1, 16 // g)
+    while bm < max_q and bm * g < 128:
+        bm *= 2
+    return bm
+
+
+@triton.jit
+def _paged_attention_kernel(
+        Q, K, V, Out, BlockTables, PrefixLens, QLens, QStarts, BlkReq, BlkQ, Mask,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_bt,
+        stride_mr, stride_mi, scale,
+        PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    r = tl.load(BlkReq + pid)
+    q0 = tl.load(BlkQ + pid)
+    prefix = tl.load(PrefixLens + r)
+    qlen = tl.load(QLens + r)
+    qstart = tl.load(QStarts + r)
+    kv_len = prefix + qlen
+
+    rows = tl.arange(0, BLOCK_M * GROUP_P)
+    tok = q0 + rows // GROUP_P  # query index within the request
+    g = rows % GROUP_P
+    head = kvh * GROUP + g
+    row_ok = (tok < qlen) & (g < GROUP)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + (qstart + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M * GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_P], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_P, HEAD_DIM], tl.float32)
+    # Causal rows never look past their own token; masked rows are bounded by the request length.
+    if HAS_MASK:
+        end = kv_len
+    else:
+        end = tl.minimum(kv_len, prefix + q0 + BLOCK_M)
+    for n0 in range(0, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        page = tl.load(BlockTables + r * stride_bt + n // PAGE, mask=n_ok, other=0)
+        slot = page * PAGE + n % PAGE
+        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        j = n - prefix  # index among the new tokens (negative: the cached prefix)
+        if HAS_MASK:
+            new_ok = tl.load(Mask + r * stride_mr + tok[:, None] * stride_mi + j[None, :],
+                             mask=row_ok[:, None] & (j[None, :] >= 0) & n_ok[None, :], other=0)
+            allowed = (j[None, :] < 0) | (new_ok != 0)
+        else:
+            allowed = j[None, :] <= tok[:, None]
+        allowed = allowed & n_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
+    tl.store(Out + (qstart + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMeta,
+                           scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, D]; caches: [slots, Hkv, D]. The new tokens' K/V must already be stored."""
+    T, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    group = H // Hkv
+    out = torch.empty_like(q) if out is None else out
+    mask = meta.mask
+    grid = (meta.blk_req.shape[0], Hkv)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, meta.block_tables, meta.prefix_lens, meta.q_lens, meta.q_starts,
+        meta.blk_req, meta.blk_q, mask.view(torch.uint8) if mask is not None else q,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        meta.block_tables.stride(0), mask.stride(0) if mask is not None else 0,
+        mask.stride(1) if mask is not None else 0, scale,
+        PAGE=meta.page_size, GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=D,
+        BLOCK_M=meta.block_m, BLOCK_N=32, HAS_MASK=mask is not None)
+    return out
+
+
+@triton.jit
+def _store_kv_kernel(K, V, KC, VC, Slots, stride_kt, stride_vt, stride_cs, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(Slots + t)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < ROW
+    tl.store(KC + slot * stride_cs + offs, tl.load(K + t * stride_kt + offs, mask=ok), mask=ok)
+    tl.store(VC + slot * stride_cs + offs, tl.load(V + t * stride_vt + offs, mask=ok), mask=ok)
+
+
+def triton_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """K and V of T new tokens ([T, Hkv, D], contiguous rows) into their cache slots, one launch."""
+    T = k.shape[0]
+    row = k.shape[1] * k.shape[2]
+    k2, v2 = k.reshape(T, row), v.reshape(T, row)
+    _store_kv_kernel[(T,)](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0), k_cache.stride(0),
+                           ROW=row, BLOCK=triton.next_power_of_2(row))
+
+
+@triton.jit
+def _move_kv_kernel(Cache, Src, Dst, n_moves, stride_layer, stride_s, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    layer = tl.program_id(0)  # K and V of every layer: the cache is viewed as [2 * layers, slots, row]
+    offs = tl.arange(0, BLOCK)
+    ok = offs < ROW
+    base = Cache + layer.to(tl.int64) * stride_layer
+    for i in range(n_moves):  # in order: a node's source index is never below an earlier destination
+        src = tl.load(Src + i)
+        dst = tl.load(Dst + i)
+        tl.store(base + dst * stride_s + offs, tl.load(base + src * stride_s + offs, mask=ok), mask=ok)
+
+
+def triton_move_kv(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """kv_cache: [2, layers, slots, Hkv, D]; copies slot src[i] -> dst[i] in every layer, in order."""
+    two, layers, slots = kv_cache.shape[:3]
+    flat = kv_cache.view(two * layers, slots, -1)
+    row = flat.shape[-1]
+    _move_kv_kernel[(two * layers,)](flat, src, dst, src.shape[0], flat.stride(0), flat.stride(1),
+                                     ROW=row, BLOCK=triton.next_power_of_2(row))

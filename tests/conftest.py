@@ -1,0 +1,23 @@
+"""Shared fixtures: one tiny random Qwen2 checkpoint (with tokenizer) per session and an `LLM` factory on it."""
+import pytest
+
+from tiny import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    """Directory of a tiny random Qwen2 model with the tiny byte-level BPE tokenizer and ChatML template."""
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2")
+
+
+@pytest.fixture
+def make_llm(tiny_qwen2):
+    """`make_llm(**engine_kwargs)` -> an fp32 CPU `LLM` on `tiny_qwen2` (or on `model=` if given)."""
+    from ddtree.llm import LLM
+
+    def make(model: str | None = None, **engine_kwargs):
+        kwargs = dict(device="cpu", dtype="float32", page_size=4, num_pages=64)
+        kwargs.update(engine_kwargs)
+        return LLM(model or tiny_qwen2, **kwargs)
+
+    return make
