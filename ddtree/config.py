@@ -104,3 +104,4 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position
     kv_cache_gb: float = 2.0  # CPU: memory for the KV cache when num_pages is None
     gpu_memory_utilization: float = 0.85
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs on GPU (eager is for debugging only)

@@ -40,7 +40,7 @@ class LLM:
                  budget: int | None = None, topk: int | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, page_size: int = 16, num_pages: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 kv_cache_gb: float = 1.0, tokenizer=None):
+                 kv_cache_gb: float = 1.0, cuda_graphs: bool = True, tokenizer=None):
         from ddtree.models.hub import resolve_model
         from ddtree.models.loader import load_model
 
@@ -61,7 +61,7 @@ class LLM:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
         engine_cfg = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                  kv_cache_gb=kv_cache_gb)
+                                  kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs)
         drafter = None
         if spec != "none":
             from ddtree.models.dflash import load_drafter

@@ -1,7 +1,14 @@
 """Shared fixtures: one tiny random Qwen2 checkpoint (with tokenizer) per session and an `LLM` factory on it."""
-import pytest
+import os
 
-from tiny import make_tiny_model
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in its CPU interpreter (set before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tiny import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

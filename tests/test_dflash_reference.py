@@ -59,7 +59,9 @@ def test_draft_logits_match_reference(pair):
     llm.engine.step()  # prefill + first token
     assert seq.output_ids == [first]
     llm.engine.allocator.grow(seq, seq.num_cached + llm.engine.speculator.width)  # as the scheduler would
-    got = llm.engine.speculator.drafter.propose([seq])[0]
+    drafter = llm.engine.speculator.drafter
+    with torch.inference_mode():
+        got = drafter.logits(drafter.prepare([seq]))[0]
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < 1e-4
     assert torch.equal(got.argmax(-1), want.argmax(-1))

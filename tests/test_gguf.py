@@ -203,7 +203,7 @@ def test_converted_dir_gives_the_twin_logits_and_tokenizer(tmp_path, case):
 @pytest.mark.parametrize("case", CASES)
 def test_ddtree_model_on_converted_dir_matches_transformers(tmp_path, case):
     loader = pytest.importorskip("ddtree.models.loader")
-    from ddtree.ops.attention import AttentionBatch
+    from ddtree.ops.attention import make_batch
 
     _, path, _, tok = make_twin(tmp_path, case)
     out = convert_gguf(str(path), str(tmp_path / "hf"), progress=False)
@@ -213,7 +213,7 @@ def test_ddtree_model_on_converted_dir_matches_transformers(tmp_path, case):
     for layer in model.model.layers:  # a one-request cache laid out in position order
         layer.self_attn.k_cache = torch.zeros(n, cfg.num_kv_heads, cfg.head_dim)
         layer.self_attn.v_cache = torch.zeros(n, cfg.num_kv_heads, cfg.head_dim)
-    batch = AttentionBatch(q_lens=[n], prefix_lens=[0], slot_mapping=torch.arange(n), kv_slots=[torch.arange(n)])
+    batch = make_batch([list(range(n))], [0], [n], None, 1, torch.device("cpu"))  # page size 1: slot = position
     with torch.no_grad():
         hidden, _ = model(ids, torch.arange(n), batch)
         logits = model.compute_logits(hidden)

@@ -6,7 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: ker
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from ddtree.ops.attention import AttentionBatch, paged_attention, slots_for  # noqa: E402
+from ddtree.ops.attention import make_batch, paged_attention  # noqa: E402
 from ddtree.spec.tree import build_tree  # noqa: E402
 
 tri = pytest.importorskip("ddtree.ops.triton_attention")
@@ -37,28 +37,17 @@ def make_case(q_lens, prefix_lens, mode, H=4, Hkv=2, D=16, page=4, seed=0):
             masks.append(t.mask[0] if t is not None else torch.ones(1, 1, dtype=torch.bool))
     elif mode == "full":
         masks = [torch.ones(n, n, dtype=torch.bool) for n in q_lens]
-    kv_slots = [slots_for(tb, 0, p + n, page) for tb, p, n in zip(tables, prefix_lens, q_lens)]
-    slot_mapping = torch.cat([s[p:] for s, p in zip(kv_slots, prefix_lens)])
-    batch = AttentionBatch(q_lens=list(q_lens), prefix_lens=list(prefix_lens), slot_mapping=slot_mapping,
-                           kv_slots=kv_slots, masks=masks)
-    maxp = max(pages_per)
-    bt = torch.zeros(R, maxp, dtype=torch.int32)
-    for i, tb in enumerate(tables):
-        bt[i, :len(tb)] = torch.tensor(tb)
+    R = len(q_lens)
     qmax = max(q_lens)
     mask_t = None
     if masks is not None:
         mask_t = torch.zeros(R, qmax, qmax, dtype=torch.bool)
         for i, m in enumerate(masks):
             mask_t[i, :m.shape[0], :m.shape[1]] = m
-    bm = tri.choose_block_m(qmax, H // Hkv)
-    req, qs = tri.plan_blocks(list(q_lens), bm)
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    starts = [0]
-    for n in q_lens[:-1]:
-        starts.append(starts[-1] + n)
-    meta = tri.KernelMeta(bt, i32(prefix_lens), i32(q_lens), i32(starts), i32(req), i32(qs), mask_t, bm, page)
-    return q, k, v, k_cache, v_cache, batch, meta
+    ref = make_batch(tables, list(prefix_lens), list(q_lens), mask_t, page, torch.device("cpu"))
+    kern = make_batch(tables, list(prefix_lens), list(q_lens), mask_t, page, torch.device("cpu"),
+                      use_triton=True, num_heads_per_kv=H // Hkv)
+    return q, k, v, k_cache, v_cache, ref, kern
 
 
 @pytest.mark.parametrize("mode,q_lens,prefix_lens", [
@@ -68,12 +57,11 @@ def make_case(q_lens, prefix_lens, mode, H=4, Hkv=2, D=16, page=4, seed=0):
     ("full", [8, 8], [3, 10]),  # drafter block
 ])
 def test_paged_attention_kernel_matches_reference(mode, q_lens, prefix_lens):
-    q, k, v, kc, vc, batch, meta = make_case(q_lens, prefix_lens, mode)
+    q, k, v, kc, vc, ref, kern = make_case(q_lens, prefix_lens, mode)
     kc2, vc2 = kc.clone(), vc.clone()
-    want = paged_attention(q, k, v, kc, vc, batch, scale=0.25)
-    tri.triton_store_kv(k, v, kc2, vc2, batch.slot_mapping)
+    want = paged_attention(q, k, v, kc, vc, ref, scale=0.25)
+    got = paged_attention(q, k, v, kc2, vc2, kern, scale=0.25)  # Triton store + attention
     assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
-    got = tri.triton_paged_attention(q, kc2, vc2, meta, scale=0.25)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 

@@ -159,7 +159,9 @@ def verify_against_transformers(target, prefix_lens: list[int], page_size: int, 
     roots = torch.randint(0, cfg.vocab_size, (R,), generator=g)
     tree = build_tree(lp, roots, budget, topk)
     taps = [0, cfg.num_layers - 1]
-    logits, feats = runner.verify(seqs, tree.tokens, tree.depth, tree.mask, taps)
+    starts = torch.tensor([s.num_cached for s in seqs])
+    with torch.inference_mode():
+        logits, feats = runner.verify(runner.tables(seqs), starts, tree.tokens, tree.depth, tree.mask, taps)
     assert logits.shape == (R, N, cfg.vocab_size)
     assert feats.shape == (R, N, len(taps) * cfg.hidden_size)
 

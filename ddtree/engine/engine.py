@@ -1,10 +1,13 @@
 """The engine loop: schedule -> run -> sample -> commit tokens (stops, detokenization) -> finished."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ddtree.config import EngineConfig, ModelConfig
 from ddtree.engine.detokenizer import IncrementalDetokenizer
+from ddtree.engine.graphs import GraphPool
 from ddtree.engine.kv_cache import PageAllocator
 from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import sample
@@ -17,6 +20,13 @@ from ddtree.spec.decode import Speculator
 from ddtree.spec.draft import DraftRunner
 
 
+@dataclass(slots=True)
+class DecodeInputs:
+    ids: torch.Tensor  # [R] last token of each request
+    starts: torch.Tensor  # [R] its position
+    block_tables: torch.Tensor  # [R, P] int32
+
+
 class LLMEngine:
     def __init__(self, model: CausalLM, cfg: ModelConfig, tokenizer, engine_cfg: EngineConfig,
                  device: torch.device, dtype: torch.dtype, drafter: DFlashDrafter | None = None,
@@ -25,11 +35,23 @@ class LLMEngine:
         self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype)
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size)
         capacity = self.runner.num_pages * engine_cfg.page_size
+        self.use_graphs = device.type == "cuda" and engine_cfg.cuda_graphs
         self.speculator = None
+        width = 1
         if drafter is not None and budget > 0:
-            draft_runner = DraftRunner(drafter, model, capacity, engine_cfg.page_size, device, dtype)
-            self.speculator = Speculator(self.runner, draft_runner, budget, topk)
-        width = self.speculator.width if self.speculator else 1
+            width = max(budget + 1, drafter.dcfg.block_size)
+        max_pages = -(-(min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position) + width)
+                      // engine_cfg.page_size)
+        if drafter is not None and budget > 0:
+            draft_runner = DraftRunner(drafter, model, self.runner.num_slots, engine_cfg.page_size, device, dtype,
+                                       self.runner.scratch_page * engine_cfg.page_size, self.runner.use_triton)
+            self.speculator = Speculator(self.runner, draft_runner, budget, topk, self.use_graphs,
+                                         engine_cfg.max_num_seqs, max_pages)
+        self.decode_graphs = None
+        if self.use_graphs and self.speculator is None:
+            self.decode_graphs = GraphPool(self._graph_decode, engine_cfg.max_num_seqs,
+                                           pad={"block_tables": self.runner.scratch_page},
+                                           widths={"block_tables": max_pages})
         self.scheduler = Scheduler(self.allocator, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens,
                                    decode_width=width)
         # A request at the limit must still find room for one step's width of speculative K/V.
@@ -67,7 +89,11 @@ class LLMEngine:
         if step.empty:
             self._unblock()
             return []
-        if self.speculator is None:  # AR: prompt chunks and single-token decodes share one forward
+        if self.speculator is None:
+            if self.decode_graphs is not None and step.decode and len(step.decode) <= self.decode_graphs.max_batch:
+                touched = self._forward_and_sample(step.prefill) if step.prefill else []
+                return touched + self._decode_graphed(step.decode)
+            # AR: prompt chunks and single-token decodes share one forward
             return self._forward_and_sample(step.prefill + [(seq, 1) for seq in step.decode])
         touched = self._forward_and_sample(step.prefill, self.speculator.drafter.layer_ids) if step.prefill else []
         if step.decode:
@@ -84,6 +110,21 @@ class LLMEngine:
             return []
         seqs = [chunks[i][0] for i in done]
         tokens = sample(logits[done], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        for seq, tok in zip(seqs, tokens):
+            self.commit(seq, [tok])
+        return seqs
+
+    def _graph_decode(self, inp: "DecodeInputs") -> torch.Tensor:
+        return self.runner.decode_logits(inp.ids, inp.block_tables, inp.starts)
+
+    def _decode_graphed(self, seqs: list[Sequence]) -> list[Sequence]:
+        dev = self.device
+        inp = DecodeInputs(torch.tensor([s.token_ids[-1] for s in seqs], device=dev),
+                           torch.tensor([s.num_cached for s in seqs], device=dev), self.runner.tables(seqs))
+        logits = self.decode_graphs.run(inp)[:len(seqs)]
+        for seq in seqs:
+            seq.num_cached += 1
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
         for seq, tok in zip(seqs, tokens):
             self.commit(seq, [tok])
         return seqs

@@ -5,13 +5,15 @@ written to the paged cache at positions num_cached .. num_cached + n - 1.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ddtree.config import EngineConfig, ModelConfig
 from ddtree.engine.kv_cache import allocate_kv_cache, pages_for_memory
 from ddtree.engine.sequence import Sequence
 from ddtree.models.transformer import CausalLM
-from ddtree.ops.attention import AttentionBatch, slots_for
+from ddtree.ops.attention import AttentionBatch, make_batch, uniform_batch
 
 
 class ModelRunner:
@@ -19,9 +21,16 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype):
         self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
         self.page_size = engine_cfg.page_size
+        # Triton kernels on GPU; DDTREE_ATTENTION=torch forces the reference (debugging).
+        self.use_triton = device.type == "cuda" and os.environ.get("DDTREE_ATTENTION", "triton") == "triton"
+        self.heads_per_kv = cfg.num_heads // cfg.num_kv_heads
         self.num_pages = engine_cfg.num_pages or self._pages_from_memory(engine_cfg)
-        self.kv_cache = allocate_kv_cache(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads,
+        # One page more than the allocator hands out: the scratch page, where padding rows of a
+        # fixed-shape (CUDA graph) step write their K/V.
+        self.kv_cache = allocate_kv_cache(cfg.num_layers, self.num_pages + 1, self.page_size, cfg.num_kv_heads,
                                           cfg.head_dim, dtype, device)
+        self.scratch_page = self.num_pages
+        self.num_slots = (self.num_pages + 1) * self.page_size
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
@@ -36,18 +45,11 @@ class ModelRunner:
                                 self.cfg.head_dim, self.dtype)
 
     def batch_for(self, seqs: list[Sequence], q_lens: list[int],
-                  masks: list[torch.Tensor] | None = None) -> AttentionBatch:
+                  mask: torch.Tensor | None = None) -> AttentionBatch:
         """Metadata for feeding q_lens[i] new tokens to seqs[i], stored at its cache positions
         num_cached .. num_cached + q_len - 1 (a tree's nodes in BFS order)."""
-        slots, kv_slots = [], []
-        for seq, n in zip(seqs, q_lens):
-            start = seq.num_cached
-            assert n > 0 and len(seq.block_table) * self.page_size >= start + n, "pages must be allocated first"
-            kv = slots_for(seq.block_table, 0, start + n, self.page_size, self.device)
-            slots.append(kv[start:])
-            kv_slots.append(kv)
-        return AttentionBatch(q_lens=list(q_lens), prefix_lens=[s.num_cached for s in seqs],
-                              slot_mapping=torch.cat(slots), kv_slots=kv_slots, masks=masks)
+        return make_batch([s.block_table for s in seqs], [s.num_cached for s in seqs], q_lens, mask,
+                          self.page_size, self.device, self.use_triton, self.heads_per_kv)
 
     def prepare(self, chunks: list[tuple[Sequence, int]]):
         """Inputs for feeding each request its next n uncached tokens."""
@@ -67,27 +69,45 @@ class ModelRunner:
         chunk's last token, and the tapped layers' outputs concatenated per token [T, len(taps) * D]."""
         input_ids, positions, batch = self.prepare(chunks)
         hidden, tapped = self.model(input_ids, positions, batch, taps)
-        last = torch.tensor(batch.q_lens, device=self.device).cumsum(0) - 1
+        last = (batch.q_starts + batch.q_lens - 1).long()
         for seq, n in chunks:
             seq.num_cached += n
         feats = torch.cat(tapped, dim=-1) if taps else None
         return self.model.compute_logits(hidden[last]).float(), feats
 
-    @torch.inference_mode()
-    def verify(self, seqs: list[Sequence], tokens: torch.Tensor, depth: torch.Tensor, mask: torch.Tensor,
-               taps: list[int]):
+    def verify(self, block_tables: torch.Tensor, starts: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor,
+               mask: torch.Tensor, taps: list[int] | None):
         """One target forward over a tree of N nodes per request ([R, N] tokens and depths, [R, N, N]
-        ancestor mask). Node i's K/V go to cache position num_cached + i; its rotary position is
-        num_cached + depth. Returns logits [R, N, V] (fp32) and features [R, N, len(taps) * D]."""
+        ancestor mask); device ops only. Node i's K/V go to cache position start + i; its rotary
+        position is start + depth. Returns logits [R, N, V] (fp32) and features [R, N, len(taps) * D]."""
         R, N = tokens.shape
-        starts = torch.tensor([s.num_cached for s in seqs], device=self.device)
+        batch = uniform_batch(block_tables, starts, N, mask, self.page_size, self.use_triton, self.heads_per_kv)
         positions = (starts[:, None] + depth).flatten()
-        batch = self.batch_for(seqs, [N] * R, list(mask))
         hidden, tapped = self.model(tokens.flatten(), positions, batch, taps)
         logits = self.model.compute_logits(hidden).float().view(R, N, -1)
         return logits, torch.cat(tapped, dim=-1).view(R, N, -1) if taps else None
 
+    @torch.inference_mode()
+    def decode_logits(self, ids: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """AR decode, device ops only: one token per request at position `starts`. Returns [R, V] fp32."""
+        batch = uniform_batch(block_tables, starts, 1, None, self.page_size, self.use_triton, self.heads_per_kv)
+        hidden, _ = self.model(ids, starts, batch)
+        return self.model.compute_logits(hidden).float()
+
+    def tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
+        """Page tables [R, width] int32 on the device (unused entries: the scratch page)."""
+        width = width or max(len(s.block_table) for s in seqs)
+        t = torch.full((len(seqs), width), self.scratch_page, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            t[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        return t.to(self.device)
+
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies every layer's K/V from slots `src` to slots `dst` (all sources are read first)."""
-        if src.numel():
+        if not src.numel():
+            return
+        if self.use_triton:
+            from ddtree.ops.triton_attention import triton_move_kv
+            triton_move_kv(self.kv_cache, src.int(), dst.int())
+        else:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]

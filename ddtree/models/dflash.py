@@ -84,7 +84,7 @@ class DraftAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor, ctx_positions: torch.Tensor,
                 ctx_slots: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         if ctx.shape[0]:  # new context tokens: K/V into the drafter cache at their positions
-            store_kv(*self.kv(ctx, ctx_positions), self.k_cache, self.v_cache, ctx_slots)
+            store_kv(*self.kv(ctx, ctx_positions), self.k_cache, self.v_cache, ctx_slots, batch.use_triton)
         q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
         (q,) = self.rotary[0](positions, q)
         k, v = self.kv(x, positions)

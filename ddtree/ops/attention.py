@@ -6,7 +6,8 @@ cache first, then each query attends to the request's whole cached prefix plus, 
 tokens, those its mask allows: causal by default, or a per-request [q, q] boolean mask (a tree's
 ancestor-or-self mask, or all-ones for the drafter's non-causal block).
 
-This file holds the torch reference implementation (CPU and GPU, the oracle in tests).
+Two implementations read the same `AttentionBatch`: the torch reference below (CPU, and the
+oracle in tests) and the Triton kernels in `triton_attention.py` (GPU, CUDA-graph safe).
 """
 from __future__ import annotations
 
@@ -18,16 +19,19 @@ import torch.nn.functional as F
 
 @dataclass(slots=True)
 class AttentionBatch:
-    """Per-step attention metadata, built by the runner and read by every attention layer."""
-    q_lens: list[int]  # new tokens per request
-    prefix_lens: list[int]  # tokens already in the cache before this step, per request
-    slot_mapping: torch.Tensor  # [T] cache slot for each new token's K/V
-    kv_slots: list[torch.Tensor]  # per request: cache slot of each of its prefix_len + q_len keys
-    masks: list[torch.Tensor | None] | None = None  # per request [q, q] bool over new tokens; None = causal
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.q_lens)
+    """Per-step attention metadata, built by the runner and read by every attention layer.
+    Request r feeds q_lens[r] new tokens, stored at its cache positions prefix_lens[r] onwards."""
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token's K/V
+    block_tables: torch.Tensor  # [R, max_pages] int32 page ids (entries past a request's pages unused)
+    prefix_lens: torch.Tensor  # [R] int32 tokens already cached before this step
+    q_lens: torch.Tensor  # [R] int32
+    q_starts: torch.Tensor  # [R] int32 offset of each request's first token among the T
+    mask: torch.Tensor | None  # [R, Qmax, Qmax] bool over new tokens; None = causal
+    page_size: int
+    blk_req: torch.Tensor | None = None  # Triton work split: request of each query block
+    blk_q: torch.Tensor | None = None  # and its first query index
+    block_m: int = 0
+    use_triton: bool = False
 
 
 def slots_for(block_table: list[int] | torch.Tensor, start: int, end: int, page_size: int,
@@ -38,33 +42,95 @@ def slots_for(block_table: list[int] | torch.Tensor, start: int, end: int, page_
     return pages[pos // page_size] * page_size + pos % page_size
 
 
+def make_batch(block_tables: list[list[int]], prefix_lens: list[int], q_lens: list[int],
+               mask: torch.Tensor | None, page_size: int, device: torch.device,
+               use_triton: bool = False, num_heads_per_kv: int = 1) -> AttentionBatch:
+    """Builds a step's metadata from host lists (eager path; CUDA graphs fill static copies)."""
+    R = len(q_lens)
+    width = max((len(t) for t in block_tables), default=1)
+    tables = torch.zeros(R, max(width, 1), dtype=torch.int32)
+    slots = []
+    for r, (table, prefix, n) in enumerate(zip(block_tables, prefix_lens, q_lens)):
+        assert len(table) * page_size >= prefix + n, "pages must be allocated first"
+        tables[r, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        slots.append(slots_for(table, prefix, prefix + n, page_size))
+    starts = [0]
+    for n in q_lens[:-1]:
+        starts.append(starts[-1] + n)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    batch = AttentionBatch(torch.cat(slots).to(device), tables.to(device), i32(prefix_lens), i32(q_lens),
+                           i32(starts), mask, page_size, use_triton=use_triton)
+    if use_triton:
+        from ddtree.ops.triton_attention import choose_block_m, plan_blocks
+        batch.block_m = choose_block_m(max(q_lens), num_heads_per_kv)
+        req, qs = plan_blocks(q_lens, batch.block_m)
+        batch.blk_req, batch.blk_q = i32(req), i32(qs)
+    return batch
+
+
+def uniform_batch(block_tables: torch.Tensor, starts: torch.Tensor, width: int, mask: torch.Tensor | None,
+                  page_size: int, use_triton: bool = False, num_heads_per_kv: int = 1) -> AttentionBatch:
+    """Metadata for `width` new tokens per request at positions starts .. starts + width - 1, built
+    with device ops only (no host data), so it can be recorded inside a CUDA graph."""
+    R, dev = starts.shape[0], starts.device
+    pos = starts[:, None] + torch.arange(width, device=dev)
+    slots = page_slots(block_tables, pos, page_size).flatten()
+    ar = torch.arange(R, device=dev, dtype=torch.int32)
+    batch = AttentionBatch(slots, block_tables, starts.int(), torch.full((R,), width, dtype=torch.int32, device=dev),
+                           ar * width, mask, page_size, use_triton=use_triton)
+    if use_triton:
+        from ddtree.ops.triton_attention import choose_block_m
+        bm = choose_block_m(width, num_heads_per_kv)
+        per = -(-width // bm)
+        batch.block_m = bm
+        batch.blk_req = ar.repeat_interleave(per)
+        batch.blk_q = (torch.arange(per, device=dev, dtype=torch.int32) * bm).repeat(R)
+    return batch
+
+
+def page_slots(block_tables: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Cache slots of positions pos [R, n] given per-request page tables [R, P] (device ops only)."""
+    return block_tables.long().gather(1, pos // page_size) * page_size + pos % page_size
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    k_cache[slot_mapping] = k
-    v_cache[slot_mapping] = v
+             slot_mapping: torch.Tensor, use_triton: bool = False) -> None:
+    if use_triton:
+        from ddtree.ops.triton_attention import triton_store_kv
+        triton_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        k_cache[slot_mapping] = k
+        v_cache[slot_mapping] = v
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
-    store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+    store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.use_triton)
+    if batch.use_triton:
+        from ddtree.ops.triton_attention import triton_paged_attention
+        return triton_paged_attention(q, k_cache, v_cache, batch, scale)
+    return reference_attention(q, k_cache, v_cache, batch, scale)
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        batch: AttentionBatch, scale: float) -> torch.Tensor:
     out = torch.empty_like(q)
     groups = q.shape[1] // k_cache.shape[1]
-    start = 0
-    for i, (q_len, prefix) in enumerate(zip(batch.q_lens, batch.prefix_lens)):
+    for r, (prefix, q_len, start) in enumerate(zip(batch.prefix_lens.tolist(), batch.q_lens.tolist(),
+                                                   batch.q_starts.tolist())):
         qi = q[start:start + q_len].transpose(0, 1)  # [H, q, D]
-        slots = batch.kv_slots[i]
-        # Expand K/V to every query head: SDPA's enable_gqa path with a mask is ~100x slower on CPU.
+        slots = slots_for(batch.block_tables[r], 0, prefix + q_len, batch.page_size, q.device)
+        # Expand K/V to every query head: SDPA's enable_gqa path with a mask is far slower on CPU.
         ki = k_cache[slots].repeat_interleave(groups, dim=1).transpose(0, 1)  # [H, kv, D]
         vi = v_cache[slots].repeat_interleave(groups, dim=1).transpose(0, 1)
-        custom = batch.masks[i] if batch.masks is not None else None
+        custom = batch.mask[r, :q_len, :q_len] if batch.mask is not None else None
         if custom is None and prefix == 0:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=q_len > 1, scale=scale)
         else:
             mask = attention_mask(q_len, prefix, custom, q.device)
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
         out[start:start + q_len] = o.transpose(0, 1)
-        start += q_len
     return out
 
 

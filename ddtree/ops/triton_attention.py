@@ -9,25 +9,11 @@ launch can be captured in a CUDA graph. Under TRITON_INTERPRET=1 the kernels run
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-
-@dataclass(slots=True)
-class KernelMeta:
-    """Device-side attention metadata (all int32) for one step."""
-    block_tables: torch.Tensor  # [R, max_pages]
-    prefix_lens: torch.Tensor  # [R] keys already cached before this step's tokens
-    q_lens: torch.Tensor  # [R]
-    q_starts: torch.Tensor  # [R] offset of each request's first token in the flattened q
-    blk_req: torch.Tensor  # [NB] request of each query block
-    blk_q: torch.Tensor  # [NB] first query index (within its request) of each block
-    mask: torch.Tensor | None  # [R, Qmax, Qmax] bool over new tokens; None = causal
-    block_m: int
-    page_size: int
+from ddtree.ops.attention import AttentionBatch  # noqa: F401  (the metadata these kernels read)
 
 
 def plan_blocks(q_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
@@ -110,7 +96,7 @@ def _paged_attention_kernel(
              out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
-def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMeta,
+def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: "AttentionBatch",
                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D]; caches: [slots, Hkv, D]. The new tokens' K/V must already be stored."""
     T, H, D = q.shape

@@ -1,7 +1,9 @@
 """One speculative decoding step for a batch: draft -> build tree -> verify -> accept -> commit.
 
-DFlash linear is the same step with topk = 1 and budget = block_size - 1 (the tree is a chain of
-the drafter's argmax tokens), so both modes share this code.
+The device part (`device_step`) is shape-static and free of host reads, so on GPU it is captured
+in a CUDA graph per batch-size bucket; the host reads back one small tensor per step. DFlash
+linear is the same step with topk = 1 and budget = block_size - 1 (the tree is a chain of the
+drafter's argmax tokens), so both modes share this code.
 """
 from __future__ import annotations
 
@@ -9,11 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddtree.engine.graphs import GraphPool
 from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import sample
 from ddtree.engine.sequence import Sequence
-from ddtree.ops.attention import slots_for
-from ddtree.spec.draft import DraftRunner
+from ddtree.ops.attention import page_slots
+from ddtree.spec.draft import DraftRunner, StepInputs
 from ddtree.spec.tree import build_tree
 from ddtree.spec.verify import walk
 
@@ -37,52 +40,81 @@ class SpecStats:
         return self.committed / self.steps if self.steps else 0.0
 
 
+@dataclass(slots=True)
+class StepOutputs:
+    packed: torch.Tensor  # [R, 2 + (D+1)]: accepted length, bonus, tokens along the path (root first)
+    feats: torch.Tensor  # [R, D+1, K*D] target features along the path: the drafter's next context
+
+
 class Speculator:
-    def __init__(self, runner: ModelRunner, drafter: DraftRunner, budget: int, topk: int):
+    def __init__(self, runner: ModelRunner, drafter: DraftRunner, budget: int, topk: int, use_graphs: bool = False,
+                 max_batch: int = 64, max_pages: int = 0):
         self.runner, self.drafter, self.budget, self.topk = runner, drafter, budget, topk
         self.stats = SpecStats()
+        self.depth = drafter.block_size - 1
+        self.graphs = None
+        if use_graphs:  # padding rows: page tables and context slots point at the scratch page
+            self.graphs = GraphPool(self._graph_step, max_batch,
+                                    pad={"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot},
+                                    widths={"block_tables": max_pages})
 
     @property
     def width(self) -> int:
         """Cache positions a step writes past num_cached: the verified tree or the drafter block."""
         return max(self.budget + 1, self.drafter.block_size)
 
+    def device_step(self, inp: StepInputs, pred_fn) -> StepOutputs:
+        """Draft, build the tree, verify it, accept, and compact the accepted K/V; device ops only.
+        `pred_fn(logits [R, N, V]) -> [R, N]` gives the target's token at every node."""
+        draft_logits = self.drafter.logits(inp)
+        tree = build_tree(draft_logits.log_softmax(dim=-1), inp.roots, self.budget, self.topk)
+        logits, feats = self.runner.verify(inp.block_tables, inp.starts, tree.tokens, tree.depth, tree.mask,
+                                           self.drafter.layer_ids)
+        acc = walk(tree, pred_fn(logits))
+        self._compact(inp, acc.length, acc.path)
+        tokens = tree.tokens.gather(1, acc.path)
+        path_feats = feats.gather(1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))
+        packed = torch.cat([acc.length[:, None], acc.bonus[:, None], tokens], dim=1)
+        return StepOutputs(packed, path_feats)
+
+    def _compact(self, inp: StepInputs, length: torch.Tensor, path: torch.Tensor) -> None:
+        """Moves accepted nodes' K/V from cache position start + node to start + depth. Every source
+        is gathered before any write, and a path along the spine moves onto itself."""
+        d = torch.arange(1, self.depth + 1, device=path.device)
+        dst = inp.starts[:, None] + d
+        moved = (d <= length[:, None]) & (path[:, 1:] != d)
+        src = torch.where(moved, inp.starts[:, None] + path[:, 1:], dst)
+        ps = self.runner.page_size
+        self.runner.move_kv(page_slots(inp.block_tables, src, ps).flatten(), page_slots(inp.block_tables, dst, ps).flatten())
+
+    def _graph_step(self, inp: StepInputs) -> StepOutputs:
+        return self.device_step(inp, lambda logits: logits.argmax(dim=-1))
+
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], commit) -> None:
         """`commit(seq, tokens) -> kept` appends tokens to a request, stopping at a stop condition."""
-        draft_logits = self.drafter.propose(seqs)  # [R, B-1, V]
-        roots = torch.tensor([s.token_ids[-1] for s in seqs], device=self.runner.device)
-        tree = build_tree(draft_logits.log_softmax(dim=-1), roots, self.budget, self.topk)
-        R, N = tree.tokens.shape
-        logits, feats = self.runner.verify(seqs, tree.tokens, tree.depth, tree.mask, self.drafter.layer_ids)
-        params = [s.params for s in seqs for _ in range(N)]
-        gens = [s.generator for s in seqs for _ in range(N)]
-        pred = sample(logits.view(R * N, -1), params, gens).view(R, N)
-        acc = walk(tree, pred)
-        # The one read-back of the step.
-        lengths, paths, bonus = acc.length.tolist(), acc.path.tolist(), acc.bonus.tolist()
-        tokens = tree.tokens.gather(1, acc.path).tolist()
-        self._compact(seqs, lengths, paths)
+        greedy = all(s.params.greedy for s in seqs)
+        fits = all(s.num_cached - s.draft_len <= self.drafter.block_size for s in seqs)
+        if self.graphs is not None and greedy and fits and len(seqs) <= self.graphs.max_batch:
+            inp = self.drafter.prepare(seqs, ctx_rows=self.drafter.block_size)
+            out = self.graphs.run(inp)
+        else:  # eager: sampled requests, or a first step whose context is a whole prompt
+            inp = self.drafter.prepare(seqs)
+            out = self.device_step(inp, lambda logits: self._sample(seqs, logits))
+        rows = out.packed.tolist()  # the one read-back of the step
+        feats = out.feats[:len(seqs)].clone()
         for i, seq in enumerate(seqs):
-            L = lengths[i]
+            L, bonus, path_tokens = rows[i][0], rows[i][1], rows[i][2:]
             # Target features of the root and accepted nodes become the drafter's next context.
-            seq.pending_features.append(feats[i, acc.path[i, :L + 1]])
+            seq.pending_features.append(feats[i, :L + 1])
             seq.num_cached += L + 1
-            kept = commit(seq, tokens[i][1:L + 1] + [bonus[i]])
+            kept = commit(seq, path_tokens[1:L + 1] + [bonus])
             seq.accept_lengths.append(kept)
             self.stats.add(L, kept)
 
-    def _compact(self, seqs: list[Sequence], lengths: list[int], paths: list[list[int]]) -> None:
-        """Moves accepted nodes' K/V from cache position start + node to start + depth. In BFS order
-        node >= depth, so nothing is overwritten before it is read; a path along the spine needs no move."""
-        src, dst = [], []
-        ps = self.runner.page_size
-        for seq, L, path in zip(seqs, lengths, paths):
-            moves = [(path[d], d) for d in range(1, L + 1) if path[d] != d]
-            if moves:
-                slots = slots_for(seq.block_table, seq.num_cached, seq.num_cached + self.width, ps)
-                src += [slots[s] for s, _ in moves]
-                dst += [slots[d] for _, d in moves]
-        if src:
-            dev = self.runner.device
-            self.runner.move_kv(torch.stack(src).to(dev), torch.stack(dst).to(dev))
+    @staticmethod
+    def _sample(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        R, N, V = logits.shape
+        params = [s.params for s in seqs for _ in range(N)]
+        gens = [s.generator for s in seqs for _ in range(N)]
+        return sample(logits.view(R * N, V), params, gens).view(R, N)

@@ -1,17 +1,35 @@
-"""Runs the DFlash drafter for a batch of requests: append pending context, propose one block each."""
+"""Runs the DFlash drafter for a batch of requests: append pending context, propose one block each.
+
+Host side (`prepare`) lays each request's pending target features out in a padded [R, C, K*D]
+buffer (padding rows go to a scratch cache slot); the device side (`logits`) is shape-static, so
+the speculative step can be captured in a CUDA graph.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ddtree.engine.sequence import Sequence
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
-from ddtree.ops.attention import AttentionBatch, slots_for
+from ddtree.ops.attention import slots_for, uniform_batch
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Everything a speculative step reads on the device, one row per request."""
+    roots: torch.Tensor  # [R] last committed token (the block's first token, the tree's root)
+    starts: torch.Tensor  # [R] num_cached: the root's position
+    block_tables: torch.Tensor  # [R, P] int32
+    ctx_feats: torch.Tensor  # [R, C, K*D] target features not yet in the drafter cache (padded)
+    ctx_pos: torch.Tensor  # [R, C] their positions
+    ctx_slots: torch.Tensor  # [R, C] their cache slots (padding: the scratch slot)
 
 
 class DraftRunner:
     def __init__(self, drafter: DFlashDrafter, target: CausalLM, num_slots: int, page_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, scratch_slot: int, use_triton: bool = False):
         self.drafter, self.target, self.page_size, self.device = drafter, target, page_size, device
         cfg = drafter.dcfg.model
         # The drafter's own paged cache, addressed by the target's page tables (same slot space).
@@ -22,42 +40,55 @@ class DraftRunner:
             layer.self_attn.v_cache = self.kv_cache[1, i]
         self.block_size = drafter.dcfg.block_size
         self.layer_ids = drafter.dcfg.target_layer_ids
+        self.scratch_slot = scratch_slot
+        self.use_triton = use_triton
+        self.heads_per_kv = cfg.num_heads // cfg.num_kv_heads
+        self.feat_dim = drafter.fc.in_features
+        self.dtype = dtype
 
-    @torch.inference_mode()
-    def propose(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Returns draft logits [R, block_size - 1, V] (fp32) for depths 1..block_size-1.
-
-        Each request's block is [last token, MASK x (B-1)] at positions num_cached .. num_cached+B-1,
-        attending to its whole drafter context and (non-causally) to the whole block."""
-        B, dc = self.block_size, self.drafter.dcfg
-        feats, ctx_pos, ctx_slots, block_pos, block_slots, kv_slots = [], [], [], [], [], []
+    def prepare(self, seqs: list[Sequence], ctx_rows: int | None = None) -> StepInputs:
+        """Host -> device inputs. Consumes each request's pending features (the drafter cache will hold
+        them after the step). `ctx_rows` pads the context to a fixed width (CUDA graphs)."""
+        counts = []
         for seq in seqs:
-            start = seq.num_cached
-            n_ctx = start - seq.draft_len
-            assert n_ctx == sum(f.shape[0] for f in seq.pending_features), "drafter context out of sync"
-            kv = slots_for(seq.block_table, 0, start + B, self.page_size, self.device)
-            if n_ctx:
-                feats.extend(seq.pending_features)
-                ctx_pos.append(torch.arange(seq.draft_len, start, device=self.device))
-                ctx_slots.append(kv[seq.draft_len:start])
-            block_pos.append(torch.arange(start, start + B, device=self.device))
-            block_slots.append(kv[start:])
-            kv_slots.append(kv)
-        R = len(seqs)
-        roots = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
-        block_ids = torch.full((R, B), dc.mask_token_id, dtype=torch.long, device=self.device)
-        block_ids[:, 0] = roots
-        embeds = self.target.model.embed_tokens(block_ids.flatten()) * dc.input_embedding_scale
-        full = torch.ones(B, B, dtype=torch.bool, device=self.device)
-        batch = AttentionBatch(q_lens=[B] * R, prefix_lens=[s.num_cached for s in seqs],
-                               slot_mapping=torch.cat(block_slots), kv_slots=kv_slots, masks=[full] * R)
-        empty = torch.empty(0, dtype=torch.long, device=self.device)
-        hidden = self.drafter(
-            embeds, torch.cat(block_pos),
-            torch.cat(feats) if feats else torch.empty(0, self.drafter.fc.in_features, device=self.device,
-                                                       dtype=embeds.dtype),
-            torch.cat(ctx_pos) if ctx_pos else empty, torch.cat(ctx_slots) if ctx_slots else empty, batch)
-        for seq in seqs:
+            n = seq.num_cached - seq.draft_len
+            assert n == sum(f.shape[0] for f in seq.pending_features), "drafter context out of sync"
+            counts.append(n)
+        R, C = len(seqs), max(ctx_rows or 0, max(counts), 1)
+        feats = torch.zeros(R, C, self.feat_dim, dtype=self.dtype, device=self.device)
+        pos = torch.zeros(R, C, dtype=torch.long)
+        slots = torch.full((R, C), self.scratch_slot, dtype=torch.long)
+        for i, (seq, n) in enumerate(zip(seqs, counts)):
+            if n:
+                feats[i, :n] = torch.cat(seq.pending_features) if len(seq.pending_features) > 1 \
+                    else seq.pending_features[0]
+                pos[i, :n] = torch.arange(seq.draft_len, seq.num_cached)
+                slots[i, :n] = slots_for(seq.block_table, seq.draft_len, seq.num_cached, self.page_size)
             seq.draft_len, seq.pending_features = seq.num_cached, []
-        hidden = hidden.view(R, B, -1)[:, 1:]
-        return self.drafter.logits(hidden, self.target.lm_head)
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.zeros(R, width, dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        dev = self.device
+        return StepInputs(torch.tensor([s.token_ids[-1] for s in seqs], device=dev),
+                          torch.tensor([s.num_cached for s in seqs], device=dev), tables.to(dev), feats,
+                          pos.to(dev), slots.to(dev))
+
+    def logits(self, inp: StepInputs) -> torch.Tensor:
+        """Draft logits [R, B-1, V] (fp32) for depths 1..B-1; device ops only.
+
+        Each request's block is [root, MASK x (B-1)] at positions start .. start+B-1, attending to its
+        whole drafter context and (non-causally) to the whole block."""
+        B, dc = self.block_size, self.drafter.dcfg
+        R = inp.roots.shape[0]
+        block_ids = torch.full((R, B), dc.mask_token_id, dtype=torch.long, device=self.device)
+        block_ids[:, 0] = inp.roots
+        embeds = self.target.model.embed_tokens(block_ids.flatten()) * dc.input_embedding_scale
+        full = torch.ones(R, B, B, dtype=torch.bool, device=self.device)
+        batch = uniform_batch(inp.block_tables, inp.starts, B, full, self.page_size, self.use_triton,
+                              self.heads_per_kv)
+        block_pos = (inp.starts[:, None] + torch.arange(B, device=self.device)).flatten()
+        hidden = self.drafter(embeds, block_pos, inp.ctx_feats.flatten(0, 1), inp.ctx_pos.flatten(),
+                              inp.ctx_slots.flatten(), batch)
+        return self.drafter.logits(hidden.view(R, B, -1)[:, 1:], self.target.lm_head)
+

@@ -1,0 +1,84 @@
+"""CUDA graphs for the decode-time steps (AR decode, and the whole speculative step).
+
+A step function reads a dataclass of device tensors with one row per request and returns a
+dataclass of device tensors. `GraphPool` keeps static copies of the inputs sized for the largest
+batch, captures the function once per batch-size bucket (1, 2, 4, 8, ...), and on each call copies
+the real rows in, fills padding rows with harmless values (their K/V land in the scratch page),
+replays the graph and returns the outputs. Every per-step value, positions and masks included, is
+derived inside the graph from these static buffers, so a replay can never read a stale tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+
+def buckets_up_to(n: int) -> list[int]:
+    out, b = [], 1
+    while b < n:
+        out.append(b)
+        b *= 2
+    return out + [n]
+
+
+class GraphPool:
+    def __init__(self, fn: Callable, max_batch: int, pad: dict[str, float] | None = None,
+                 widths: dict[str, int] | None = None):
+        """`pad`: value for padding rows per input field (default 0); `widths`: fixed size of dim 1 for
+        inputs whose width varies between calls (page tables)."""
+        self.fn, self.max_batch = fn, max_batch
+        self.pad, self.widths = pad or {}, widths or {}
+        self.buckets = buckets_up_to(max_batch)
+        self.static: dict[str, torch.Tensor] | None = None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.mempool = None
+        self.input_type = None
+
+    def _allocate(self, inp) -> None:
+        self.input_type = type(inp)
+        self.static = {}
+        for f in dataclasses.fields(inp):
+            t = getattr(inp, f.name)
+            shape = list(t.shape)
+            shape[0] = self.max_batch
+            if f.name in self.widths:
+                shape[1] = self.widths[f.name]
+            self.static[f.name] = torch.full(shape, self.pad.get(f.name, 0), dtype=t.dtype, device=t.device)
+
+    def _view(self, bs: int):
+        return self.input_type(**{k: v[:bs] for k, v in self.static.items()})
+
+    def run(self, inp):
+        R = getattr(inp, dataclasses.fields(inp)[0].name).shape[0]
+        if self.static is None:
+            self._allocate(inp)
+        bs = next(b for b in self.buckets if b >= R)
+        for name, buf in self.static.items():
+            t = getattr(inp, name)
+            if buf.dim() > 1 and t.shape[1] != buf.shape[1]:
+                buf[:R, :t.shape[1]].copy_(t)
+                buf[:R, t.shape[1]:].fill_(self.pad.get(name, 0))
+            else:
+                buf[:R].copy_(t)
+            buf[R:bs].fill_(self.pad.get(name, 0))
+        if bs not in self.graphs:
+            self._capture(bs)
+        graph, out = self.graphs[bs]
+        graph.replay()
+        return out
+
+    def _capture(self, bs: int) -> None:
+        view = self._view(bs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up: compile kernels, settle allocator state
+            for _ in range(2):
+                self.fn(view)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            out = self.fn(view)
+        self.mempool = graph.pool()
+        self.graphs[bs] = (graph, out)

@@ -1,0 +1,571 @@
+"""Speculative decoding end to end (spec/decode.py, draft.py, tree.py, verify.py through `LLM`).
+
+The contract: DFlash and DDTree are lossless. Greedy output equals plain autoregressive (AR) decoding
+token for token whatever the drafter proposes; sampled output is distributed exactly as the target's
+(after temperature / top-k / top-p). Random drafters almost never agree with the target, so most tests
+plant proposals built from the AR continuation: an oracle (always right: every block fully accepted),
+an adversary (never right: one token per step) and a noisy oracle whose right answer is sometimes the
+drafter's first choice, sometimes its second or third and sometimes missing, so trees are accepted
+along side branches and their K/V must be compacted.
+"""
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from ddtree.config import ModelConfig
+from ddtree.llm import LLM
+from ddtree.models.dflash import random_drafter, save_drafter
+from ddtree.sampling_params import SamplingParams
+from ddtree.spec.decode import Speculator
+from tiny import CORPUS, make_config, make_tiny_model
+
+ENGINE = dict(device="cpu", dtype="float32", page_size=4, num_pages=512)
+LENGTHS = [3, 17, 6, 11]  # four prompts of different lengths ...
+MAX_TOKENS = [40, 17, 29, 9]  # ... finishing at different times
+LONGEST = max(MAX_TOKENS)
+BUDGETS = [1, 3, 4, 7, 8, 16, 32, 63]
+TOPKS = [1, 2, 4, 8]
+
+
+@pytest.fixture(autouse=True)
+def one_thread(request):
+    """Tiny shapes run several times faster on one thread (OpenMP fork/join dominates them, and
+    badly so when other processes share the cores); the real-model test keeps every thread."""
+    if "real_runs" in request.fixturenames:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------- tiny pairs
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """tiny(family) -> directory of a tiny random target with the tiny BPE tokenizer (memoized)."""
+    paths = {}
+
+    def get(family: str) -> str:
+        if family not in paths:
+            paths[family] = make_tiny_model(str(tmp_path_factory.mktemp(f"spec_{family}")), family)
+        return paths[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny, tmp_path_factory):
+    """drafter(family, block_size) -> directory of a random 1-layer z-lab format drafter (memoized)."""
+    dirs = {}
+
+    def get(family: str, block: int) -> str:
+        if (family, block) not in dirs:
+            d = str(tmp_path_factory.mktemp(f"draft_{family}_{block}"))
+            cfg = ModelConfig.from_dir(tiny(family))
+            save_drafter(random_drafter(cfg, num_layers=1, block_size=block, target_layer_ids=[0, 1]), d)
+            dirs[family, block] = d
+        return dirs[family, block]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def ar(tiny):
+    """ar(family, prompts, params, **engine) -> the AR engine's outputs (memoized)."""
+    llms, cache = {}, {}
+
+    def run(family, prompts, params, **engine):
+        ekey = (family, tuple(sorted(engine.items())))
+        key = (ekey, tuple(map(tuple, prompts)), repr(params))
+        if key not in cache:
+            if ekey not in llms:
+                llms[ekey] = LLM(tiny(family), **{**ENGINE, **engine})
+            cache[key] = llms[ekey].generate([list(p) for p in prompts], params)
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny) -> list[list[int]]:
+    """Distinct prompts of LENGTHS tokens cut from different places in the corpus (one tokenizer
+    serves every tiny family)."""
+    ids = LLM(tiny("qwen2"), **ENGINE).tokenizer.encode("".join(CORPUS[:6]))
+    return [ids[7 * i:7 * i + n] for i, n in enumerate(LENGTHS)]
+
+
+def spec_llm(model: str, draft: str, spec: str, budget=None, topk=None, **engine) -> LLM:
+    return LLM(model, draft=draft, spec=spec, budget=budget, topk=topk, **{**ENGINE, **engine})
+
+
+def assert_idle(llm: LLM) -> None:
+    sched, alloc = llm.engine.scheduler, llm.engine.allocator
+    assert not sched.waiting and not sched.running
+    assert alloc.num_free == alloc.num_pages, "KV pages leaked"
+
+
+def plant(llm: LLM, choose) -> None:
+    """Replaces the drafter's proposals by `choose(seq, pos) -> {token: logit}` for the token at absolute
+    position pos (depth j of a block predicts position len(seq) + j - 1). The real drafter still runs
+    first, so its context bookkeeping (draft_len, pending features) is exercised as usual."""
+    dr = llm.engine.speculator.drafter
+    real = dr.propose
+
+    def propose(seqs):
+        out = real(seqs)
+        logits = torch.zeros_like(out)
+        for i, seq in enumerate(seqs):
+            for j in range(out.shape[1]):
+                for tok, value in choose(seq, len(seq) + j).items():
+                    logits[i, j, tok] = value
+        return logits
+
+    dr.propose = propose
+
+
+def continuation(prompts, outputs) -> dict[tuple, list[int]]:
+    """prompt -> prompt + its AR greedy output: the token at every position the drafter may predict."""
+    return {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, outputs)}
+
+
+def oracle(ref: dict, shift: int = 0, vocab: int = 384):
+    """shift 0: proposes exactly the AR token (every draft accepted); shift 1: never right."""
+    def choose(seq, pos):
+        full = ref[tuple(seq.prompt_ids)]
+        tok = full[pos] if pos < len(full) else 0
+        return {(tok + shift) % vocab: 10.0}
+    return choose
+
+
+NOISY_RANKS = [0, 0, 0, 1, 1, 2, None]  # rank of the right token among the proposals; None: missing
+
+
+def noisy_oracle(ref: dict, vocab: int = 384):
+    """The right token at a position-dependent rank 0, 1 or 2 (or absent), decoys above it. Its
+    second choice at depth 1 outscores its first-choice spine at depth 2, so any tree with topk >= 2
+    and budget >= 2 holds it, and accepting it moves K/V off the spine."""
+    def choose(seq, pos):
+        full = ref[tuple(seq.prompt_ids)]
+        tok = full[pos] if pos < len(full) else 0
+        rank = NOISY_RANKS[(5 * pos + 3) % len(NOISY_RANKS)]
+        decoys = [(tok + i) % vocab for i in (1, 2, 3)]
+        order = decoys[:2] if rank is None else decoys[:rank] + [tok]
+        return {t: 10.0 - 0.5 * r for r, t in enumerate(order)}
+    return choose
+
+
+def count_kv_moves(llm: LLM) -> list[int]:
+    """Counts the K/V slots moved by tree compaction (accepted nodes off the spine)."""
+    runner, moved = llm.engine.runner, [0]
+    real = runner.move_kv
+
+    def move_kv(src, dst):
+        moved[0] += src.numel()
+        real(src, dst)
+
+    runner.move_kv = move_kv
+    return moved
+
+
+def greedy_params(max_tokens=MAX_TOKENS, **kw) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=m, **kw) for m in max_tokens]
+
+
+def full_cases():
+    cases = [("qwen3", 8, "dflash", None, None)]
+    # Every budget x topk at block 8: budget + 1 below (1, 3, 4), equal to (7) and above (8..63) the block.
+    cases += [("qwen3", 8, "ddtree", b, k) for b in BUDGETS for k in TOPKS]
+    cases += [("qwen2", 16, "dflash", None, None), ("llama", 8, "dflash", None, None),
+              ("llama", 16, "dflash", None, None), ("qwen2", 8, "dflash", None, None)]
+    # Other families and block 16: budgets below, at (15) and above the block, cycling topk.
+    for i, (fam, block, b) in enumerate([("qwen2", 16, 1), ("qwen2", 16, 4), ("qwen2", 16, 15), ("qwen2", 16, 16),
+                                         ("qwen2", 16, 63), ("llama", 8, 3), ("llama", 8, 7), ("llama", 8, 32),
+                                         ("llama", 16, 8), ("llama", 16, 16), ("qwen3", 16, 32), ("qwen2", 8, 8)]):
+        cases.append((fam, block, "ddtree", b, TOPKS[i % len(TOPKS)]))
+    return cases
+
+
+def case_id(case) -> str:
+    fam, block, spec, b, k = case
+    return f"{fam}-B{block}-{spec}" + (f"-b{b}-k{k}" if spec == "ddtree" else "")
+
+
+@pytest.mark.parametrize("drafter_kind", ["random", "noisy"])
+@pytest.mark.parametrize("case", full_cases(), ids=case_id)
+def test_greedy_output_equals_ar_token_for_token_alone_and_batched(case, drafter_kind, tiny, drafter, ar, prompts):
+    family, block, spec, budget, topk = case
+    params = greedy_params()
+    ref = ar(family, prompts, params)
+    llm = spec_llm(tiny(family), drafter(family, block), spec, budget, topk)
+    if drafter_kind == "noisy":
+        plant(llm, noisy_oracle(continuation(prompts, ar(family, prompts, greedy_params([LONGEST] * 4)))))
+    moved = count_kv_moves(llm)
+    alone = [llm.generate([p], q)[0] for p, q in zip(prompts, params)]
+    batched = llm.generate(prompts, params)
+    for r, a, b in zip(ref, alone, batched):
+        assert a.token_ids == r.token_ids and b.token_ids == r.token_ids
+        assert a.finish_reason == b.finish_reason == r.finish_reason
+        assert sum(a.accept_lengths) == len(a.token_ids) - 1  # the first token comes from the prefill
+        assert max(a.accept_lengths + b.accept_lengths) <= block
+    assert_idle(llm)
+    if drafter_kind == "noisy":
+        accepts = [n for o in alone + batched for n in o.accept_lengths]
+        assert sum(accepts) / len(accepts) > 1.2, accepts
+        if spec == "ddtree" and budget >= 2 and topk >= 2:
+            assert moved[0] > 0, "no side branch was ever accepted: compaction untested"
+
+
+def test_preempted_speculative_requests_recompute_and_stay_lossless(tiny, drafter, ar, prompts):
+    # 14 pages of 4 slots cannot hold four requests of up to 57 tokens plus a 16-slot verify width.
+    params = greedy_params()
+    ref = ar("qwen3", prompts, params)
+    llm = spec_llm(tiny("qwen3"), drafter("qwen3", 8), "ddtree", 15, 4, num_pages=14, max_num_seqs=3)
+    plant(llm, noisy_oracle(continuation(prompts, ar("qwen3", prompts, greedy_params([LONGEST] * 4)))))
+    out = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert_idle(llm)
+
+
+# ----------------------------------------------------------------------------- full and zero acceptance
+
+@pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize("spec,topk", [("dflash", None), ("ddtree", 4)])
+@pytest.mark.parametrize("shift,kind", [(0, "oracle"), (1, "adversary")])
+def test_oracle_accepts_whole_blocks_and_adversary_one_token_per_step(shift, kind, spec, topk, block, tiny,
+                                                                      drafter, ar, prompts):
+    params = greedy_params(ignore_eos=True)
+    ref = ar("qwen3", prompts, params)
+    llm = spec_llm(tiny("qwen3"), drafter("qwen3", block), spec, None, topk)
+    plant(llm, oracle(continuation(prompts, ar("qwen3", prompts, greedy_params([LONGEST] * 4, ignore_eos=True))),
+                      shift))
+    out = llm.generate(prompts, params)
+    for o, r, m in zip(out, ref, MAX_TOKENS):
+        assert o.token_ids == r.token_ids and len(o.token_ids) == m
+        if kind == "oracle":  # every step commits a whole block, the last one cut by max_tokens
+            full, rest = divmod(m - 1, block)
+            assert o.accept_lengths == [block] * full + ([rest] if rest else [])
+        else:
+            assert o.accept_lengths == [1] * (m - 1)
+    assert_idle(llm)
+
+
+# ----------------------------------------------------------------------------- edges
+
+def greedy_reference(ar, prompts, family="qwen3", **kw):
+    outs = ar(family, prompts, greedy_params([LONGEST] * 4, **kw))
+    return outs, continuation(prompts, outs)
+
+
+@pytest.mark.parametrize("spec,topk", [("dflash", None), ("ddtree", 4)])
+def test_stop_token_inside_an_accepted_block_stops_exactly_where_ar_stops(spec, topk, tiny, drafter, ar, prompts):
+    block = 8
+    outs, ref = greedy_reference(ar, prompts)
+    # A token first emitted in the middle of a block (output 0 comes from the prefill; step s commits
+    # outputs 1 + (s - 1) * block .. s * block).
+    found = [(p, o.token_ids[k]) for p, o in zip(prompts, outs) for k in range(block + 1, len(o.token_ids) - 1)
+             if 0 < (k - 1) % block < block - 1 and o.token_ids[k] not in o.token_ids[:k]]
+    assert found, "no prompt emits a fresh token mid-block; pick other prompts"
+    prompt, stop_tok = found[0]
+    params = SamplingParams(max_tokens=LONGEST, stop_token_ids=[stop_tok])
+    want = ar("qwen3", [prompt], params)[0]
+    llm = spec_llm(tiny("qwen3"), drafter("qwen3", block), spec, None, topk)
+    plant(llm, oracle(ref))
+    got = llm.generate([prompt], params)[0]
+    assert want.finish_reason == got.finish_reason == "stop"
+    assert got.token_ids == want.token_ids and got.token_ids[-1] == stop_tok
+    assert got.accept_lengths[:-1] == [block] * (len(got.accept_lengths) - 1)
+    assert 1 < got.accept_lengths[-1] < block  # the stop cut an accepted block short
+    assert got.text == want.text
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("spec,topk", [("dflash", None), ("ddtree", 4)])
+def test_stop_string_spanning_two_blocks_cuts_text_like_ar(spec, topk, tiny, drafter, ar, prompts):
+    from ddtree.engine.detokenizer import IncrementalDetokenizer
+    block = 8
+    outs, ref = greedy_reference(ar, prompts, ignore_eos=True)
+    llm = spec_llm(tiny("qwen3"), drafter("qwen3", block), spec, None, topk)
+    plant(llm, oracle(ref))
+    chosen = None
+    for prompt, o in zip(prompts, outs):
+        # Text length after each output token, as the engine detokenizes it.
+        detok, ends, text = IncrementalDetokenizer(llm.tokenizer, prompt), [], ""
+        for tok in o.token_ids:
+            text += detok.add([tok])
+            ends.append(len(text))
+        for s in range(1, len(o.token_ids) // block):
+            cut = ends[s * block]  # text committed by the end of step s
+            for a in range(cut - 3, cut):
+                sub = text[a:a + 5]
+                if a > 0 and len(sub) == 5 and sub.strip() and text.find(sub) == a and a + 5 > cut:
+                    chosen = (prompt, sub, text[:a])
+                    break
+            if chosen:
+                break
+        if chosen:
+            break
+    assert chosen, "no stop string spans a block boundary; pick other prompts"
+    prompt, sub, before = chosen
+    params = SamplingParams(max_tokens=LONGEST, stop=[sub], ignore_eos=True)
+    want = ar("qwen3", [prompt], params)[0]
+    got = llm.generate([prompt], params)[0]
+    assert want.finish_reason == got.finish_reason == "stop"
+    assert got.text == want.text == before
+    assert got.token_ids == want.token_ids
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("spec,topk", [("dflash", None), ("ddtree", 4)])
+def test_max_tokens_ending_inside_a_block_gives_exactly_max_tokens(spec, topk, tiny, drafter, ar, prompts):
+    block, max_tokens = 8, 1 + 2 * 8 + 3
+    _, ref = greedy_reference(ar, prompts, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    want = ar("qwen3", prompts[:2], params)
+    llm = spec_llm(tiny("qwen3"), drafter("qwen3", block), spec, None, topk)
+    plant(llm, oracle(ref))
+    got = llm.generate(prompts[:2], params)
+    for g, w in zip(got, want):
+        assert len(g.token_ids) == max_tokens and g.token_ids == w.token_ids
+        assert g.finish_reason == "length"
+        assert g.accept_lengths == [block, block, 3]
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("kind", ["random", "oracle"])
+@pytest.mark.parametrize("spec,budget,topk", [("dflash", None, None), ("ddtree", 63, 8), ("ddtree", 4, 2)])
+def test_prompt_near_the_context_limit_finishes_with_length_like_ar(kind, spec, budget, topk, tiny, drafter, ar):
+    limit, block = 64, 8
+    tok = LLM(tiny("qwen3"), **ENGINE).tokenizer
+    prompt = (tok.encode("".join(CORPUS)) * 2)[:60]
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    want = ar("qwen3", [prompt], params, max_model_len=limit)[0]
+    assert want.finish_reason == "length" and len(want.token_ids) == limit - len(prompt)
+    llm = spec_llm(tiny("qwen3"), drafter("qwen3", block), spec, budget, topk, max_model_len=limit)
+    if kind == "oracle":  # would accept a whole block, overshooting the limit
+        plant(llm, oracle({tuple(prompt): prompt + want.token_ids}))
+    got = llm.generate([prompt], params)[0]
+    assert got.finish_reason == "length" and got.token_ids == want.token_ids
+    assert_idle(llm)
+
+
+def test_budget_zero_ddtree_is_plain_ar(tiny, drafter, ar, prompts):
+    params = greedy_params()
+    llm = spec_llm(tiny("llama"), drafter("llama", 8), "ddtree", 0, 4)
+    assert llm.engine.speculator is None
+    out = llm.generate(prompts, params)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ar("llama", prompts, params)]
+    assert all(o.accept_lengths == [] for o in out)
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("budget", [3, 7, 16])
+def test_topk_one_chain_equals_ar_and_at_block_minus_one_equals_dflash(budget, tiny, drafter, ar, prompts):
+    params = greedy_params()
+    ref = continuation(prompts, ar("qwen2", prompts, greedy_params([LONGEST] * 4)))
+    chain = spec_llm(tiny("qwen2"), drafter("qwen2", 8), "ddtree", budget, 1)
+    plant(chain, noisy_oracle(ref))
+    got = chain.generate(prompts, params)
+    assert [o.token_ids for o in got] == [r.token_ids for r in ar("qwen2", prompts, params)]
+    assert_idle(chain)
+    # A chain of at least block - 1 nodes is DFlash: the same tokens accepted at every step.
+    if budget >= 7:
+        dflash = spec_llm(tiny("qwen2"), drafter("qwen2", 8), "dflash")
+        plant(dflash, noisy_oracle(ref))
+        assert [o.accept_lengths for o in dflash.generate(prompts, params)] == [o.accept_lengths for o in got]
+
+
+# ----------------------------------------------------------------------------- lossless sampling
+
+VOCAB = 32
+SAMPLE_PROMPT = [3, 17, 5, 9, 22, 1]
+NUM_SAMPLES = 3000
+SAMPLE_TOKENS = 4  # the first from the prefill, the rest from speculative steps
+SETTINGS = {0.7: dict(top_k=5, top_p=0.9), 1.0: dict(top_k=8, top_p=0.8)}
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """A tiny Qwen3 with a 32-token vocabulary (its head scaled so a few tokens carry most of the
+    mass), the transformers model itself, and a random block-8 drafter directory."""
+    from transformers import AutoModelForCausalLM
+    path = str(tmp_path_factory.mktemp("small_vocab"))
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(make_config("qwen3", VOCAB), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+        hf.lm_head.weight.mul_(2.0)
+    hf.save_pretrained(path, safe_serialization=True)
+    d = str(tmp_path_factory.mktemp("small_vocab_draft"))
+    save_drafter(random_drafter(ModelConfig.from_dir(path), num_layers=1, block_size=8, target_layer_ids=[0, 1]), d)
+    return path, hf, d
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The target's sampling distribution, written independently of ddtree.engine.sampler: softmax at
+    `temperature`, keep the top_k most likely, renormalize, then keep the smallest prefix whose mass
+    reaches top_p (a token stays if the mass before it is < top_p), renormalize."""
+    probs = (logits.double() / temperature).softmax(-1)
+    p, order = probs.sort(descending=True)
+    p = p[:top_k] / p[:top_k].sum()
+    p = p[(p.cumsum(0) - p) < top_p]
+    return torch.zeros_like(probs).scatter(0, order[:len(p)], p / p.sum())
+
+
+@torch.no_grad()
+def exact_joint(hf, prompt: list[int], n: int, temperature: float, top_k: int, top_p: float) -> dict:
+    """P(first n generated tokens), enumerated over the (filtered, so small) support with transformers."""
+    dist = {(): 1.0}
+    for _ in range(n):
+        keys = list(dist)
+        logits = hf(torch.tensor([prompt + list(k) for k in keys])).logits[:, -1]
+        nxt = {}
+        for k, row in zip(keys, logits):
+            p = reference_probs(row, temperature, top_k, top_p)
+            for t in p.nonzero().flatten().tolist():
+                nxt[k + (t,)] = dist[k] * p[t].item()
+        dist = nxt
+    return dist
+
+
+def marginal(joint: dict, idx: slice) -> dict:
+    out = Counter()
+    for k, p in joint.items():
+        out[k[idx]] += p
+    return out
+
+
+def tv_and_bound(samples: list[tuple], p: dict, delta: float = 1e-4) -> tuple[float, float]:
+    """Total variation between the empirical distribution of `samples` and `p`, and the bound it
+    must stay under if the samples are i.i.d. from p. E|p^(x) - p(x)| <= sqrt(p(x)(1 - p(x)) / n)
+    (Jensen), so E[TV] <= 1/2 sum_x sqrt(p(x)(1 - p(x)) / n); one sample moves TV by at most 1/n, so
+    by McDiarmid P(TV > E[TV] + t) <= exp(-2 n t^2), i.e. t = sqrt(ln(1/delta) / 2n) fails with
+    probability <= delta. For n = 3000 and 25 to 64 outcomes this is about 0.06 to 0.09; the runs are
+    seeded, so the test is also deterministic. Sampling the wrong node's distribution or accepting
+    drafts without sampling shifts TV by 0.2 or more on this target."""
+    n = len(samples)
+    emp = Counter(samples)
+    tv = 0.5 * sum(abs(emp[x] / n - p.get(x, 0.0)) for x in set(emp) | set(p))
+    bound = 0.5 * sum(math.sqrt(q * (1 - q) / n) for q in p.values()) + math.sqrt(math.log(1 / delta) / (2 * n))
+    return tv, bound
+
+
+def plant_greedy_rollout(llm: LLM, hf) -> None:
+    """Drafts the target's own logits along its greedy continuation of each request's tokens (cached by
+    prefix): depth 1 is exactly the target's next-token distribution, so sampled tokens are often in
+    the tree and the accept path runs; deeper depths follow the argmax, like a good drafter."""
+    cache: dict[tuple, torch.Tensor] = {}
+    dr = llm.engine.speculator.drafter
+    real = dr.propose
+
+    @torch.no_grad()
+    def propose(seqs):
+        out = real(seqs)
+        keys = [tuple(s.token_ids) for s in seqs]
+        by_len: dict[int, list[tuple]] = {}
+        for k in set(keys) - cache.keys():
+            by_len.setdefault(len(k), []).append(k)
+        for ks in by_len.values():
+            ids, steps = torch.tensor(ks), []
+            for _ in range(out.shape[1]):
+                logits = hf(ids).logits[:, -1]
+                steps.append(logits)
+                ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+            for k, lg in zip(ks, torch.stack(steps, 1)):
+                cache[k] = lg
+        return torch.stack([cache[k] for k in keys]).to(out)
+
+    dr.propose = propose
+
+
+def sampling_llm(small_vocab, mode: str) -> LLM:
+    path, hf, d = small_vocab
+    kw = dict(ENGINE, num_pages=8192, max_num_seqs=1024)  # no tokenizer: token-id prompts
+    if mode == "ar":
+        return LLM(path, **kw)
+    llm = LLM(path, draft=d, spec=mode, budget=8 if mode == "ddtree" else None,
+              topk=4 if mode == "ddtree" else None, **kw)
+    plant_greedy_rollout(llm, hf)
+    return llm
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
+@pytest.mark.parametrize("temperature", sorted(SETTINGS))
+def test_sampled_tokens_follow_the_exact_target_distribution(temperature, mode, small_vocab):
+    path, hf, _ = small_vocab
+    filt = SETTINGS[temperature]
+    joint = exact_joint(hf, SAMPLE_PROMPT, SAMPLE_TOKENS, temperature, **filt)
+    assert abs(sum(joint.values()) - 1) < 1e-9
+    llm = sampling_llm(small_vocab, mode)
+    params = [SamplingParams(max_tokens=SAMPLE_TOKENS, temperature=temperature, seed=i, **filt)
+              for i in range(NUM_SAMPLES)]
+    out = llm.generate([SAMPLE_PROMPT] * NUM_SAMPLES, params)
+    samples = [tuple(o.token_ids) for o in out]
+    assert all(len(s) == SAMPLE_TOKENS for s in samples)
+    # Pairs of neighbours: (1, 2) the prefill sample and the first root sample; (2, 3) and (3, 4) a
+    # sample at an accepted node given the accepted token.
+    for i in range(SAMPLE_TOKENS - 1):
+        p = marginal(joint, slice(i, i + 2))
+        tv, bound = tv_and_bound([s[i:i + 2] for s in samples], p)
+        assert tv < bound, f"tokens {i + 1},{i + 2}: TV {tv:.4f} >= {bound:.4f} over {len(p)} outcomes"
+    if mode != "ar":
+        accepts = [n for o in out for n in o.accept_lengths]
+        assert sum(accepts) / len(accepts) > 1.2, sum(accepts) / len(accepts)
+        assert max(accepts) == SAMPLE_TOKENS - 1  # some steps accepted every draft they could
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ddtree"])
+def test_seeded_speculative_sampling_reproduces_alone_and_in_a_batch(mode, small_vocab):
+    llm = sampling_llm(small_vocab, mode)
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_k=8, seed=s) for s in range(16)]
+    first = [o.token_ids for o in llm.generate([SAMPLE_PROMPT] * 16, params)]
+    again = [o.token_ids for o in llm.generate([SAMPLE_PROMPT] * 16, params)]
+    alone = llm.generate([SAMPLE_PROMPT], params[5])[0].token_ids
+    assert first == again and alone == first[5]
+    assert len(set(map(tuple, first))) > 1  # the seed matters
+    assert_idle(llm)
+
+
+# ----------------------------------------------------------------------------- the real default target
+
+CHATS = [[{"role": "user", "content": "Write a Python function that checks whether a number is prime."}],
+         [{"role": "user", "content": "Explain in two sentences what a hash map is."}]]
+
+
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory):
+    """The default target (fp32, CPU) with a random 1-layer drafter on its 5 default target layers,
+    decoding CHATS x 24 greedy tokens as DDTree (budget 8, topk 4), DFlash and AR. The weights are
+    loaded once: DFlash is a Speculator with topk 1 and budget block - 1 (what LLM(spec="dflash")
+    builds), AR is the engine without its speculator (its step then takes the AR path)."""
+    from ddtree.models.hub import resolve_model
+    path = resolve_model(None)
+    d = str(tmp_path_factory.mktemp("real_draft"))
+    save_drafter(random_drafter(ModelConfig.from_dir(path), num_layers=1), d)
+    llm = LLM(path, draft=d, spec="ddtree", budget=8, topk=4, device="cpu", dtype="float32",
+              page_size=16, num_pages=64)
+    engine, params = llm.engine, SamplingParams(max_tokens=24)
+    spec = engine.speculator
+    runs = {"ddtree": llm.chat(CHATS, params)}
+    engine.speculator = Speculator(engine.runner, spec.drafter, spec.drafter.block_size - 1, 1)
+    assert engine.speculator.width == spec.width  # the scheduler reserved pages for this width
+    runs["dflash"] = llm.chat(CHATS, params)
+    engine.speculator = None
+    runs["ar"] = llm.chat(CHATS, params)
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["ddtree", "dflash"])
+def test_default_target_with_random_drafter_equals_ar(mode, real_runs):
+    for got, want in zip(real_runs[mode], real_runs["ar"]):
+        assert len(want.token_ids) == 24
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert sum(got.accept_lengths) == 23
