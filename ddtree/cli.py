@@ -53,6 +53,18 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def cmd_bench_latency(args) -> int:
+    from ddtree.bench.latency import main as latency
+    return latency(args)
+
+
 def cmd_pull(args) -> int:
     from ddtree.models.hub import pull
     print(pull())
@@ -78,6 +90,26 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("pull", help="download, verify and convert the default model")
     p.set_defaults(func=cmd_pull)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    lat = bench.add_parser("latency", help="offline decoding speed: AR vs DFlash vs DDTree (and peers)")
+    lat.add_argument("--model", default=None)
+    lat.add_argument("--draft", default=None, help="drafter dir; without it only AR runs")
+    lat.add_argument("--device", default=None)
+    lat.add_argument("--dtype", default=None)
+    lat.add_argument("--dataset", choices=["humaneval", "mtbench"], default="humaneval")
+    lat.add_argument("--num-prompts", type=int, default=8)
+    lat.add_argument("--max-tokens", type=int, default=256)
+    lat.add_argument("--concurrency", type=int_list, default=[1])
+    lat.add_argument("--budget", type=int_list, default=[16], help="DDTree budgets, e.g. 8,16,32")
+    lat.add_argument("--topk", type=int_list, default=[4], help="DDTree top-k caps, e.g. 2,4")
+    lat.add_argument("--repeats", type=int, default=3)
+    lat.add_argument("--num-pages", type=int, default=None)
+    lat.add_argument("--step-times", action="store_true", help="also time AR / draft / verify steps")
+    lat.add_argument("--peers", action="store_true", help="also run transformers and the reference dflash")
+    lat.add_argument("--peer-prompts", type=int, default=4)
+    lat.add_argument("--out", default="benchmarks/results/latency.jsonl")
+    lat.set_defaults(func=cmd_bench_latency)
 
     args = parser.parse_args(argv)
     try:

@@ -44,38 +44,47 @@ class LLM:
         from ddtree.models.hub import resolve_model
         from ddtree.models.loader import load_model
 
-        spec = spec or ("ddtree" if draft is not None else "none")
+        self.device = torch.device(device or default_device())
+        self.dtype = parse_dtype(dtype, self.device.type)
+        self.model_path = resolve_model(model)
+        self.net, self.config = load_model(self.model_path, self.device, self.dtype)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
+        self.engine_cfg = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
+                                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                       kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs)
+        self.drafter = None
+        if draft is not None:
+            from ddtree.models.dflash import load_drafter
+            self.drafter = draft if not isinstance(draft, str) else \
+                load_drafter(draft, self.config, self.device, self.dtype)
+        self.engine = None
+        self.set_mode(spec or ("ddtree" if draft is not None else "none"), budget, topk)
+        self.last_stats: dict = {}
+
+    def set_mode(self, spec: str, budget: int | None = None, topk: int | None = None) -> None:
+        """(Re)builds the engine for a decoding mode, keeping the loaded weights and drafter."""
         if spec not in SPEC_MODES:
             raise ValueError(f"spec must be one of {SPEC_MODES}, got {spec!r}")
-        if spec != "none" and draft is None:
+        if spec != "none" and self.drafter is None:
             raise ValueError(f"spec={spec!r} needs a drafter: pass draft=PATH (a DFlash checkpoint dir)")
         if budget is not None and (not isinstance(budget, int) or budget < 0):
             raise ValueError(f"budget must be a non-negative integer, got {budget!r}")
         if topk is not None and (not isinstance(topk, int) or topk < 1):
             raise ValueError(f"topk must be a positive integer, got {topk!r}")
-        self.spec = spec
-        self.device = torch.device(device or default_device())
-        self.dtype = parse_dtype(dtype, self.device.type)
-        self.model_path = resolve_model(model)
-        net, self.config = load_model(self.model_path, self.device, self.dtype)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
-        engine_cfg = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                  kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs)
-        drafter = None
         if spec != "none":
-            from ddtree.models.dflash import load_drafter
-            drafter = draft if not isinstance(draft, str) else load_drafter(draft, self.config, self.device, self.dtype)
-            block = drafter.dcfg.block_size
+            block = self.drafter.dcfg.block_size
             if spec == "dflash":  # a chain of the drafter's argmax tokens: the tree with topk 1
                 budget, topk = min(budget if budget is not None else block - 1, block - 1), 1
             else:
                 budget = DEFAULT_BUDGET if budget is None else budget
                 topk = DEFAULT_TOPK if topk is None else topk
-        self.budget, self.topk = budget or 0, topk or 1
-        self.engine = LLMEngine(net, self.config, self.tokenizer, engine_cfg, self.device, self.dtype,
-                                drafter, self.budget, self.topk)
-        self.last_stats: dict = {}
+        self.spec, self.budget, self.topk = spec, budget or 0, topk or 1
+        if self.engine is not None:  # free the old KV cache and graphs before sizing a new one
+            self.engine = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.engine = LLMEngine(self.net, self.config, self.tokenizer, self.engine_cfg, self.device, self.dtype,
+                                self.drafter if spec != "none" else None, self.budget, self.topk)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -1,0 +1,1 @@
+"""Benchmarks: offline latency/throughput, peers, and the prompt sets they use."""

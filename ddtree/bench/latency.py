@@ -1,0 +1,240 @@
+"""`ddtree bench latency`: offline, in-process decoding speed of AR / DFlash / DDTree (and peers).
+
+For each mode and concurrency C, batches of C chat prompts run to completion (greedy); one warm-up
+batch first (it also captures the CUDA graphs); throughput is generated tokens over wall time,
+median over repeats; tau is the mean tokens committed per verify step. Optionally also the
+per-step device times (AR decode step, draft step, verify step by width) and the peers
+(transformers generate with dynamic and static cache, the z-lab reference dflash_generate).
+Results are JSON lines, one object per measured configuration.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from ddtree import LLM, SamplingParams
+from ddtree.bench.datasets import load_prompts
+
+
+def environment(llm: LLM | None = None) -> dict:
+    commit = os.environ.get("DDTREE_COMMIT")  # set where the tree travels without .git (the GPU machine)
+    try:
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                          text=True, cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    cuda = torch.cuda.is_available()
+    import transformers
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu", "commit": commit,
+            "command": " ".join(["ddtree"] + sys.argv[1:]), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, repeats: int) -> dict:
+    llm.generate(batches[0], params)  # warm-up: graphs, kernels, allocator
+    speeds, accepts, tokens = [], [], 0
+    for _ in range(repeats):
+        gen, elapsed = 0, 0.0
+        for batch in batches:
+            sync()
+            t0 = time.perf_counter()
+            outs = llm.generate(batch, params)
+            sync()
+            elapsed += time.perf_counter() - t0
+            gen += sum(len(o.token_ids) for o in outs)
+            accepts += [a for o in outs for a in o.accept_lengths]
+        speeds.append(gen / elapsed)
+        tokens = gen
+    return {"output_tok_per_s": statistics.median(speeds), "runs_tok_per_s": speeds,
+            "mean_accept_length": sum(accepts) / len(accepts) if accepts else None, "generated_tokens": tokens}
+
+
+def time_graph(fn, inputs, reps: int = 30) -> float:
+    """Median milliseconds of one replay of fn's CUDA graph (eager wall time on CPU)."""
+    from ddtree.engine.graphs import GraphPool
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(max(3, reps // 10)):
+            t0 = time.perf_counter()
+            fn(inputs)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    pool = GraphPool(fn, inputs_rows(inputs))
+    pool.run(inputs)
+    graph = pool.graphs[pool.buckets[-1]][0]
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def inputs_rows(inp) -> int:
+    import dataclasses
+    return getattr(inp, dataclasses.fields(inp)[0].name).shape[0]
+
+
+@torch.inference_mode()
+def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int = 512) -> list[dict]:
+    """Device time of one AR decode step, one draft step and one verify step of each width, for
+    requests with `context` cached tokens (fake requests; their pages are returned afterwards)."""
+    from ddtree.engine.engine import DecodeInputs
+    from ddtree.engine.sequence import Sequence
+    from ddtree.spec.draft import StepInputs
+
+    eng = llm.engine
+    runner, rows = eng.runner, []
+    dev = llm.device
+    for bs in batch_sizes:
+        seqs = [Sequence(list(range(100, 100 + context)), SamplingParams(), None) for _ in range(bs)]
+        width = max(widths + [eng.speculator.drafter.block_size if eng.speculator else 1]) + 1
+        for s in seqs:
+            eng.allocator.grow(s, context + width)
+            s.num_cached = context  # K/V content is irrelevant for timing
+        tables = runner.tables(seqs)
+        starts = torch.full((bs,), context, device=dev)
+        ids = torch.full((bs,), 7, device=dev)
+        row = {"concurrency": bs, "context": context}
+        row["ar_step_ms"] = time_graph(lambda i: runner.decode_logits(i.ids, i.block_tables, i.starts),
+                                       DecodeInputs(ids, starts, tables))
+        if eng.speculator is not None:
+            dr = eng.speculator.drafter
+            C = dr.block_size
+            inp = StepInputs(ids, starts, tables, torch.zeros(bs, C, dr.feat_dim, dtype=llm.dtype, device=dev),
+                             (starts[:, None] - C + torch.arange(C, device=dev)),
+                             torch.full((bs, C), dr.scratch_slot, device=dev))
+            row["draft_step_ms"] = time_graph(dr.logits, inp)
+            taps = dr.layer_ids
+            for n in widths:
+                depth = torch.arange(n, device=dev).expand(bs, n).contiguous()
+                mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)).expand(bs, n, n).contiguous()
+                toks = torch.full((bs, n), 7, device=dev)
+                vin = DecodeInputs(toks, starts, tables)
+                row[f"verify_{n}_ms"] = time_graph(
+                    lambda i, d=depth, m=mask: runner.verify(i.block_tables, i.starts, i.ids, d, m, taps)[0], vin)
+        for s in seqs:
+            eng.allocator.release(s)
+        rows.append(row)
+    return rows
+
+
+def run_peers(llm: LLM, prompts: list[list[int]], max_tokens: int, draft: str | None) -> list[dict]:
+    """transformers generate (dynamic and static cache) and the reference dflash_generate, batch 1."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=llm.dtype).to(llm.device).eval()
+    eos = llm.config.eos_token_ids
+    results = []
+
+    def timed(gen_one) -> dict:
+        gen_one(prompts[0])  # warm-up (compiles the static-cache forward)
+        n, t = 0, 0.0
+        for p in prompts:
+            sync()
+            t0 = time.perf_counter()
+            n += gen_one(p)
+            sync()
+            t += time.perf_counter() - t0
+        return {"output_tok_per_s": n / t, "generated_tokens": n}
+
+    def hf_gen(cache):
+        def one(p):
+            ids = torch.tensor([p], device=llm.device)
+            kw = {"cache_implementation": "static"} if cache == "static" else {}
+            out = hf.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos[0], **kw)
+            return out.shape[1] - len(p)
+        return one
+
+    with torch.inference_mode():
+        results.append({"mode": "hf-dynamic", **timed(hf_gen("dynamic"))})
+        results.append({"mode": "hf-static", **timed(hf_gen("static"))})
+    if draft:
+        from dflash.model import DFlashDraftModel, dflash_generate
+        ref = DFlashDraftModel.from_pretrained(draft, dtype=llm.dtype).to(llm.device).eval()
+        accepts = []
+
+        def one(p):
+            res = dflash_generate(ref, hf, torch.tensor([p], device=llm.device), max_new_tokens=max_tokens,
+                                  stop_token_ids=eos, temperature=0.0, return_stats=True)
+            accepts.extend(res.acceptance_lengths)
+            return res.num_output_tokens
+        row = {"mode": "dflash-reference", **timed(one)}
+        row["mean_accept_length"] = sum(accepts) / len(accepts) if accepts else None
+        results.append(row)
+    del hf
+    return results
+
+
+def main(args) -> int:
+    llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
+              max_num_seqs=max(args.concurrency), num_pages=args.num_pages)
+    env = environment(llm)
+    rows_in = load_prompts(args.dataset, args.num_prompts)
+    prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
+    params = SamplingParams(max_tokens=args.max_tokens)
+    modes = [("ar", "none", 0, 1)]
+    if args.draft:
+        modes.append(("dflash", "dflash", None, 1))
+        modes += [("ddtree", "ddtree", b, k) for b in args.budget for k in args.topk]
+    results = []
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    for name, spec, budget, topk in modes:
+        llm.set_mode(spec, budget, topk)
+        for c in args.concurrency:
+            batches = [prompts[i:i + c] for i in range(0, len(prompts), c)]
+            r = run_mode(llm, batches, params, args.repeats)
+            row = {**env, "mode": name, "budget": llm.budget, "topk": llm.topk, "concurrency": c,
+                   "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens, **r}
+            results.append(row)
+            print(f"{name:7s} budget {llm.budget:3d} topk {llm.topk} C={c:3d}: {r['output_tok_per_s']:8.1f} tok/s"
+                  f"  tau {r['mean_accept_length'] or 1.0:.2f}", flush=True)
+        if args.step_times and (spec != "none" or not args.draft):
+            widths = sorted({b + 1 for b in args.budget} | {llm.drafter.dcfg.block_size if llm.drafter else 1})
+            for st in step_times(llm, args.concurrency, widths if spec != "none" else []):
+                row = {**env, "mode": f"step-times-{name}", "budget": llm.budget, "topk": llm.topk,
+                       "dataset": None, **st}
+                results.append(row)
+                print("step times", json.dumps(st), flush=True)
+    if args.peers:
+        for r in run_peers(llm, prompts[:args.peer_prompts], args.max_tokens, args.draft):
+            row = {**env, "budget": 0, "topk": 0, "concurrency": 1, "dataset": args.dataset,
+                   "num_prompts": args.peer_prompts, "max_tokens": args.max_tokens, **r}
+            row.setdefault("mean_accept_length", None)
+            results.append(row)
+            print(f"{r['mode']:16s} C=  1: {r['output_tok_per_s']:8.1f} tok/s", flush=True)
+    with open(args.out, "a") as f:
+        for r in results:
+            f.write(json.dumps(r) + "\n")
+    print_table(results)
+    print(f"results appended to {args.out}")
+    return 0
+
+
+def print_table(results: list[dict]) -> None:
+    ar = {r["concurrency"]: r["output_tok_per_s"] for r in results if r["mode"] == "ar"}
+    print(f"\n{'mode':18s} {'budget':>6s} {'topk':>4s} {'C':>4s} {'tok/s':>9s} {'tau':>5s} {'vs AR':>6s}")
+    for r in results:
+        if "output_tok_per_s" not in r:
+            continue
+        base = ar.get(r["concurrency"])
+        ratio = f"{r['output_tok_per_s'] / base:.2f}x" if base else ""
+        tau = f"{r['mean_accept_length']:.2f}" if r.get("mean_accept_length") else "-"
+        print(f"{r['mode']:18s} {r['budget']:6d} {r['topk']:4d} {r['concurrency']:4d} {r['output_tok_per_s']:9.1f} "
+              f"{tau:>5s} {ratio:>6s}")
