@@ -1,6 +1,7 @@
 """The offline Python API: `LLM(...).generate(prompts, params)` and `LLM(...).chat(conversations, params)`."""
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -81,6 +82,11 @@ class LLM:
         self.spec, self.budget, self.topk = spec, budget or 0, topk or 1
         if self.engine is not None:  # free the old KV cache and graphs before sizing a new one
             self.engine = None
+            layers = [layer.self_attn for layer in self.net.model.layers]
+            layers += [layer.self_attn for layer in self.drafter.layers] if self.drafter is not None else []
+            for attn in layers:  # the layers hold views of the old cache
+                attn.k_cache = attn.v_cache = torch.empty(0)
+            gc.collect()  # graph pools hold bound methods of the engine: a reference cycle
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         self.engine = LLMEngine(self.net, self.config, self.tokenizer, self.engine_cfg, self.device, self.dtype,
