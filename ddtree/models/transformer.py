@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ddtree.config import ModelConfig
 from ddtree.ops.attention import AttentionBatch, paged_attention
+from ddtree.ops.fused import add_rms_norm, qkv_rope, rms_norm, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -21,12 +21,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same order of operations as transformers so bf16 results match it bit for bit.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with a residual: (norm(x + residual), x + residual) in one fused op."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -110,13 +109,10 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)  # [num_slots, Hkv, D], assigned by the runner
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        eps = self.q_norm.eps if self.qk_norm else 0.0
+        q, k, v = qkv_rope(self.qkv_proj(x), positions, self.rotary[0].cos_sin, self.q_size, self.kv_size,
+                           self.head_dim, qn, kn, eps)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
         return self.o_proj(o.flatten(1))
 
@@ -129,8 +125,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -141,9 +136,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's
+        output. Deferring the add lets it fuse with the next layer's norm."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, positions, batch), residual)
+        return self.mlp(x), residual
 
 
 class TransformerModel(nn.Module):
@@ -175,16 +177,13 @@ class CausalLM(nn.Module):
                 taps: list[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final-normed hidden states [T, D] and, for each layer id in `taps`, that
         decoder layer's output (the residual stream, as transformers' hidden_states[l + 1])."""
-        h = self.model.embed_tokens(input_ids)
-        tapped = []
+        h, residual = self.model.embed_tokens(input_ids), None
+        tapped = {}
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, positions, batch)
+            h, residual = layer(h, residual, positions, batch)
             if taps and i in taps:
-                tapped.append(h)
-        if taps:  # in the requested order
-            order = sorted(taps)
-            tapped = [tapped[order.index(t)] for t in taps]
-        return self.model.norm(h), tapped
+                tapped[i] = h + residual
+        return self.model.norm(h, residual)[0], [tapped[t] for t in taps or []]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
