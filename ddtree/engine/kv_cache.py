@@ -5,8 +5,6 @@ token at position p lives at slot block_table[p // page_size] * page_size + p % 
 """
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
 from ddtree.engine.sequence import Sequence
@@ -16,7 +14,8 @@ class PageAllocator:
     def __init__(self, num_pages: int, page_size: int):
         assert num_pages > 0 and page_size > 0
         self.num_pages, self.page_size = num_pages, page_size
-        self.free_pages: deque[int] = deque(range(num_pages))
+        # A stack: the most recently freed pages are reused first (warm in cache, low ids).
+        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
 
     @property
     def num_free(self) -> int:
@@ -37,7 +36,7 @@ class PageAllocator:
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         n = self.pages_needed(seq, num_tokens)
         assert n <= self.num_free, "caller must check can_grow"
-        seq.block_table.extend(self.free_pages.popleft() for _ in range(n))
+        seq.block_table.extend(self.free_pages.pop() for _ in range(n))
 
     def release(self, seq: Sequence) -> None:
         self.free_pages.extend(seq.block_table)

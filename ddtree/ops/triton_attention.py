@@ -40,7 +40,7 @@ def _paged_attention_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_bt,
         stride_mr, stride_mi, scale,
         PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     r = tl.load(BlkReq + pid)
@@ -71,9 +71,9 @@ def _paged_attention_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
         page = tl.load(BlockTables + r * stride_bt + n // PAGE, mask=n_ok, other=0)
-        slot = page * PAGE + n % PAGE
+        slot = page.to(tl.int64) * PAGE + n % PAGE  # int64: slot * row stride passes 2^31 in big caches
         k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         j = n - prefix  # index among the new tokens (negative: the cached prefix)
         if HAS_MASK:
             new_ok = tl.load(Mask + r * stride_mr + tok[:, None] * stride_mi + j[None, :],
@@ -89,7 +89,7 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
     tl.store(Out + (qstart + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -112,14 +112,16 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         meta.block_tables.stride(0), mask.stride(0) if mask is not None else 0,
         mask.stride(1) if mask is not None else 0, scale,
         PAGE=meta.page_size, GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=D,
-        BLOCK_M=meta.block_m, BLOCK_N=32, HAS_MASK=mask is not None)
+        BLOCK_M=meta.block_m, BLOCK_N=32, HAS_MASK=mask is not None,
+        # fp32 models get exact products (tests, parity); tf32 would round them like bf16 does.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
 
 
 @triton.jit
 def _store_kv_kernel(K, V, KC, VC, Slots, stride_kt, stride_vt, stride_cs, ROW: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
-    slot = tl.load(Slots + t)
+    slot = tl.load(Slots + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < ROW
     tl.store(KC + slot * stride_cs + offs, tl.load(K + t * stride_kt + offs, mask=ok), mask=ok)
@@ -143,8 +145,8 @@ def _move_kv_kernel(Cache, Src, Dst, n_moves, stride_layer, stride_s, ROW: tl.co
     ok = offs < ROW
     base = Cache + layer.to(tl.int64) * stride_layer
     for i in range(n_moves):  # in order: a node's source index is never below an earlier destination
-        src = tl.load(Src + i)
-        dst = tl.load(Dst + i)
+        src = tl.load(Src + i).to(tl.int64)
+        dst = tl.load(Dst + i).to(tl.int64)
         tl.store(base + dst * stride_s + offs, tl.load(base + src * stride_s + offs, mask=ok), mask=ok)
 
 
