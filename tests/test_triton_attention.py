@@ -12,7 +12,7 @@ from ddtree.spec.tree import build_tree  # noqa: E402
 tri = pytest.importorskip("ddtree.ops.triton_attention")
 
 
-def make_case(q_lens, prefix_lens, mode, H=4, Hkv=2, D=16, page=4, seed=0):
+def make_case(q_lens, prefix_lens, mode, H=4, Hkv=2, D=16, page=4, seed=0, splits=None):
     g = torch.Generator().manual_seed(seed)
     R = len(q_lens)
     pages_per = [-(-(p + q) // page) for p, q in zip(prefix_lens, q_lens)]
@@ -46,18 +46,21 @@ def make_case(q_lens, prefix_lens, mode, H=4, Hkv=2, D=16, page=4, seed=0):
             mask_t[i, :m.shape[0], :m.shape[1]] = m
     ref = make_batch(tables, list(prefix_lens), list(q_lens), mask_t, page, torch.device("cpu"))
     kern = make_batch(tables, list(prefix_lens), list(q_lens), mask_t, page, torch.device("cpu"),
-                      use_triton=True, num_heads_per_kv=H // Hkv)
+                      use_triton=True, num_heads_per_kv=H // Hkv, num_kv_heads=Hkv)
+    if splits is not None:
+        kern.splits = splits
     return q, k, v, k_cache, v_cache, ref, kern
 
 
+@pytest.mark.parametrize("splits", [1, 4])  # 4: keys split across programs, partials combined
 @pytest.mark.parametrize("mode,q_lens,prefix_lens", [
-    ("causal", [1, 1, 1], [0, 5, 13]),  # decode
+    ("causal", [1, 1, 1], [0, 5, 130]),  # decode
     ("causal", [7, 1, 12], [0, 9, 3]),  # prefill chunks mixed with a decode
-    ("tree", [8, 5], [6, 11]),  # verify
-    ("full", [8, 8], [3, 10]),  # drafter block
+    ("tree", [8, 5], [6, 150]),  # verify
+    ("full", [8, 8], [3, 100]),  # drafter block
 ])
-def test_paged_attention_kernel_matches_reference(mode, q_lens, prefix_lens):
-    q, k, v, kc, vc, ref, kern = make_case(q_lens, prefix_lens, mode)
+def test_paged_attention_kernel_matches_reference(mode, q_lens, prefix_lens, splits):
+    q, k, v, kc, vc, ref, kern = make_case(q_lens, prefix_lens, mode, splits=splits)
     kc2, vc2 = kc.clone(), vc.clone()
     want = paged_attention(q, k, v, kc, vc, ref, scale=0.25)
     got = paged_attention(q, k, v, kc2, vc2, kern, scale=0.25)  # Triton store + attention

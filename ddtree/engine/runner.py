@@ -49,7 +49,7 @@ class ModelRunner:
         """Metadata for feeding q_lens[i] new tokens to seqs[i], stored at its cache positions
         num_cached .. num_cached + q_len - 1 (a tree's nodes in BFS order)."""
         return make_batch([s.block_table for s in seqs], [s.num_cached for s in seqs], q_lens, mask,
-                          self.page_size, self.device, self.use_triton, self.heads_per_kv)
+                          self.page_size, self.device, self.use_triton, self.heads_per_kv, self.cfg.num_kv_heads)
 
     def prepare(self, chunks: list[tuple[Sequence, int]]):
         """Inputs for feeding each request its next n uncached tokens."""
@@ -81,7 +81,8 @@ class ModelRunner:
         ancestor mask); device ops only. Node i's K/V go to cache position start + i; its rotary
         position is start + depth. Returns logits [R, N, V] (fp32) and features [R, N, len(taps) * D]."""
         R, N = tokens.shape
-        batch = uniform_batch(block_tables, starts, N, mask, self.page_size, self.use_triton, self.heads_per_kv)
+        batch = uniform_batch(block_tables, starts, N, mask, self.page_size, self.use_triton, self.heads_per_kv,
+                              self.cfg.num_kv_heads)
         positions = (starts[:, None] + depth).flatten()
         hidden, tapped = self.model(tokens.flatten(), positions, batch, taps)
         logits = self.model.compute_logits(hidden).float().view(R, N, -1)
@@ -90,7 +91,8 @@ class ModelRunner:
     @torch.inference_mode()
     def decode_logits(self, ids: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """AR decode, device ops only: one token per request at position `starts`. Returns [R, V] fp32."""
-        batch = uniform_batch(block_tables, starts, 1, None, self.page_size, self.use_triton, self.heads_per_kv)
+        batch = uniform_batch(block_tables, starts, 1, None, self.page_size, self.use_triton, self.heads_per_kv,
+                              self.cfg.num_kv_heads)
         hidden, _ = self.model(ids, starts, batch)
         return self.model.compute_logits(hidden).float()
 

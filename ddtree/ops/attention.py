@@ -31,6 +31,7 @@ class AttentionBatch:
     blk_req: torch.Tensor | None = None  # Triton work split: request of each query block
     blk_q: torch.Tensor | None = None  # and its first query index
     block_m: int = 0
+    splits: int = 1  # Triton: key slices per query block (flash-decoding), fixed per shape
     use_triton: bool = False
 
 
@@ -44,7 +45,7 @@ def slots_for(block_table: list[int] | torch.Tensor, start: int, end: int, page_
 
 def make_batch(block_tables: list[list[int]], prefix_lens: list[int], q_lens: list[int],
                mask: torch.Tensor | None, page_size: int, device: torch.device,
-               use_triton: bool = False, num_heads_per_kv: int = 1) -> AttentionBatch:
+               use_triton: bool = False, num_heads_per_kv: int = 1, num_kv_heads: int = 1) -> AttentionBatch:
     """Builds a step's metadata from host lists (eager path; CUDA graphs fill static copies)."""
     R = len(q_lens)
     width = max((len(t) for t in block_tables), default=1)
@@ -61,15 +62,17 @@ def make_batch(block_tables: list[list[int]], prefix_lens: list[int], q_lens: li
     batch = AttentionBatch(torch.cat(slots).to(device), tables.to(device), i32(prefix_lens), i32(q_lens),
                            i32(starts), mask, page_size, use_triton=use_triton)
     if use_triton:
-        from ddtree.ops.triton_attention import choose_block_m, plan_blocks
+        from ddtree.ops.triton_attention import choose_block_m, choose_splits, plan_blocks
         batch.block_m = choose_block_m(max(q_lens), num_heads_per_kv)
         req, qs = plan_blocks(q_lens, batch.block_m)
         batch.blk_req, batch.blk_q = i32(req), i32(qs)
+        batch.splits = choose_splits(len(req), num_kv_heads, max(q_lens))
     return batch
 
 
 def uniform_batch(block_tables: torch.Tensor, starts: torch.Tensor, width: int, mask: torch.Tensor | None,
-                  page_size: int, use_triton: bool = False, num_heads_per_kv: int = 1) -> AttentionBatch:
+                  page_size: int, use_triton: bool = False, num_heads_per_kv: int = 1,
+                  num_kv_heads: int = 1) -> AttentionBatch:
     """Metadata for `width` new tokens per request at positions starts .. starts + width - 1, built
     with device ops only (no host data), so it can be recorded inside a CUDA graph."""
     R, dev = starts.shape[0], starts.device
@@ -79,10 +82,11 @@ def uniform_batch(block_tables: torch.Tensor, starts: torch.Tensor, width: int, 
     batch = AttentionBatch(slots, block_tables, starts.int(), torch.full((R,), width, dtype=torch.int32, device=dev),
                            ar * width, mask, page_size, use_triton=use_triton)
     if use_triton:
-        from ddtree.ops.triton_attention import choose_block_m
+        from ddtree.ops.triton_attention import choose_block_m, choose_splits
         bm = choose_block_m(width, num_heads_per_kv)
         per = -(-width // bm)
         batch.block_m = bm
+        batch.splits = choose_splits(R * per, num_kv_heads, width)
         batch.blk_req = ar.repeat_interleave(per)
         batch.blk_q = (torch.arange(per, device=dev, dtype=torch.int32) * bm).repeat(R)
     return batch

@@ -38,11 +38,13 @@ def choose_block_m(max_q: int, group: int) -> int:
 def _paged_attention_kernel(
         Q, K, V, Out, BlockTables, PrefixLens, QLens, QStarts, BlkReq, BlkQ, Mask,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_bt,
-        stride_mr, stride_mi, scale,
+        stride_mr, stride_mi, scale, Part, PartML,
         PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+        SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
+    sp = tl.program_id(2)  # which slice of the keys (flash-decoding split; 0 of 1 when not split)
     r = tl.load(BlkReq + pid)
     q0 = tl.load(BlkQ + pid)
     prefix = tl.load(PrefixLens + r)
@@ -67,9 +69,13 @@ def _paged_attention_kernel(
         end = kv_len
     else:
         end = tl.minimum(kv_len, prefix + q0 + BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    # This program's slice of the keys, whole BLOCK_N tiles.
+    chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, end)
+    for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < end
+        n_ok = n < hi
         page = tl.load(BlockTables + r * stride_bt + n // PAGE, mask=n_ok, other=0)
         slot = page.to(tl.int64) * PAGE + n % PAGE  # int64: slot * row stride passes 2^31 in big caches
         k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None], other=0.0)
@@ -91,9 +97,40 @@ def _paged_attention_kernel(
         v = tl.load(V + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
-    tl.store(Out + (qstart + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if SPLITS == 1:
+        out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
+        tl.store(Out + (qstart + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    else:  # partial results [T, H, SPLITS, D] and (max, sum) [T, H, SPLITS, 2], merged by _combine
+        idx = ((qstart + tok) * NUM_HEADS + head).to(tl.int64) * SPLITS + sp
+        tl.store(Part + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(PartML + idx * 2, m_i, mask=row_ok)
+        tl.store(PartML + idx * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(Out, Part, PartML, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    SPLITS: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    base = (t * NUM_HEADS + h).to(tl.int64) * SPLITS
+    s = tl.arange(0, SPLITS)
+    m = tl.load(PartML + (base + s) * 2)
+    l = tl.load(PartML + (base + s) * 2 + 1)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(Part + (base + s)[:, None] * HEAD_DIM + d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(l * w, 0), 1e-30)
+    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+def choose_splits(num_blocks: int, num_kv_heads: int, max_q: int) -> int:
+    """Split the keys across programs when the grid alone cannot fill the GPU (decode, verify)."""
+    if max_q > 64:
+        return 1
+    want = 2 * 132 // max(1, num_blocks * num_kv_heads)
+    return max(1, min(16, triton.next_power_of_2(want) if want > 1 else 1))
 
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: "AttentionBatch",
@@ -104,17 +141,26 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = H // Hkv
     out = torch.empty_like(q) if out is None else out
     mask = meta.mask
-    grid = (meta.blk_req.shape[0], Hkv)
+    splits = meta.splits
+    grid = (meta.blk_req.shape[0], Hkv, splits)
+    if splits > 1:
+        part = torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(T, H, splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part = part_ml = out
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.prefix_lens, meta.q_lens, meta.q_starts,
         meta.blk_req, meta.blk_q, mask.view(torch.uint8) if mask is not None else q,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         meta.block_tables.stride(0), mask.stride(0) if mask is not None else 0,
-        mask.stride(1) if mask is not None else 0, scale,
+        mask.stride(1) if mask is not None else 0, scale, part, part_ml,
         PAGE=meta.page_size, GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=D,
-        BLOCK_M=meta.block_m, BLOCK_N=32, HAS_MASK=mask is not None,
+        BLOCK_M=meta.block_m, BLOCK_N=64, HAS_MASK=mask is not None,
         # fp32 models get exact products (tests, parity); tf32 would round them like bf16 does.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, NUM_HEADS=H)
+    if splits > 1:
+        _combine_kernel[(T, H)](out, part, part_ml, out.stride(0), out.stride(1), NUM_HEADS=H, HEAD_DIM=D,
+                                SPLITS=splits)
     return out
 
 

@@ -86,7 +86,7 @@ class DraftRunner:
         embeds = self.target.model.embed_tokens(block_ids.flatten()) * dc.input_embedding_scale
         full = torch.ones(R, B, B, dtype=torch.bool, device=self.device)
         batch = uniform_batch(inp.block_tables, inp.starts, B, full, self.page_size, self.use_triton,
-                              self.heads_per_kv)
+                              self.heads_per_kv, self.drafter.dcfg.model.num_kv_heads)
         block_pos = (inp.starts[:, None] + torch.arange(B, device=self.device)).flatten()
         hidden = self.drafter(embeds, block_pos, inp.ctx_feats.flatten(0, 1), inp.ctx_pos.flatten(),
                               inp.ctx_slots.flatten(), batch)
