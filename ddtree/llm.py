@@ -126,7 +126,7 @@ class LLM:
         seqs: list[Sequence] = []
         try:
             for ids, p in zip(prompt_ids, plist):
-                seqs.append(self.engine.add_request(ids, p))
+                seqs.append(self.engine.add_request(ids, p, stream=False))
         except Exception:
             for s in seqs:  # a bad prompt loses nothing: the ones already queued are withdrawn
                 self.engine.abort(s)

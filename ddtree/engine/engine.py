@@ -61,7 +61,9 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
+        """Queues a request. `stream=False` (offline use) detokenizes once at the end instead of per
+        token, unless stop strings need the text as it grows."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -70,7 +72,9 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
-        seq = Sequence(list(prompt_ids), params, IncrementalDetokenizer(self.tokenizer, prompt_ids))
+        incremental = stream or bool(params.stop)
+        seq = Sequence(list(prompt_ids), params,
+                       IncrementalDetokenizer(self.tokenizer, prompt_ids) if incremental else None)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.scheduler.add(seq)
@@ -133,7 +137,10 @@ class LLMEngine:
         # Nothing could be scheduled: the queue head needs more pages than the whole cache has
         # (a preempted request that grew too long). Finish it rather than wait forever.
         if self.scheduler.waiting and not self.scheduler.running:
-            self.scheduler.finish(self.scheduler.waiting[0], "length")
+            seq = self.scheduler.waiting[0]
+            if seq.detok is None:
+                seq.text = self._decode(seq.output_ids)
+            self.scheduler.finish(seq, "length")
 
     def commit(self, seq: Sequence, tokens: list[int]) -> int:
         """Appends tokens one at a time until a stop condition; returns how many were kept."""
@@ -141,7 +148,8 @@ class LLMEngine:
         for n, tok in enumerate(tokens, 1):
             seq.output_ids.append(tok)
             before = len(seq.text)
-            seq.text += seq.detok.add([tok])
+            if seq.detok is not None:
+                seq.text += seq.detok.add([tok])
             reason, cut = None, False
             if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
                 reason = "stop"
@@ -150,11 +158,16 @@ class LLMEngine:
             elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
                 reason = "length"
             if reason:
-                if not cut:  # text held back for an incomplete character is emitted at the end
+                if seq.detok is None:
+                    seq.text = self._decode(seq.output_ids)
+                elif not cut:  # text held back for an incomplete character is emitted at the end
                     seq.text += seq.detok.flush()
                 self.scheduler.finish(seq, reason)
                 return n
         return len(tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     @staticmethod
     def _cut_at_stop(seq: Sequence, before: int) -> bool:

@@ -24,7 +24,7 @@ _ids = itertools.count()
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: the text is decoded once, when the request finishes
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
