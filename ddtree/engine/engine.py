@@ -15,6 +15,7 @@ from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.sequence import Sequence
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
+from ddtree.ops.attention import pack_rows
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.decode import Speculator
 from ddtree.spec.draft import DraftRunner
@@ -24,7 +25,7 @@ from ddtree.spec.draft import DraftRunner
 class DecodeInputs:
     ids: torch.Tensor  # [R] last token of each request
     starts: torch.Tensor  # [R] its position
-    block_tables: torch.Tensor  # [R, P] int32
+    block_tables: torch.Tensor  # [R, P] page ids
 
 
 class LLMEngine:
@@ -122,9 +123,9 @@ class LLMEngine:
         return self.runner.decode_logits(inp.ids, inp.block_tables, inp.starts)
 
     def _decode_graphed(self, seqs: list[Sequence]) -> list[Sequence]:
-        dev = self.device
-        inp = DecodeInputs(torch.tensor([s.token_ids[-1] for s in seqs], device=dev),
-                           torch.tensor([s.num_cached for s in seqs], device=dev), self.runner.tables(seqs))
+        rows = pack_rows([s.block_table for s in seqs], [[s.token_ids[-1] for s in seqs], [s.num_cached for s in seqs]],
+                         self.runner.scratch_page, self.device)
+        inp = DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2:])
         logits = self.decode_graphs.run(inp)[:len(seqs)]
         for seq in seqs:
             seq.num_cached += 1

@@ -13,7 +13,7 @@ from ddtree.config import EngineConfig, ModelConfig
 from ddtree.engine.kv_cache import allocate_kv_cache, pages_for_memory
 from ddtree.engine.sequence import Sequence
 from ddtree.models.transformer import CausalLM
-from ddtree.ops.attention import AttentionBatch, make_batch, uniform_batch
+from ddtree.ops.attention import AttentionBatch, make_batch, pack_rows, uniform_batch
 
 
 class ModelRunner:
@@ -96,13 +96,9 @@ class ModelRunner:
         hidden, _ = self.model(ids, starts, batch)
         return self.model.compute_logits(hidden).float()
 
-    def tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
-        """Page tables [R, width] int32 on the device (unused entries: the scratch page)."""
-        width = width or max(len(s.block_table) for s in seqs)
-        t = torch.full((len(seqs), width), self.scratch_page, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            t[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        return t.to(self.device)
+    def tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Page tables [R, P] on the device (unused entries: the scratch page)."""
+        return pack_rows([s.block_table for s in seqs], [], self.scratch_page, self.device)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies every layer's K/V from slots `src` to slots `dst` (all sources are read first)."""

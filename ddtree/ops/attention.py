@@ -70,6 +70,15 @@ def make_batch(block_tables: list[list[int]], prefix_lens: list[int], q_lens: li
     return batch
 
 
+def pack_rows(block_tables: list[list[int]], columns: list[list[int]], pad_page: int,
+              device: torch.device) -> torch.Tensor:
+    """Per-request integer inputs in one host->device copy: [R, len(columns) + P] int64 rows, the
+    given columns first, then each page table padded with `pad_page` to the batch's widest."""
+    width = max(len(t) for t in block_tables)
+    rows = [[c[i] for c in columns] + t + [pad_page] * (width - len(t)) for i, t in enumerate(block_tables)]
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
 def uniform_batch(block_tables: torch.Tensor, starts: torch.Tensor, width: int, mask: torch.Tensor | None,
                   page_size: int, use_triton: bool = False, num_heads_per_kv: int = 1,
                   num_kv_heads: int = 1) -> AttentionBatch:

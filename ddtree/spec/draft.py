@@ -13,7 +13,7 @@ import torch
 from ddtree.engine.sequence import Sequence
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
-from ddtree.ops.attention import slots_for, uniform_batch
+from ddtree.ops.attention import pack_rows, slots_for, uniform_batch
 
 
 @dataclass(slots=True)
@@ -21,7 +21,7 @@ class StepInputs:
     """Everything a speculative step reads on the device, one row per request."""
     roots: torch.Tensor  # [R] last committed token (the block's first token, the tree's root)
     starts: torch.Tensor  # [R] num_cached: the root's position
-    block_tables: torch.Tensor  # [R, P] int32
+    block_tables: torch.Tensor  # [R, P] page ids
     ctx_feats: torch.Tensor  # [R, C, K*D] target features not yet in the drafter cache (padded)
     ctx_pos: torch.Tensor  # [R, C] their positions
     ctx_slots: torch.Tensor  # [R, C] their cache slots (padding: the scratch slot)
@@ -65,14 +65,9 @@ class DraftRunner:
                 pos[i, :n] = torch.arange(seq.draft_len, seq.num_cached)
                 slots[i, :n] = slots_for(seq.block_table, seq.draft_len, seq.num_cached, self.page_size)
             seq.draft_len, seq.pending_features = seq.num_cached, []
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.zeros(R, width, dtype=torch.int32)
-        for i, seq in enumerate(seqs):
-            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        dev = self.device
-        return StepInputs(torch.tensor([s.token_ids[-1] for s in seqs], device=dev),
-                          torch.tensor([s.num_cached for s in seqs], device=dev), tables.to(dev), feats,
-                          pos.to(dev), slots.to(dev))
+        rows = pack_rows([s.block_table for s in seqs], [[s.token_ids[-1] for s in seqs], [s.num_cached for s in seqs]],
+                         self.scratch_slot // self.page_size, self.device)
+        return StepInputs(rows[:, 0], rows[:, 1], rows[:, 2:], feats, pos.to(self.device), slots.to(self.device))
 
     def logits(self, inp: StepInputs) -> torch.Tensor:
         """Draft logits [R, B-1, V] (fp32) for depths 1..B-1; device ops only.
