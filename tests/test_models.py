@@ -84,3 +84,17 @@ def test_greedy_generation_matches_transformers_single_and_batched(family, tmp_p
     assert single == refs
     assert batched == refs
     assert llm.engine.allocator.num_free == 96
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
+    from transformers import AutoModelForCausalLM
+    single = make_tiny_model(str(tmp_path / "single"), "qwen3", with_tokenizer=False)
+    hf = AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32)
+    hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="40KB")  # many files + an index
+    import os
+    shards = [f for f in os.listdir(tmp_path / "sharded") if f.endswith(".safetensors")]
+    assert len(shards) > 1 and os.path.exists(tmp_path / "sharded" / "model.safetensors.index.json")
+    a, _ = load_model(single, "cpu", torch.float32)
+    b, _ = load_model(str(tmp_path / "sharded"), "cpu", torch.float32)
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb), na
