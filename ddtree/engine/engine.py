@@ -38,12 +38,12 @@ class LLMEngine:
         capacity = self.runner.num_pages * engine_cfg.page_size
         self.use_graphs = device.type == "cuda" and engine_cfg.cuda_graphs
         self.speculator = None
-        width = 1
-        if drafter is not None and budget > 0:
-            width = max(budget + 1, drafter.dcfg.block_size)
+        speculative = drafter is not None and budget > 0
+        # K/V slots a decode step writes past a request's cached tokens: the tree or the draft block.
+        width = max(budget + 1, drafter.dcfg.block_size) if speculative else 1
         max_pages = -(-(min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position) + width)
                       // engine_cfg.page_size)
-        if drafter is not None and budget > 0:
+        if speculative:
             draft_runner = DraftRunner(drafter, model, self.runner.num_slots, engine_cfg.page_size, device, dtype,
                                        self.runner.scratch_page * engine_cfg.page_size, self.runner.use_triton)
             self.speculator = Speculator(self.runner, draft_runner, budget, topk, self.use_graphs,
