@@ -1,7 +1,8 @@
-"""Command line: `ddtree generate "prompt"` and `ddtree pull`."""
+"""Command line: `ddtree generate "prompt"`, `ddtree serve`, `ddtree pull` and `ddtree bench latency`."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -65,6 +66,15 @@ def cmd_bench_latency(args) -> int:
     return latency(args)
 
 
+def cmd_serve(args) -> int:
+    if args.spec not in (None, "none") and args.draft is None:
+        raise ValueError(f"--spec {args.spec} needs --draft (a DFlash drafter checkpoint dir)")
+    if args.max_queue is not None and args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    from ddtree.server.app import serve
+    return serve(args)
+
+
 def cmd_pull(args) -> int:
     from ddtree.models.hub import pull
     print(pull())
@@ -87,6 +97,21 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--raw", action="store_true", help="no chat template: feed the prompt text as is")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, streaming)")
+    add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    s.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DDTREE_API_KEY, else none)")
+    s.add_argument("--served-model-name", default=None,
+                   help="model name in the API (default: the model dir's name, or the default model's)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait beyond --max-num-seqs before new ones get HTTP 429")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
+    s.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized from memory)")
+    s.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    s.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("pull", help="download, verify and convert the default model")
     p.set_defaults(func=cmd_pull)

@@ -29,8 +29,10 @@ class SamplingParams:
             self.top_k = 0
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer (0 or -1 disables it), got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
+        if 0 < self.temperature < 1e-5:  # logits / temperature would overflow: this is greedy anyway
+            self.temperature = 0.0
 
     @property
     def greedy(self) -> bool:

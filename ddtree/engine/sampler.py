@@ -21,14 +21,14 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=logits.device)
     drop = ranks >= top_k[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=torch.float32)
     probs = sorted_logits.softmax(dim=-1)
     # Keep a token if the mass strictly before it is < top_p (the first token is always kept).
     mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    sorted_logits = sorted_logits.masked_fill((mass_before >= top_p[:, None]) & (ranks > 0), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 

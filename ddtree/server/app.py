@@ -1,0 +1,279 @@
+"""The FastAPI app (OpenAI routes over an AsyncEngine) and `serve(args)`, which runs it with uvicorn.
+
+The HTTP server starts at once and loads the model in the background: `/health` answers 503 until
+the engine can generate. Every error, bad input included, is answered in the OpenAI shape
+`{"error": {"message", "type", "param", "code"}}`; invalid input is a 400, never a 5xx. With an API
+key, `/v1/*` needs `Authorization: Bearer KEY`; `/health`, `/metrics` and the docs stay open.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ddtree.server import protocol as P
+from ddtree.server.async_engine import AsyncEngine, Delta, RequestStream
+from ddtree.server.metrics import Metrics
+from ddtree.server.protocol import APIError
+
+ERRORS = {s: {"model": P.ErrorResponse} for s in (400, 401, 429, 503)}
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_queue: int | None = None  # requests waiting beyond max_num_seqs; more get 429
+
+
+@dataclass(slots=True)
+class Result:
+    text: str
+    finish_reason: str | None
+    accept_lengths: list[int]
+
+
+class BearerAuth:
+    """ASGI middleware: 401 on /v1/* without the key (before the body is read, so even bad JSON gets 401)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.key):
+                err = APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                               code="invalid_api_key")
+                return await JSONResponse(err.body(), 401)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class SSEResponse(StreamingResponse):
+    """Closes its generator however the response ends, so a client gone mid-stream aborts its request."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def create_app(load: Callable[[], object], cfg: ServerConfig,
+               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """`load()` builds the LLM; it runs on the engine thread after the server has started."""
+    metrics = Metrics()
+    engine = AsyncEngine(load, metrics, cfg.max_queue, on_fatal)
+    started = time.time()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="ddtree", summary="OpenAI-compatible server with DFlash/DDTree speculative decoding",
+                  version="0.1.0", lifespan=lifespan)
+    app.state.engine = engine
+    if cfg.api_key:
+        app.add_middleware(BearerAuth, key=cfg.api_key)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.ready:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "failed" if engine.error else "loading", "error": engine.error}, 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    def card() -> P.ModelCard:
+        llm = engine.llm
+        return P.ModelCard(id=cfg.model_name, created=int(started),
+                           max_model_len=llm.engine.max_model_len if llm is not None else None)
+
+    @app.get("/v1/models", responses=ERRORS)
+    async def models() -> P.ModelList:
+        return P.ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}", responses={**ERRORS, 404: {"model": P.ErrorResponse}})
+    async def model(model_id: str) -> P.ModelCard:
+        if model_id != cfg.model_name:
+            raise APIError(404, f"model {model_id!r} not found; this server serves {cfg.model_name!r}",
+                           param="model", code="model_not_found")
+        return card()
+
+    @app.post("/v1/chat/completions", response_model=None, responses=ERRORS)
+    async def chat_completions(req: P.ChatCompletionRequest, request: Request):
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return await respond(req, P.chat_prompt(req), max_tokens, request, chat=True)
+
+    @app.post("/v1/completions", response_model=None, responses=ERRORS)
+    async def completions(req: P.CompletionRequest, request: Request):
+        return await respond(req, P.completion_prompt(req.prompt), req.max_tokens, request, chat=False)
+
+    async def respond(req: P.SamplingRequest, prompt: P.Prompt, max_tokens: int | None, request: Request, chat: bool):
+        engine.check_ready()
+        if req.model is not None and req.model != cfg.model_name:
+            raise APIError(400, f"unknown model {req.model!r}; this server serves {cfg.model_name!r}",
+                           param="model", code="model_not_found")
+        if req.n != 1:
+            raise APIError(400, f"n={req.n} is not supported: this server returns one choice per request; "
+                                "send n requests instead", param="n")
+        stream = await engine.submit(prompt, P.sampling_params(req, engine.llm.config.vocab_size), max_tokens)
+        head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
+                    model=cfg.model_name)
+        if not req.stream:
+            r = await collect(stream, request)
+            tail = dict(usage=usage(stream), ddtree=spec_info(r.accept_lengths))
+            if chat:
+                msg = P.ChatMessageOut(content=r.text)
+                return P.ChatCompletionResponse(**head, **tail, choices=[P.ChatChoice(message=msg,
+                                                                                      finish_reason=r.finish_reason)])
+            return P.CompletionResponse(**head, **tail, choices=[P.CompletionChoice(text=r.text,
+                                                                                    finish_reason=r.finish_reason)])
+        Chunk = P.ChatCompletionChunk if chat else P.CompletionResponse
+
+        def chunk(text: str | None, finish: str | None = None, accepts: list[int] | None = None):
+            choice = P.ChatChunkChoice(delta=P.ChatDelta(content=text), finish_reason=finish) if chat else \
+                P.CompletionChoice(text=text or "", finish_reason=finish)
+            return Chunk(**head, choices=[choice], ddtree=spec_info(accepts))
+
+        async def events():
+            if chat:
+                yield Chunk(**head, choices=[P.ChatChunkChoice(delta=P.ChatDelta(role="assistant", content=""))])
+            async for d in stream:
+                if d.error is not None:
+                    yield P.ErrorResponse(error=P.ErrorInfo(message=d.error, type="server_error"))
+                    return
+                if d.text:
+                    yield chunk(d.text)
+                if d.finish_reason is not None:
+                    yield chunk(None, d.finish_reason, d.accept_lengths)
+            if req.include_usage:
+                yield Chunk(**head, choices=[], usage=usage(stream))
+        return SSEResponse(sse(stream, events()), media_type="text/event-stream")
+
+    def spec_info(accepts: list[int] | None) -> P.SpecInfo | None:
+        if accepts is None:
+            return None
+        mean = sum(accepts) / len(accepts) if accepts else None
+        return P.SpecInfo(spec=engine.llm.spec, accept_lengths=accepts, mean_accept_length=mean)
+
+    return app
+
+
+def usage(stream: RequestStream) -> P.Usage:
+    n = stream.completion_tokens
+    return P.Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=n, total_tokens=stream.prompt_tokens + n)
+
+
+async def collect(stream: RequestStream, request: Request) -> Result:
+    """All of a request's deltas; aborts it if the client disconnects (or the server stops) first."""
+    parts: list[str] = []
+    nxt = asyncio.ensure_future(stream.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=1.0)
+            if not done:
+                if await request.is_disconnected():
+                    raise APIError(499, "client disconnected")
+                continue
+            d: Delta = nxt.result()
+            if d.error is not None:
+                raise APIError(500, d.error, "server_error")
+            parts.append(d.text)
+            if d.finish_reason is not None:
+                return Result("".join(parts), d.finish_reason, d.accept_lengths or [])
+            nxt = asyncio.ensure_future(stream.__anext__())
+    finally:
+        nxt.cancel()
+        stream.abort()  # a no-op once finished
+
+
+async def sse(stream: RequestStream, events: AsyncIterator) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            drop = {"ddtree"} if getattr(event, "ddtree", 0) is None else None
+            yield f"data: {event.model_dump_json(exclude=drop)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.abort()  # a no-op once finished; frees the pages of a request whose client left
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            msg, param = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+        else:  # param: the top-level field; the message names the exact place (union members included)
+            param = loc[0] if loc else None
+            msg = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg", "invalid request"))
+            if len(errs) > 1:
+                msg += f" (and {len(errs) - 1} more)"
+        return JSONResponse(APIError(400, msg, param=param).body(), 400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(APIError(500, f"internal server error: {type(e).__name__}", "server_error").body(), 500)
+
+
+def default_model_name(model: str | None) -> str:
+    from ddtree.models.hub import DEFAULT_MODEL
+    if model is None:
+        return DEFAULT_MODEL
+    name = os.path.basename(os.path.normpath(model))
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def serve(args) -> int:
+    """Runs the server until interrupted; returns 1 if the model failed to load."""
+    import uvicorn
+
+    from ddtree.llm import LLM
+
+    def load():
+        return LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
+                   device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages,
+                   max_model_len=args.max_model_len)
+
+    failed: list[BaseException] = []
+
+    def on_fatal(e: BaseException) -> None:
+        failed.append(e)
+        server.should_exit = True
+
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # our log lines formatted like uvicorn's
+    log_config["loggers"]["ddtree.server"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    cfg = ServerConfig(args.served_model_name or default_model_name(args.model), args.api_key, args.max_queue)
+    server = uvicorn.Server(uvicorn.Config(create_app(load, cfg, on_fatal), host=args.host, port=args.port,
+                                           log_config=log_config, timeout_graceful_shutdown=5))
+    server.run()
+    return 1 if failed else 0

@@ -1,0 +1,231 @@
+"""Request and response bodies in the OpenAI shapes (chat completions, completions, models, errors).
+
+Ranges the engine cannot take are declared here, so they appear in the OpenAPI schema and come back
+as HTTP 400 before a request reaches the engine. Unknown request fields are ignored, as OpenAI
+clients send many optional ones. `top_k` and `ignore_eos` are extensions (as in vLLM); responses
+carry a `ddtree` extension with the request's speculative decoding stats.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, Field, StrictInt, model_serializer, model_validator
+
+from ddtree.sampling_params import SamplingParams
+
+MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape with HTTP `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by both completion endpoints."""
+    model: str | None = Field(None, description="must be the served model name when given")
+    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1, description="extension; 0 or -1 = off")
+    seed: int | None = Field(None, ge=-(2**63), le=MAX_SEED)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, description="only 1 is supported")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence tokens")
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):  # as in the OpenAI API: clients send "temperature": null for the default
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict:
+        """The message as the chat template expects it: content as one string."""
+        content = self.content
+        if isinstance(content, list):
+            if any(p.type != "text" or p.text is None for p in content):
+                raise ValueError("only text content parts are supported")
+            content = "".join(p.text for p in content)
+        msg = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
+        ..., description="a string or a list of token ids (one prompt per request)")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpecInfo(BaseModel):
+    """The `ddtree` extension: tokens committed per verify step ([] without speculation)."""
+    spec: str
+    accept_lengths: list[int]
+    mean_accept_length: float | None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):  # OpenAI sends {"content": "..."} and a final {}
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class _Response(BaseModel):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: Usage | None = None
+    ddtree: SpecInfo | None = None
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ddtree"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+@dataclass(slots=True)
+class Prompt:
+    """What the engine thread tokenizes: exactly one of chat messages (through the chat template),
+    text, or token ids."""
+    messages: list[dict] | None = None
+    text: str | None = None
+    ids: list[int] | None = None
+
+    @property
+    def param(self) -> str:
+        return "messages" if self.messages is not None else "prompt"
+
+
+def chat_prompt(req: ChatCompletionRequest) -> Prompt:
+    try:
+        return Prompt(messages=[m.to_template() for m in req.messages])
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def completion_prompt(prompt: str | list) -> Prompt:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return Prompt(text=prompt)
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return Prompt(ids=list(prompt))
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    raise APIError(400, f"got {len(prompt)} prompts; send one prompt per request", param="prompt")
+
+
+def sampling_params(req: SamplingRequest, vocab_size: int) -> SamplingParams:
+    """The engine's params; max_tokens is set on the engine thread once the prompt length is known.
+    Values the engine would take literally but that underflow in float32 are mapped to equivalents."""
+    try:
+        return SamplingParams(
+            max_tokens=1, temperature=req.temperature if req.temperature >= 1e-5 else 0.0,  # tiny = greedy
+            top_p=max(req.top_p, 1e-6),  # keeps just the top token, as any smaller top_p would
+            top_k=min(req.top_k, vocab_size), seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None

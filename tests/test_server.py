@@ -1,0 +1,487 @@
+"""`ddtree serve` end to end: real server processes on a tiny model pair, driven by the openai client.
+
+Three servers start once for the module (in parallel, on free loopback ports): AR, DDTree with a
+random drafter, and AR with an API key and a one-request queue limit. Every request is bounded by a
+client timeout and every wait by a deadline, so a hung server fails the tests instead of hanging them.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tiny import make_tiny_model
+
+STARTUP_S = 120  # per server, loading included
+REQUEST_S = 60
+MSG = [{"role": "user", "content": "Hello, how are you?"}]
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+GREEDY = dict(temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log: str
+    key: str | None = None
+    seen_before_healthy: set[int] = field(default_factory=set)  # statuses of /health while starting
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.key or "unused", timeout=REQUEST_S,
+                             max_retries=0)
+
+    def post(self, path: str, body, headers: dict | None = None) -> httpx.Response:
+        headers = ({"Authorization": f"Bearer {self.key}"} if self.key else {}) | (headers or {})
+        if isinstance(body, str):
+            return httpx.post(self.url + path, content=body, timeout=REQUEST_S,
+                              headers={"Content-Type": "application/json", **headers})
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=REQUEST_S)
+
+    def metrics(self) -> dict[str, float]:
+        """Samples by name, labels folded in: {'ddtree_requests_total{finish_reason="abort"}': 1.0, ...}."""
+        text = httpx.get(self.url + "/metrics", timeout=REQUEST_S).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+        return out
+
+    def wait_until(self, pred, timeout: float = 15.0) -> dict[str, float]:
+        """Polls /metrics until `pred(metrics)` holds; returns the metrics that satisfied it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if pred(m):
+                return m
+            assert time.monotonic() < deadline, f"{self.name}: condition not met within {timeout}s: {m}"
+            time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(name: str, args: list[str], tmp) -> Server:
+    port, log = free_port(), str(tmp / f"{name}.log")
+    cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--device", "cpu", *args]
+    env = {k: v for k, v in os.environ.items() if k != "DDTREE_API_KEY"}  # keys only where a test asks
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+    return Server(name, f"http://127.0.0.1:{port}", proc, log, key)
+
+
+def wait_healthy(server: Server, deadline: float) -> set[int]:
+    """Polls /health until 200; returns the statuses seen before (503 while loading)."""
+    seen = set()
+    while True:
+        if server.proc.poll() is not None:
+            pytest.fail(f"{server.name} server exited with {server.proc.returncode}:\n{open(server.log).read()}")
+        try:
+            status = httpx.get(server.url + "/health", timeout=5).status_code
+            if status == 200:
+                return seen
+            seen.add(status)
+        except httpx.TransportError:
+            pass  # not listening yet
+        if time.monotonic() > deadline:
+            pytest.fail(f"{server.name} server not healthy within {STARTUP_S}s:\n{open(server.log).read()}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[str, str]:
+    from ddtree.config import ModelConfig
+    from ddtree.models.dflash import random_drafter, save_drafter
+
+    root = tmp_path_factory.mktemp("serve")
+    model = make_tiny_model(str(root / "tiny-qwen3"), "qwen3", num_hidden_layers=4)
+    draft = str(root / "drafter")
+    save_drafter(random_drafter(ModelConfig.from_dir(model), num_layers=1, block_size=8, target_layer_ids=[0, 2]),
+                 draft)
+    return model, draft
+
+
+@pytest.fixture(scope="module")
+def servers(pair, tmp_path_factory):
+    model, draft = pair
+    tmp = tmp_path_factory.mktemp("serve_logs")
+    common = ["--model", model, "--num-pages", "512"]
+    procs = {
+        # short context: requests without max_tokens (schemathesis sends many) stay short
+        "ar": launch("ar", [*common, "--max-model-len", "128"], tmp),
+        "spec": launch("spec", [*common, "--draft", draft, "--spec", "ddtree", "--budget", "8", "--topk", "2",
+                                "--max-model-len", "256"], tmp),
+        "keyed": launch("keyed", ["--model", model, "--num-pages", "64", "--api-key", "sekrit",
+                                  "--served-model-name", "keyed", "--max-num-seqs", "1", "--max-queue", "0"], tmp),
+    }
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        for s in procs.values():
+            s.seen_before_healthy = wait_healthy(s, deadline)
+        yield procs
+    finally:
+        for s in procs.values():
+            s.proc.terminate()
+        for s in procs.values():
+            try:
+                s.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+                s.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def ar(servers) -> Server:
+    return servers["ar"]
+
+
+@pytest.fixture(scope="module")
+def spec(servers) -> Server:
+    return servers["spec"]
+
+
+@pytest.fixture(scope="module")
+def keyed(servers) -> Server:
+    return servers["keyed"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(pair):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(pair[0])
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---- the API, through the openai client
+
+def test_health_is_ok_and_models_list_the_served_name(servers, ar, keyed):
+    assert all(s.seen_before_healthy <= {503} for s in servers.values())  # 503 while loading, if caught
+    assert httpx.get(ar.url + "/health").json() == {"status": "ok"}
+    models = ar.client().models.list().data
+    assert [m.id for m in models] == ["tiny-qwen3"] and models[0].max_model_len == 128
+    assert ar.client().models.retrieve("tiny-qwen3").id == "tiny-qwen3"
+    assert [m.id for m in keyed.client().models.list().data] == ["keyed"]
+
+
+def test_chat_completion_reports_text_usage_finish_reason_and_no_spec_stats_for_ar(ar, tokenizer):
+    r = ar.client().chat.completions.create(model="tiny-qwen3", messages=MSG, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.model == "tiny-qwen3"
+    c = r.choices[0]
+    assert c.message.role == "assistant" and isinstance(c.message.content, str) and c.finish_reason == "length"
+    prompt = len(chat_ids(tokenizer, MSG))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (prompt, 12, prompt + 12)
+    assert r.model_extra["ddtree"] == {"spec": "none", "accept_lengths": [], "mean_accept_length": None}
+    # without ignore_eos the model may stop early, but never past max_tokens
+    r = ar.client().chat.completions.create(model="tiny-qwen3", messages=MSG, max_completion_tokens=5)
+    assert r.usage.completion_tokens <= 5 and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completion_takes_text_or_token_ids(ar, tokenizer):
+    text = "def add(a, b):"
+    a = ar.client().completions.create(model="tiny-qwen3", prompt=text, **GREEDY)
+    b = ar.client().completions.create(model="tiny-qwen3", prompt=tokenizer.encode(text), **GREEDY)
+    assert a.object == "text_completion" and a.choices[0].finish_reason == "length"
+    assert a.choices[0].text == b.choices[0].text and a.usage.prompt_tokens == len(tokenizer.encode(text))
+
+
+def test_streamed_chunks_concatenate_to_the_non_streamed_text_and_end_with_usage(spec):
+    c = spec.client()
+    full = c.chat.completions.create(model="tiny-qwen3", messages=MSG, **GREEDY)
+    chunks = list(c.chat.completions.create(model="tiny-qwen3", messages=MSG, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == full.choices[0].message.content
+    finals = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
+    assert finals[0].model_extra["ddtree"] == full.model_extra["ddtree"]
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    text = c.completions.create(model="tiny-qwen3", prompt="for i in", **GREEDY).choices[0].text
+    parts = list(c.completions.create(model="tiny-qwen3", prompt="for i in", stream=True, **GREEDY))
+    assert "".join(p.choices[0].text for p in parts) == text and parts[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_the_text_and_is_never_streamed(ar):
+    c = ar.client()
+
+    def stream(**kw) -> list[str]:
+        return [p.choices[0].text for p in c.completions.create(model="tiny-qwen3", prompt="Hello", stream=True,
+                                                                 **GREEDY, **kw)]
+    parts = [p for p in stream() if p]
+    text = "".join(parts)
+    # A stop string that straddles two deltas: without the hold-back its first character would go out.
+    i = len(parts) // 2
+    stop = parts[i - 1][-1] + parts[i][0]
+    expected = text[:text.find(stop)]
+    r = c.completions.create(model="tiny-qwen3", prompt="Hello", stop=stop, **GREEDY)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    for stops in ([stop], ["never-in-the-output-\x00", stop]):
+        streamed = stream(stop=stops)
+        assert "".join(streamed) == expected and all(stop not in p for p in streamed)
+
+
+@pytest.mark.parametrize("which", ["ar", "spec"])
+def test_same_seed_gives_the_same_sampled_text(which, servers):
+    c = servers[which].client()
+
+    def sample(seed):
+        return c.chat.completions.create(model="tiny-qwen3", messages=MSG, temperature=1.0, top_p=0.95, seed=seed,
+                                         max_tokens=16, extra_body={"ignore_eos": True}).choices[0].message.content
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1  # and it does sample
+
+
+def test_speculative_greedy_output_equals_ar_output(ar, spec):
+    convos = [MSG, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "for i in range(10):"}],
+              [{"role": "user", "content": "The quick brown fox"}]]
+    for messages in convos:
+        a = ar.client().chat.completions.create(model="tiny-qwen3", messages=messages, **GREEDY)
+        s = spec.client().chat.completions.create(model="tiny-qwen3", messages=messages, **GREEDY)
+        assert s.choices[0].message.content == a.choices[0].message.content
+        assert s.usage == a.usage
+        info = s.model_extra["ddtree"]
+        assert info["spec"] == "ddtree" and sum(info["accept_lengths"]) == s.usage.completion_tokens - 1
+        assert info["mean_accept_length"] >= 1
+    a = ar.client().completions.create(model="tiny-qwen3", prompt="import numpy", **GREEDY)
+    s = spec.client().completions.create(model="tiny-qwen3", prompt="import numpy", **GREEDY)
+    assert s.choices[0].text == a.choices[0].text
+
+
+# ---- bad input: a 400 in the OpenAI error shape, and the server goes on serving
+
+LONG = "hello world, how are you today? " * 200
+BAD = {
+    "negative temperature": (CHAT, {"messages": MSG, "temperature": -0.5}, "temperature"),
+    "temperature not a number": (CHAT, {"messages": MSG, "temperature": "hot"}, "temperature"),
+    "top_p zero": (CHAT, {"messages": MSG, "top_p": 0}, "top_p"),
+    "top_p above one": (COMP, {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    "max_tokens zero": (COMP, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    "max_tokens negative": (CHAT, {"messages": MSG, "max_tokens": -3}, "max_tokens"),
+    "max_completion_tokens zero": (CHAT, {"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
+    "max_tokens beyond the context": (CHAT, {"messages": MSG, "max_tokens": 100_000}, "max_tokens"),
+    "unknown model": (CHAT, {"model": "gpt-17", "messages": MSG}, "model"),
+    "malformed JSON": (CHAT, '{"messages": [', None),
+    "body not an object": (COMP, "[1, 2]", None),
+    "empty messages": (CHAT, {"messages": []}, "messages"),
+    "no messages": (CHAT, {"max_tokens": 4}, "messages"),
+    "image content": (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    "chat longer than the context": (CHAT, {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+    "prompt longer than the context": (COMP, {"prompt": LONG}, "prompt"),
+    "empty prompt": (COMP, {"prompt": ""}, "prompt"),
+    "several prompts": (COMP, {"prompt": ["a", "b"]}, "prompt"),
+    "token id out of range": (COMP, {"prompt": [1, 10**9]}, "prompt"),
+    "n above one": (CHAT, {"messages": MSG, "n": 2}, "n"),
+    "bad params on a stream": (CHAT, {"messages": MSG, "stream": True, "top_p": 0}, "top_p"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_input_is_a_400_in_the_openai_error_shape(case, ar):
+    path, body, param = BAD[case]
+    r = ar.post(path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["param"] == param
+    assert err["type"] == "invalid_request_error"
+    ok = ar.post(COMP, {"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_null_fields_mean_the_defaults(ar):
+    body = {"messages": MSG, "max_tokens": 3, "temperature": None, "top_p": None, "n": None, "stop": None,
+            "seed": None, "stream": None, "stream_options": None, "model": None}
+    r = ar.post(CHAT, body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_openai_client_sees_bad_request_errors(ar):
+    with pytest.raises(openai.BadRequestError, match="n=3 is not supported"):
+        ar.client().chat.completions.create(model="tiny-qwen3", messages=MSG, n=3)
+
+
+# ---- concurrency, disconnects and KV pages
+
+def test_32_concurrent_streams_complete_and_then_every_kv_page_is_free(spec):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+        stream = await client.chat.completions.create(
+            model="tiny-qwen3", messages=[{"role": "user", "content": f"Request {i}: count to {i}."}],
+            max_tokens=8 + i % 9, temperature=0 if i % 2 else 0.8, seed=i, stream=True)
+        text, finish = "", None
+        async for ch in stream:
+            text += ch.choices[0].delta.content or ""
+            finish = ch.choices[0].finish_reason or finish
+        return text, finish
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{spec.url}/v1", api_key="unused", timeout=REQUEST_S,
+                                      max_retries=0) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(32))), 120)
+
+    before = spec.metrics()
+    results = asyncio.run(main())
+    assert all(finish in ("stop", "length") for _, finish in results), results
+    m = spec.wait_until(lambda m: m["ddtree_kv_pages_used"] == 0 and m["ddtree_requests_running"] == 0)
+    done = sum(v for k, v in m.items() if k.startswith("ddtree_requests_total"))
+    assert done - sum(v for k, v in before.items() if k.startswith("ddtree_requests_total")) == 32
+    assert m["ddtree_requests_waiting"] == 0 and m["ddtree_kv_pages_total"] == 512
+
+
+def test_client_disconnect_mid_stream_aborts_the_request_and_frees_its_pages(spec):
+    aborts = 'ddtree_requests_total{finish_reason="abort"}'
+    before = spec.metrics().get(aborts, 0)
+    body = {"messages": MSG, "stream": True, "max_tokens": 230, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(timeout=REQUEST_S) as c, c.stream("POST", spec.url + CHAT, json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # held: a dropped line iterator would close the connection early
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["object"] == "chat.completion.chunk"
+        spec.wait_until(lambda m: m["ddtree_kv_pages_used"] > 0, timeout=5)  # it is running
+        assert spec.metrics().get(aborts, 0) == before
+    m = spec.wait_until(lambda m: m.get(aborts, 0) == before + 1 and m["ddtree_kv_pages_used"] == 0)
+    assert m["ddtree_requests_running"] == 0
+
+
+# ---- API key and queue limit
+
+def test_api_key_is_required_on_v1_but_not_on_health(keyed):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(keyed.url + CHAT, json={"messages": MSG}, headers=headers, timeout=REQUEST_S)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(keyed.url + "/v1/models", timeout=REQUEST_S).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(keyed.url + "/health", timeout=REQUEST_S).status_code == 200
+    r = keyed.client().chat.completions.create(model="keyed", messages=MSG, max_tokens=3)
+    assert r.usage.completion_tokens <= 3
+
+
+def test_requests_beyond_the_queue_limit_get_429(keyed):
+    # keyed: --max-num-seqs 1 --max-queue 0, so one request in flight is the limit
+    body = {"messages": MSG, "stream": True, "max_tokens": 200, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {keyed.key}"}
+    with httpx.Client(timeout=REQUEST_S, headers=headers) as c, c.stream("POST", keyed.url + CHAT, json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # held: a dropped line iterator would close the connection early
+        next(line for line in lines if line.startswith("data: "))
+        busy = keyed.post(CHAT, {"messages": MSG, "max_tokens": 2})
+        assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full"
+        with pytest.raises(openai.RateLimitError):
+            keyed.client().chat.completions.create(model="keyed", messages=MSG, max_tokens=2)
+    keyed.wait_until(lambda m: m["ddtree_kv_pages_used"] == 0)
+    deadline = time.monotonic() + 15
+    while (r := keyed.post(CHAT, {"messages": MSG, "max_tokens": 2})).status_code == 429:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert r.status_code == 200
+
+
+# ---- metrics
+
+def test_metrics_count_requests_tokens_latency_and_speculation(spec):
+    spec.client().chat.completions.create(model="tiny-qwen3", messages=MSG, **GREEDY)
+    m = spec.wait_until(lambda m: m["ddtree_kv_pages_used"] == 0)
+    assert m['ddtree_requests_total{finish_reason="length"}'] >= 1
+    assert m["ddtree_prompt_tokens_total"] > 0 and m["ddtree_generation_tokens_total"] >= 24
+    assert m["ddtree_time_to_first_token_seconds_count"] >= 1 and m["ddtree_inter_token_latency_seconds_count"] >= 23
+    steps = m["ddtree_spec_verify_steps_total"]
+    assert steps > 0 and m["ddtree_spec_drafted_tokens_total"] == 8 * steps  # budget 8
+    assert 0 <= m["ddtree_spec_accepted_tokens_total"] <= m["ddtree_spec_drafted_tokens_total"]
+    # committed per step = accepted drafts + 1 bonus token, less any cut by max_tokens or a stop
+    assert m["ddtree_spec_acceptance_length_count"] == steps
+    assert steps <= m["ddtree_spec_acceptance_length_sum"] <= steps + m["ddtree_spec_accepted_tokens_total"]
+
+
+# ---- schemathesis: generated valid and invalid requests for every operation never get a 5xx
+
+def test_schemathesis_generated_requests_never_get_a_server_error(ar):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(ar.url + "/openapi.json")
+    calls = []
+    for result in schema.get_all_operations():
+        op = result.ok()
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            @given(case=op.as_strategy(generation_mode=mode))
+            @settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+            def check(case):
+                response = case.call(timeout=REQUEST_S)
+                calls.append(response.status_code)
+                assert response.status_code < 500, f"{case.method} {case.path} {case.body!r}: {response.text}"
+            try:
+                check()
+            except Unsatisfiable:  # nothing invalid to generate (an operation without parameters)
+                assert mode is GenerationMode.NEGATIVE
+    assert len(calls) > 100 and 200 in calls and 400 in calls
+    assert ar.post(COMP, {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+# ---- in-process: loading states without a subprocess
+
+def test_app_answers_503_until_loaded_and_reports_a_failed_load(tiny_qwen2):
+    from fastapi.testclient import TestClient
+
+    from ddtree.llm import LLM
+    from ddtree.server.app import ServerConfig, create_app
+
+    gate = threading.Event()
+
+    def load():
+        assert gate.wait(30)
+        return LLM(tiny_qwen2, device="cpu", dtype="float32", num_pages=32)
+
+    with TestClient(create_app(load, ServerConfig("m"))) as c:
+        assert c.get("/health").status_code == 503 and c.get("/health").json()["status"] == "loading"
+        r = c.post(CHAT, json={"messages": MSG})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        gate.set()
+        deadline = time.monotonic() + 30
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = c.post(COMP, json={"prompt": "hi", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+
+    fatal = []
+
+    def broken():
+        raise FileNotFoundError("no model at /nowhere")
+
+    with TestClient(create_app(broken, ServerConfig("m"), on_fatal=fatal.append)) as c:
+        deadline = time.monotonic() + 10
+        while not fatal:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        h = c.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "failed" and "/nowhere" in h.json()["error"]
+        assert isinstance(fatal[0], FileNotFoundError)
+
+
+def test_serve_rejects_a_speculative_mode_without_a_drafter():
+    r = subprocess.run([sys.executable, "-m", "ddtree.cli", "serve", "--spec", "ddtree"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "--draft" in r.stderr
