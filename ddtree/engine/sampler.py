@@ -54,7 +54,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     unseeded = [j for j, i in enumerate(sampled) if generators[i] is None]
     if unseeded:
         tokens[[sampled[j] for j in unseeded]] = torch.multinomial(probs[unseeded], 1).squeeze(-1)
+    # One draw per seeded request (a speculative step has one row per tree node of that request).
+    by_gen: dict[int, tuple[torch.Generator, list[int]]] = {}
     for j, i in enumerate(sampled):
         if generators[i] is not None:
-            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i]).squeeze(-1)
+            by_gen.setdefault(id(generators[i]), (generators[i], []))[1].append(j)
+    for gen, rows in by_gen.values():
+        tokens[[sampled[j] for j in rows]] = torch.multinomial(probs[rows], 1, generator=gen).squeeze(-1)
     return tokens
