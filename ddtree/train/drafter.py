@@ -1,0 +1,365 @@
+"""The DFlash training recipe (z-lab never released theirs): train a drafter on a frozen target.
+
+Per sequence, random anchor positions a are drawn inside the response. Each anchor gives one block
+[token[a], MASK x (B-1)] at positions a .. a+B-1 that sees the target features of positions < a
+(injected as extra keys/values, exactly as in inference) and its whole own block (non-causal), and
+nothing of other blocks. All blocks of a batch go through one forward with a boolean attention mask
+(`block_attention`: plain SDPA; flex_attention with a block mask is the GPU path to add for long
+sequences). The loss is cross-entropy at block index k = 1..B-1 against token[a+k], weighted by
+exp(-(k-1)/gamma) and counted only where a+k is a response token. The target (its embedding and LM
+head included) is frozen; only the drafter's parameters are optimized (AdamW, linear warm-up then
+cosine decay, gradient clipping).
+
+Checkpoints: the drafter in the z-lab format (`save_drafter`) plus `trainer_state.pt` (fp32 weights,
+optimizer, scheduler, step), so `--resume` continues exactly.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.models.dflash import DFlashDrafter, DraftAttention, load_drafter, random_drafter, save_drafter
+from ddtree.models.transformer import CausalLM
+from ddtree.ops.attention import make_batch
+
+STATE_FILE = "trainer_state.pt"
+LOG_FILE = "train_log.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 8  # sequences per step
+    blocks_per_seq: int = 16  # anchors drawn per sequence
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup: float = 0.04  # fraction of steps (or an absolute count if >= 1)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float = 7.0
+    max_len: int = 2048  # sequences are truncated to this many tokens
+    seed: int = 0
+    save_every: int = 500
+    log_every: int = 10
+    save_dtype: str = "bfloat16"
+    attention: str = "sdpa"  # or "flex" (flex_attention + BlockMask; GPU only for training: no CPU backward)
+
+
+@torch.no_grad()
+def target_features(target: CausalLM, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """[T, K*D] concatenated outputs of the target layers `layer_ids` over one whole sequence (a plain
+    causal prefill through the torch reference attention, into a throwaway one-page cache)."""
+    T, cfg = ids.shape[0], target.config
+    dev, dtype = ids.device, target.lm_head.weight.dtype
+    for layer in target.model.layers:
+        attn = layer.self_attn
+        attn.k_cache = torch.empty(T, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev)
+        attn.v_cache = torch.empty_like(attn.k_cache)
+    batch = make_batch([[0]], [0], [T], None, T, dev)
+    try:
+        _, taps = target(ids, torch.arange(T, device=dev), batch, taps=layer_ids)
+    finally:
+        for layer in target.model.layers:
+            layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
+    return torch.cat(taps, dim=-1)
+
+
+def block_attention(attn: DraftAttention, x: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor,
+                    ctx_pos: torch.Tensor, mask) -> torch.Tensor:
+    """The drafter attention in training form, with the layer's own weights. x: [R, Q, D] block tokens
+    at positions pos [R, Q]; ctx: [R, C, D] fused target features at ctx_pos [R, C]; mask [R, Q, C+Q]
+    bool (True = may attend), or a flex_attention BlockMask of that pattern. Keys/values are
+    [kv(ctx); kv(block)] as in inference."""
+    R, Q, _ = x.shape
+    C = ctx.shape[1]
+    H, Hkv, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q = attn.q_norm(attn.q_proj(x).view(R * Q, H, Dh))
+    (q,) = attn.rotary[0](pos.flatten(), q)
+    kc, vc = attn.kv(ctx.reshape(R * C, -1), ctx_pos.flatten())
+    kb, vb = attn.kv(x.reshape(R * Q, -1), pos.flatten())
+    k = torch.cat([kc.view(R, C, Hkv, Dh), kb.view(R, Q, Hkv, Dh)], 1)
+    v = torch.cat([vc.view(R, C, Hkv, Dh), vb.view(R, Q, Hkv, Dh)], 1)
+    if not isinstance(mask, torch.Tensor):  # a BlockMask: flex_attention skips the masked-out tiles
+        o = _flex()(q.view(R, Q, H, Dh).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                    scale=attn.scale, enable_gqa=H != Hkv)
+        return attn.o_proj(o.transpose(1, 2).reshape(R, Q, H * Dh))
+    groups = H // Hkv
+    k = k.repeat_interleave(groups, dim=2).transpose(1, 2)  # [R, H, C+Q, Dh]
+    v = v.repeat_interleave(groups, dim=2).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.view(R, Q, H, Dh).transpose(1, 2), k, v, attn_mask=mask[:, None],
+                                       scale=attn.scale)
+    return attn.o_proj(o.transpose(1, 2).reshape(R, Q, H * Dh))
+
+
+def block_mask(anchors: torch.Tensor, ctx_len: torch.Tensor, C: int, B: int) -> torch.Tensor:
+    """[R, n*B, C + n*B] bool. anchors [R, n] (padding: -1); ctx_len [R] valid context rows. A block
+    query sees context j < its anchor (and j < ctx_len) and every token of its own block."""
+    R, n = anchors.shape
+    dev = anchors.device
+    a = anchors.repeat_interleave(B, dim=1)  # [R, n*B] anchor of each query
+    j = torch.arange(C, device=dev)
+    ctx = (j[None, None, :] < a[:, :, None]) & (j[None, None, :] < ctx_len[:, None, None])
+    blk = torch.arange(n, device=dev).repeat_interleave(B)
+    own = blk[:, None] == blk[None, :]
+    return torch.cat([ctx, own[None].expand(R, -1, -1)], dim=2)
+
+
+@functools.cache
+def _flex():
+    """flex_attention, compiled once on GPU (the eager version is a slow reference implementation)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
+
+
+def flex_block_mask(anchors: torch.Tensor, ctx_len: torch.Tensor, C: int, B: int):
+    """`block_mask`'s pattern as a flex_attention BlockMask (the GPU path: memory and work scale with
+    the unmasked tiles instead of R * Q * (C+Q))."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    R, n = anchors.shape
+
+    def mask_mod(b, h, q, kv):
+        blk = q // B
+        in_ctx = (kv < C) & (kv < anchors[b, blk]) & (kv < ctx_len[b])
+        return in_ctx | ((kv >= C) & ((kv - C) // B == blk))
+    return create_block_mask(mask_mod, R, None, n * B, C + n * B, device=anchors.device)
+
+
+def draft_logits(drafter: DFlashDrafter, target: CausalLM, ids: torch.Tensor, feats: torch.Tensor,
+                 ctx_len: torch.Tensor, anchors: torch.Tensor, flex: bool = False) -> torch.Tensor:
+    """Training-mode drafter forward. ids [R, L] tokens (padded), feats [R, L, K*D] target features,
+    ctx_len [R] real lengths, anchors [R, n] block starts (padding -1; such blocks are computed but
+    meaningless). Returns logits [R, n, B-1, V] for block indices 1..B-1. `flex`: attention through
+    flex_attention with a BlockMask instead of SDPA with a dense boolean mask."""
+    dc = drafter.dcfg
+    B = dc.block_size
+    R, n = anchors.shape
+    L = ids.shape[1]
+    dev = ids.device
+    a = anchors.clamp(min=0)
+    block_ids = torch.full((R, n, B), dc.mask_token_id, dtype=torch.long, device=dev)
+    block_ids[:, :, 0] = ids.gather(1, a)
+    pos = (a[:, :, None] + torch.arange(B, device=dev)).view(R, n * B)
+    wdt = drafter.fc.weight.dtype  # the drafter may train in fp32 on a bf16 target
+    h = target.model.embed_tokens(block_ids.view(R, n * B)).to(wdt) * dc.input_embedding_scale
+    ctx = drafter.hidden_norm(drafter.fc(feats.to(wdt)))
+    ctx_pos = torch.arange(L, device=dev).expand(R, L)
+    mask = flex_block_mask(anchors, ctx_len, L, B) if flex else block_mask(anchors, ctx_len, L, B)
+    for layer in drafter.layers:
+        h = h + block_attention(layer.self_attn, layer.input_layernorm(h), pos, ctx, ctx_pos, mask)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    h = drafter.norm(h).view(R, n, B, -1)[:, :, 1:]
+    return drafter.logits(h.to(target.lm_head.weight.dtype), target.lm_head)
+
+
+def sample_anchors(loss_mask: torch.Tensor, n: int, B: int, g: torch.Generator) -> torch.Tensor:
+    """Up to n distinct anchor positions a (as a LongTensor) with a inside the response and at least
+    one response label after it; positions a >= 1 so every block has some context."""
+    T = loss_mask.shape[0]
+    nxt = torch.zeros_like(loss_mask)
+    nxt[:-1] = loss_mask[1:]
+    ok = loss_mask & nxt
+    ok[0] = False
+    cand = ok.nonzero().flatten()
+    if cand.numel() == 0:
+        return cand
+    return cand[torch.randperm(cand.numel(), generator=g)[:n]].sort().values
+
+
+def make_batch_inputs(records: list[dict], target: CausalLM, layer_ids: list[int], B: int, n: int,
+                      g: torch.Generator, max_len: int, device) -> dict | None:
+    """Pads a list of records into the tensors `draft_logits` and `block_loss` read."""
+    rows = []
+    for rec in records:
+        ids, lm = rec["input_ids"][:max_len], rec["loss_mask"][:max_len]
+        anchors = sample_anchors(lm, n, B, g)
+        if anchors.numel():
+            rows.append((ids, lm, anchors))
+    if not rows:
+        return None
+    R, L, N = len(rows), max(r[0].shape[0] for r in rows), max(r[2].shape[0] for r in rows)
+    ids = torch.zeros(R, L, dtype=torch.long)
+    lmask = torch.zeros(R, L, dtype=torch.bool)
+    anchors = torch.full((R, N), -1, dtype=torch.long)
+    for i, (t, m, a) in enumerate(rows):
+        ids[i, :t.shape[0]], lmask[i, :m.shape[0]], anchors[i, :a.shape[0]] = t, m, a
+    ids, lmask, anchors = ids.to(device), lmask.to(device), anchors.to(device)
+    feat_dim = len(layer_ids) * target.config.hidden_size
+    feats = torch.zeros(R, L, feat_dim, dtype=target.lm_head.weight.dtype, device=device)
+    for i, (t, _, _) in enumerate(rows):
+        feats[i, :t.shape[0]] = target_features(target, ids[i, :t.shape[0]], layer_ids)
+    # Labels token[a+k], k = 1..B-1, valid where a is real, a+k < L and a+k is a response token.
+    k = torch.arange(1, B, device=device)
+    tgt = anchors.clamp(min=0)[:, :, None] + k
+    inside = (anchors[:, :, None] >= 0) & (tgt < L)
+    tgt = tgt.clamp(max=L - 1)
+    labels = ids[:, None, :].expand(-1, N, -1).gather(2, tgt)
+    valid = inside & lmask[:, None, :].expand(-1, N, -1).gather(2, tgt)
+    ctx_len = torch.tensor([r[0].shape[0] for r in rows], device=device)
+    return {"ids": ids, "feats": feats, "ctx_len": ctx_len, "anchors": anchors, "labels": labels, "valid": valid}
+
+
+def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, gamma: float):
+    """Weighted CE (weight exp(-(k-1)/gamma) at block index k) and per-index accuracy [B-1]."""
+    Bm1 = logits.shape[-2]
+    w = torch.exp(-torch.arange(Bm1, device=logits.device, dtype=torch.float32) / gamma)
+    ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none").view(labels.shape)
+    wv = w * valid.float()
+    loss = (ce * wv).sum() / wv.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == labels) & valid
+        acc = hit.flatten(0, -2).sum(0).float() / valid.flatten(0, -2).sum(0).clamp(min=1).float()
+    return loss, acc
+
+
+def lr_lambda(cfg: TrainConfig):
+    warm = int(cfg.warmup if cfg.warmup >= 1 else round(cfg.warmup * cfg.steps))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        t = min(1.0, (step - warm) / max(1, cfg.steps - warm))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+    return f
+
+
+def save_checkpoint(out: str, drafter: DFlashDrafter, opt, sched, step: int, cfg: TrainConfig) -> None:
+    from ddtree.config import parse_dtype
+    save_drafter(drafter, out, parse_dtype(cfg.save_dtype, "cpu"))
+    state = {"step": step, "drafter": {k: v.detach().float().cpu() for k, v in drafter.state_dict().items()},
+             "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "config": asdict(cfg)}
+    tmp = os.path.join(out, STATE_FILE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, os.path.join(out, STATE_FILE))
+
+
+def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, drafter: DFlashDrafter | None = None,
+          resume: bool = False, num_layers: int = 1, block_size: int = 16, target_layer_ids: list[int] | None = None,
+          progress: bool = True, stop_at: int | None = None, time_limit_s: float | None = None,
+          **drafter_kw) -> DFlashDrafter:
+    """Trains (or resumes training) a drafter for `target` on `records` and writes checkpoints to `out`.
+    `stop_at` / `time_limit_s` end the run early with a checkpoint (the schedule still spans
+    cfg.steps), for sessions shorter than the whole run; `resume=True` picks it up again.
+    Returns the trained drafter (fp32 master weights on the target's device)."""
+    from tqdm.auto import tqdm
+
+    dev = target.lm_head.weight.device
+    target.requires_grad_(False).eval()
+    if not records:
+        raise ValueError("no training records")
+    if cfg.attention not in ("sdpa", "flex"):
+        raise ValueError(f"attention must be 'sdpa' or 'flex', got {cfg.attention!r}")
+    start = 0
+    state = None
+    if resume and os.path.exists(os.path.join(out, STATE_FILE)):
+        state = torch.load(os.path.join(out, STATE_FILE), weights_only=True)
+        drafter = load_drafter(out, target.config, dev, torch.float32)
+        drafter.load_state_dict(state["drafter"])
+        start = state["step"]
+    elif drafter is None:
+        kw = dict(num_layers=num_layers, block_size=block_size, target_layer_ids=target_layer_ids)
+        drafter = random_drafter(target.config, seed=cfg.seed, std=0.02, **kw, **drafter_kw)
+    drafter = drafter.to(dev, torch.float32).train().requires_grad_(True)
+    drafter.rotary.build(dev)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+    os.makedirs(out, exist_ok=True)
+    dc = drafter.dcfg
+    log = open(os.path.join(out, LOG_FILE), "a")
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train-drafter", disable=not progress)
+    t0 = time.perf_counter()
+    for step in bar:
+        # Per-step generator: a resumed run draws the same batches as an uninterrupted one.
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        pick = torch.randint(len(records), (cfg.batch_size,), generator=g).tolist()
+        inp = make_batch_inputs([records[i] for i in pick], target, dc.target_layer_ids, dc.block_size,
+                                cfg.blocks_per_seq, g, cfg.max_len, dev)
+        if inp is None:
+            sched.step()
+            continue
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            logits = draft_logits(drafter, target, inp["ids"], inp["feats"], inp["ctx_len"], inp["anchors"],
+                                  flex=cfg.attention == "flex")
+        loss, acc = block_loss(logits, inp["labels"], inp["valid"], cfg.gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        sched.step()
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.steps or step == start:
+            rec = {"step": done, "loss": round(loss.item(), 5), "lr": sched.get_last_lr()[0],
+                   "grad_norm": round(float(gnorm), 4), "acc": [round(x, 4) for x in acc.tolist()],
+                   "elapsed_s": round(time.perf_counter() - t0, 2)}
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['acc'][0]:.2f}")
+            tqdm.write(json.dumps(rec))
+        early = (stop_at is not None and done >= stop_at) or \
+            (time_limit_s is not None and time.perf_counter() - t0 > time_limit_s)
+        if done % cfg.save_every == 0 or done == cfg.steps or early:
+            save_checkpoint(out, drafter, opt, sched, done, cfg)
+        if early:
+            tqdm.write(f"[stopped at step {done} of {cfg.steps}; continue with --resume]")
+            break
+    bar.close()
+    log.close()
+    return drafter
+
+
+def main(args) -> int:
+    """`ddtree train-drafter`: generate (or reuse) the data, then train and checkpoint into args.out."""
+    import gc
+
+    from ddtree.config import default_device, parse_dtype
+    from ddtree.models.loader import load_model
+    from ddtree.train.data import generate_dataset, load_dataset, sharegpt_prompts
+
+    device = torch.device(args.device or default_device())
+    dtype = parse_dtype(args.dtype, device.type)
+    os.makedirs(args.out, exist_ok=True)
+    data_path = args.data or os.path.join(args.out, "data.pt")
+    if os.path.exists(data_path):
+        records = load_dataset(data_path)
+        print(f"[{len(records)} records from {data_path}]")
+    else:
+        if args.prompt_file:
+            with open(args.prompt_file) as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()][:args.prompts]
+        else:
+            prompts = sharegpt_prompts(args.prompts)
+        if not prompts:
+            raise ValueError("no prompts")
+        from ddtree import LLM
+        llm = LLM(args.target, device=str(device), dtype=dtype, spec="none", max_num_seqs=args.max_num_seqs,
+                  kv_cache_gb=args.kv_cache_gb)
+        records = generate_dataset(args.target, prompts, data_path, args.max_new_tokens, batch_size=args.gen_batch_size,
+                                   max_prompt_tokens=args.max_prompt_tokens, llm=llm)
+        del llm
+        gc.collect()
+        print(f"[{len(records)} records, {sum(r['loss_mask'].sum().item() for r in records)} response tokens "
+              f"-> {data_path}]")
+    target, _ = load_model(args.target, device, dtype)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
+                      warmup=args.warmup, gamma=args.gamma, max_len=args.max_len, seed=args.seed,
+                      save_every=args.save_every, save_dtype=args.save_dtype, attention=args.attention)
+    kw = {}
+    if args.intermediate_size:
+        kw["intermediate_size"] = args.intermediate_size
+    if args.num_features and not args.target_layer_ids:
+        kw["num_features"] = args.num_features
+    train(target, records, args.out, cfg, resume=args.resume, num_layers=args.num_layers, block_size=args.block_size,
+          target_layer_ids=args.target_layer_ids or None, stop_at=args.stop_at,
+          time_limit_s=args.time_limit * 60 if args.time_limit else None, **kw)
+    print(f"[drafter saved to {args.out}]")
+    return 0

