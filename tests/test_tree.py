@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.spec.tree import ancestor_mask, build_tree, chain_tree
+from ddtree.spec.tree import Tree, ancestor_mask, build_tree
 
 VOCAB = 50
 
@@ -179,6 +179,18 @@ def test_build_tree_with_massive_ties_is_still_a_prefix_closed_top_budget():
         for topk in [1, 2, 4]:
             for budget in [1, 3, 8, 16, 40]:
                 check_tree(build_tree(lp, roots, budget, topk), lp, roots, budget, topk, ties=True)
+
+
+def chain_tree(draft_tokens: torch.Tensor, roots: torch.Tensor) -> Tree:
+    """DFlash linear written directly as a tree: the root followed by one draft per depth."""
+    R, D = draft_tokens.shape
+    tokens = torch.cat([roots.view(R, 1).long(), draft_tokens.long()], 1)
+    ar = torch.arange(D + 1, device=tokens.device)
+    parent = (ar - 1).expand(R, D + 1).clone()
+    depth = ar.expand(R, D + 1).clone()
+    valid = torch.ones(R, D + 1, dtype=torch.bool, device=tokens.device)
+    mask = torch.tril(torch.ones(D + 1, D + 1, dtype=torch.bool, device=tokens.device)).expand(R, D + 1, D + 1)
+    return Tree(tokens, parent, depth, valid, mask.clone(), torch.zeros(R, D + 1, device=tokens.device), D)
 
 
 @pytest.mark.parametrize("budget", [1, 4, 6])

@@ -12,7 +12,7 @@ from torch import nn
 
 from ddtree.config import ModelConfig
 from ddtree.ops.attention import AttentionBatch, paged_attention
-from ddtree.ops.fused import add_rms_norm, qkv_rope, rms_norm, silu_mul
+from ddtree.ops.fused import add_rms_norm, qkv_rope, rms_norm, rope, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -65,15 +65,7 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotates each [T, heads, D] tensor in `xs` by its token's position."""
-        cos, sin = self.cos_sin[positions].to(xs[0].dtype).chunk(2, dim=-1)
-        cos = torch.cat([cos, cos], -1)[:, None, :]
-        sin = torch.cat([sin, sin], -1)[:, None, :]
-        return tuple(x * cos + rotate_half(x) * sin for x in xs)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+        return tuple(rope(x, positions, self.cos_sin) for x in xs)
 
 
 class PackedLinear(nn.Linear):

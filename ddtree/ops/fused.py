@@ -26,6 +26,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def rope_cos_sin(cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sin [T, 1, D] for NEOX-style rotary (rotate halves) from the [P, D] table."""
+    cos, sin = cos_sin[positions].to(dtype).chunk(2, dim=-1)
+    return torch.cat([cos, cos], -1)[:, None, :], torch.cat([sin, sin], -1)[:, None, :]
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotates a [T, heads, D] tensor by each token's position."""
+    return _rotate(x, *rope_cos_sin(cos_sin, positions, x.dtype))
+
+
 def _qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, q_size: int, kv_size: int,
               head_dim: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float):
     """Split packed qkv, apply per-head q/k RMSNorm (Qwen3) and rotary. Returns q [T,H,D], k, v [T,Hkv,D]."""
@@ -35,9 +46,7 @@ def _qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     v = v.reshape(v.shape[0], -1, head_dim).contiguous()
     if q_norm is not None:
         q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
-    cos, sin = cos_sin[positions].to(q.dtype).chunk(2, dim=-1)
-    cos = torch.cat([cos, cos], -1)[:, None, :]
-    sin = torch.cat([sin, sin], -1)[:, None, :]
+    cos, sin = rope_cos_sin(cos_sin, positions, q.dtype)
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
 

@@ -108,14 +108,3 @@ def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
         mask.scatter_(2, node[:, :, None], True)
     return mask
 
-
-def chain_tree(draft_tokens: torch.Tensor, roots: torch.Tensor) -> Tree:
-    """DFlash linear as a tree: the root followed by one draft per depth."""
-    R, D = draft_tokens.shape
-    tokens = torch.cat([roots.view(R, 1).long(), draft_tokens.long()], 1)
-    ar = torch.arange(D + 1, device=tokens.device)
-    parent = (ar - 1).expand(R, D + 1).clone()
-    depth = ar.expand(R, D + 1).clone()
-    valid = torch.ones(R, D + 1, dtype=torch.bool, device=tokens.device)
-    mask = torch.tril(torch.ones(D + 1, D + 1, dtype=torch.bool, device=tokens.device)).expand(R, D + 1, D + 1)
-    return Tree(tokens, parent, depth, valid, mask.clone(), torch.zeros(R, D + 1, device=tokens.device), D)
