@@ -42,7 +42,7 @@ class LLM:
                  dtype: str | torch.dtype | None = None, page_size: int = 16, num_pages: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  kv_cache_gb: float = 1.0, cuda_graphs: bool = True, tokenizer=None):
-        from ddtree.models.hub import resolve_model
+        from ddtree.models.hub import default_draft, is_default_model, resolve_model
         from ddtree.models.loader import load_model
 
         self.device = torch.device(device or default_device())
@@ -54,6 +54,8 @@ class LLM:
                                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                        kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs)
         self.drafter = None
+        if draft is None and spec != "none" and is_default_model(model):
+            draft = default_draft()  # the default pair: our drafter for the default model (DDTree)
         if draft is not None:
             from ddtree.models.dflash import load_drafter
             self.drafter = draft if not isinstance(draft, str) else \
@@ -62,23 +64,31 @@ class LLM:
         self.set_mode(spec or ("ddtree" if draft is not None else "none"), budget, topk)
         self.last_stats: dict = {}
 
-    def set_mode(self, spec: str, budget: int | None = None, topk: int | None = None) -> None:
-        """(Re)builds the engine for a decoding mode, keeping the loaded weights and drafter."""
+    def set_mode(self, spec: str, budget: int | str | None = None, topk: int | None = None,
+                 cost_table=None) -> None:
+        """(Re)builds the engine for a decoding mode, keeping the loaded weights and drafter. `budget`
+        "auto" chooses it per step (0 = AR included) from a table of step costs (`cost_table`, a
+        `ddtree.spec.adaptive.CostTable`; measured on the device when not given)."""
         if spec not in SPEC_MODES:
             raise ValueError(f"spec must be one of {SPEC_MODES}, got {spec!r}")
         if spec != "none" and self.drafter is None:
             raise ValueError(f"spec={spec!r} needs a drafter: pass draft=PATH (a DFlash checkpoint dir)")
-        if budget is not None and (not isinstance(budget, int) or budget < 0):
-            raise ValueError(f"budget must be a non-negative integer, got {budget!r}")
+        if isinstance(budget, str):  # also from the command line: "8", "auto"
+            budget = int(budget.strip()) if budget.strip().isdigit() else budget.strip().lower()
+        if budget is not None and budget != "auto" and (not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"budget must be a non-negative integer or 'auto', got {budget!r}")
         if topk is not None and (not isinstance(topk, int) or topk < 1):
             raise ValueError(f"topk must be a positive integer, got {topk!r}")
         if spec != "none":
             block = self.drafter.dcfg.block_size
             if spec == "dflash":  # a chain of the drafter's argmax tokens: the tree with topk 1
-                budget, topk = min(budget if budget is not None else block - 1, block - 1), 1
+                budget = budget if budget == "auto" else min(budget if budget is not None else block - 1, block - 1)
+                topk = 1
             else:
                 budget = DEFAULT_BUDGET if budget is None else budget
                 topk = DEFAULT_TOPK if topk is None else topk
+        if spec == "none" and budget == "auto":
+            budget = 0
         self.spec, self.budget, self.topk = spec, budget or 0, topk or 1
         if self.engine is not None:  # free the old KV cache and graphs before sizing a new one
             self.engine = None
@@ -90,7 +100,7 @@ class LLM:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         self.engine = LLMEngine(self.net, self.config, self.tokenizer, self.engine_cfg, self.device, self.dtype,
-                                self.drafter if spec != "none" else None, self.budget, self.topk)
+                                self.drafter if spec != "none" else None, self.budget, self.topk, cost_table)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -131,6 +141,8 @@ class LLM:
             for s in seqs:  # a bad prompt loses nothing: the ones already queued are withdrawn
                 self.engine.abort(s)
             raise
+        spec = self.engine.speculator
+        hist_before = dict(spec.stats.budget_hist) if spec is not None else {}
         t0, steps = time.perf_counter(), 0
         bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate")
         while any(not s.is_finished for s in seqs):
@@ -145,5 +157,8 @@ class LLM:
         self.last_stats = {"elapsed_s": elapsed, "generated_tokens": generated, "steps": steps,
                            "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
                            "mean_accept_length": sum(accepts) / len(accepts) if accepts else None}
+        if spec is not None:  # request-steps per budget (0: AR steps of budget "auto")
+            hist = {b: n - hist_before.get(b, 0) for b, n in sorted(spec.stats.budget_hist.items())}
+            self.last_stats["budget_hist"] = {b: n for b, n in hist.items() if n}
         return [RequestOutput(s.prompt_ids, s.text, list(s.output_ids), s.finish_reason, list(s.accept_lengths))
                 for s in seqs]

@@ -103,7 +103,7 @@ def test_training_forward_equals_inference_draft_logits(tmp_path):
     n = len(prompt)
     ids = torch.tensor(prompt + seq.output_ids + [5, 6, 7])  # tokens past the anchor must not leak in
     with torch.no_grad():
-        feats = target_features(llm.net, ids, runner.layer_ids)
+        feats = target_features(llm.net, [ids], runner.layer_ids)[0]
         got = draft_logits(runner.drafter, llm.net, ids[None], feats[None], torch.tensor([len(ids)]),
                            torch.tensor([[2, n, n + 2]]))[0, 1]
     assert got.shape == want.shape

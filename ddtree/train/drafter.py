@@ -50,25 +50,56 @@ class TrainConfig:
     log_every: int = 10
     save_dtype: str = "bfloat16"
     attention: str = "sdpa"  # or "flex" (flex_attention + BlockMask; GPU only for training: no CPU backward)
+    time_budget_s: float = 0.0  # > 0: the cosine schedule spans this much training time instead of `steps`
 
 
 @torch.no_grad()
-def target_features(target: CausalLM, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    """[T, K*D] concatenated outputs of the target layers `layer_ids` over one whole sequence (a plain
-    causal prefill through the torch reference attention, into a throwaway one-page cache)."""
-    T, cfg = ids.shape[0], target.config
-    dev, dtype = ids.device, target.lm_head.weight.dtype
+def target_features(target: CausalLM, seqs: list[torch.Tensor], layer_ids: list[int]) -> list[torch.Tensor]:
+    """For each token sequence, [T, K*D]: the outputs of the target layers `layer_ids`, concatenated.
+    One packed causal prefill over all sequences (each in its own page of a throwaway cache)."""
+    cfg = target.config
+    dev, dtype = seqs[0].device, target.lm_head.weight.dtype
+    lens = [s.shape[0] for s in seqs]
+    page = max(lens)
     for layer in target.model.layers:
         attn = layer.self_attn
-        attn.k_cache = torch.empty(T, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev)
+        attn.k_cache = torch.empty(page * len(seqs), cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev)
         attn.v_cache = torch.empty_like(attn.k_cache)
-    batch = make_batch([[0]], [0], [T], None, T, dev)
+    batch = make_batch([[i] for i in range(len(seqs))], [0] * len(seqs), lens, None, page, dev)
+    positions = torch.cat([torch.arange(n, device=dev) for n in lens])
     try:
-        _, taps = target(ids, torch.arange(T, device=dev), batch, taps=layer_ids)
+        _, taps = target(torch.cat(seqs), positions, batch, taps=layer_ids)
     finally:
         for layer in target.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
-    return torch.cat(taps, dim=-1)
+    return list(torch.cat(taps, dim=-1).split(lens))
+
+
+def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[int], max_len: int,
+                        tokens_per_batch: int = 16384, progress: bool = True) -> list[torch.Tensor]:
+    """Each record's target features (on the target's device and dtype), computed once so training
+    steps don't re-run the frozen target: every record is revisited many times."""
+    from tqdm.auto import tqdm
+    dev = target.lm_head.weight.device
+    order = sorted(range(len(records)), key=lambda i: records[i]["input_ids"].shape[0])
+    bar = tqdm(total=len(records), desc="target features", disable=not progress)
+    feats: list[torch.Tensor | None] = [None] * len(records)
+    i = 0
+    while i < len(order):
+        group, longest = [], 0
+        while i < len(order):  # length-sorted, so a group's padding (one page each) stays small
+            n = min(records[order[i]]["input_ids"].shape[0], max_len)
+            if group and max(longest, n) * (len(group) + 1) > tokens_per_batch:
+                break
+            group.append(order[i])
+            longest = max(longest, n)
+            i += 1
+        seqs = [records[j]["input_ids"][:max_len].to(dev) for j in group]
+        for j, f in zip(group, target_features(target, seqs, layer_ids)):
+            feats[j] = f
+        bar.update(len(group))
+    bar.close()
+    return feats
 
 
 def block_attention(attn: DraftAttention, x: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor,
@@ -180,20 +211,25 @@ def make_batch_inputs(records: list[dict], target: CausalLM, layer_ids: list[int
         ids, lm = rec["input_ids"][:max_len], rec["loss_mask"][:max_len]
         anchors = sample_anchors(lm, n, B, g)
         if anchors.numel():
-            rows.append((ids, lm, anchors))
+            rows.append((ids, lm, anchors, rec.get("feats")))
     if not rows:
         return None
     R, L, N = len(rows), max(r[0].shape[0] for r in rows), max(r[2].shape[0] for r in rows)
     ids = torch.zeros(R, L, dtype=torch.long)
     lmask = torch.zeros(R, L, dtype=torch.bool)
     anchors = torch.full((R, N), -1, dtype=torch.long)
-    for i, (t, m, a) in enumerate(rows):
+    for i, (t, m, a, _) in enumerate(rows):
         ids[i, :t.shape[0]], lmask[i, :m.shape[0]], anchors[i, :a.shape[0]] = t, m, a
     ids, lmask, anchors = ids.to(device), lmask.to(device), anchors.to(device)
     feat_dim = len(layer_ids) * target.config.hidden_size
     feats = torch.zeros(R, L, feat_dim, dtype=target.lm_head.weight.dtype, device=device)
-    for i, (t, _, _) in enumerate(rows):
-        feats[i, :t.shape[0]] = target_features(target, ids[i, :t.shape[0]], layer_ids)
+    missing = [i for i, (_, _, _, f) in enumerate(rows) if f is None]
+    if missing:  # not precomputed: run the target now
+        for i, f in zip(missing, target_features(target, [ids[i, :rows[i][0].shape[0]] for i in missing], layer_ids)):
+            feats[i, :f.shape[0]] = f
+    for i, (t, _, _, f) in enumerate(rows):
+        if f is not None:
+            feats[i, :t.shape[0]] = f[:t.shape[0]]
     # Labels token[a+k], k = 1..B-1, valid where a is real, a+k < L and a+k is a response token.
     k = torch.arange(1, B, device=device)
     tgt = anchors.clamp(min=0)[:, :, None] + k
@@ -219,21 +255,25 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, 
 
 
 def lr_lambda(cfg: TrainConfig):
+    """LR factor at a step: linear warm-up, then cosine down to min_lr_ratio. With a time budget the
+    cosine runs over the fraction of the budget spent (second argument) instead of over the steps."""
     warm = int(cfg.warmup if cfg.warmup >= 1 else round(cfg.warmup * cfg.steps))
 
-    def f(step: int) -> float:
+    def f(step: int, time_frac: float | None = None) -> float:
         if step < warm:
             return (step + 1) / warm
-        t = min(1.0, (step - warm) / max(1, cfg.steps - warm))
+        t = min(1.0, time_frac if time_frac is not None else (step - warm) / max(1, cfg.steps - warm))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
     return f
 
 
-def save_checkpoint(out: str, drafter: DFlashDrafter, opt, sched, step: int, cfg: TrainConfig) -> None:
+def save_checkpoint(out: str, drafter: DFlashDrafter, opt, sched, step: int, cfg: TrainConfig,
+                    trained_s: float = 0.0) -> None:
     from ddtree.config import parse_dtype
     save_drafter(drafter, out, parse_dtype(cfg.save_dtype, "cpu"))
     state = {"step": step, "drafter": {k: v.detach().float().cpu() for k, v in drafter.state_dict().items()},
-             "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "config": asdict(cfg)}
+             "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "config": asdict(cfg),
+             "trained_s": trained_s}
     tmp = os.path.join(out, STATE_FILE + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, os.path.join(out, STATE_FILE))
@@ -242,10 +282,12 @@ def save_checkpoint(out: str, drafter: DFlashDrafter, opt, sched, step: int, cfg
 def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, drafter: DFlashDrafter | None = None,
           resume: bool = False, num_layers: int = 1, block_size: int = 16, target_layer_ids: list[int] | None = None,
           progress: bool = True, stop_at: int | None = None, time_limit_s: float | None = None,
-          **drafter_kw) -> DFlashDrafter:
+          deadline: float | None = None, **drafter_kw) -> DFlashDrafter:
     """Trains (or resumes training) a drafter for `target` on `records` and writes checkpoints to `out`.
-    `stop_at` / `time_limit_s` end the run early with a checkpoint (the schedule still spans
-    cfg.steps), for sessions shorter than the whole run; `resume=True` picks it up again.
+    `stop_at` / `time_limit_s` (seconds of this call) / `deadline` (a time.time() value) end the run
+    early with a checkpoint (the schedule still spans cfg.steps or cfg.time_budget_s), for sessions
+    shorter than the whole run; `resume=True` picks it up again. With cfg.time_budget_s the run ends
+    when that much training time (summed over resumed runs) is spent.
     Returns the trained drafter (fp32 master weights on the target's device)."""
     from tqdm.auto import tqdm
 
@@ -255,13 +297,13 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
         raise ValueError("no training records")
     if cfg.attention not in ("sdpa", "flex"):
         raise ValueError(f"attention must be 'sdpa' or 'flex', got {cfg.attention!r}")
-    start = 0
+    start, trained_before = 0, 0.0
     state = None
     if resume and os.path.exists(os.path.join(out, STATE_FILE)):
         state = torch.load(os.path.join(out, STATE_FILE), weights_only=True)
         drafter = load_drafter(out, target.config, dev, torch.float32)
         drafter.load_state_dict(state["drafter"])
-        start = state["step"]
+        start, trained_before = state["step"], state.get("trained_s", 0.0)
     elif drafter is None:
         kw = dict(num_layers=num_layers, block_size=block_size, target_layer_ids=target_layer_ids)
         drafter = random_drafter(target.config, seed=cfg.seed, std=0.02, **kw, **drafter_kw)
@@ -273,17 +315,29 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
     if state is not None:
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
+    lr_at = lr_lambda(cfg)
+    timed = cfg.time_budget_s > 0
     os.makedirs(out, exist_ok=True)
     dc = drafter.dcfg
+    feats = precompute_features(target, records, dc.target_layer_ids, cfg.max_len, progress=progress)
     log = open(os.path.join(out, LOG_FILE), "a")
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train-drafter", disable=not progress)
     t0 = time.perf_counter()
+    trained = lambda: trained_before + time.perf_counter() - t0  # noqa: E731
     for step in bar:
+        if timed:  # the schedule follows the share of the time budget spent
+            if trained() >= cfg.time_budget_s:
+                save_checkpoint(out, drafter, opt, sched, step, cfg, trained())
+                tqdm.write(f"[time budget of {cfg.time_budget_s:.0f} s spent at step {step}]")
+                break
+            for group in opt.param_groups:
+                group["lr"] = cfg.lr * lr_at(step, trained() / cfg.time_budget_s)
         # Per-step generator: a resumed run draws the same batches as an uninterrupted one.
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         pick = torch.randint(len(records), (cfg.batch_size,), generator=g).tolist()
-        inp = make_batch_inputs([records[i] for i in pick], target, dc.target_layer_ids, dc.block_size,
-                                cfg.blocks_per_seq, g, cfg.max_len, dev)
+        batch = [{**records[i], "feats": feats[i]} for i in pick]
+        inp = make_batch_inputs(batch, target, dc.target_layer_ids, dc.block_size, cfg.blocks_per_seq, g, cfg.max_len,
+                                dev)
         if inp is None:
             sched.step()
             continue
@@ -295,20 +349,22 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
-        sched.step()
+        if not timed:
+            sched.step()
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps or step == start:
-            rec = {"step": done, "loss": round(loss.item(), 5), "lr": sched.get_last_lr()[0],
+            rec = {"step": done, "loss": round(loss.item(), 5), "lr": opt.param_groups[0]["lr"],
                    "grad_norm": round(float(gnorm), 4), "acc": [round(x, 4) for x in acc.tolist()],
-                   "elapsed_s": round(time.perf_counter() - t0, 2)}
+                   "elapsed_s": round(trained(), 2)}
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['acc'][0]:.2f}")
             tqdm.write(json.dumps(rec))
         early = (stop_at is not None and done >= stop_at) or \
-            (time_limit_s is not None and time.perf_counter() - t0 > time_limit_s)
+            (time_limit_s is not None and time.perf_counter() - t0 > time_limit_s) or \
+            (deadline is not None and time.time() > deadline)
         if done % cfg.save_every == 0 or done == cfg.steps or early:
-            save_checkpoint(out, drafter, opt, sched, done, cfg)
+            save_checkpoint(out, drafter, opt, sched, done, cfg, trained())
         if early:
             tqdm.write(f"[stopped at step {done} of {cfg.steps}; continue with --resume]")
             break
@@ -323,10 +379,13 @@ def main(args) -> int:
 
     from ddtree.config import default_device, parse_dtype
     from ddtree.models.loader import load_model
-    from ddtree.train.data import generate_dataset, load_dataset, sharegpt_prompts
+    from ddtree.train.data import generate_dataset, load_dataset, read_prompt_file, sharegpt_prompts
+
+    from ddtree.models.hub import resolve_model
 
     device = torch.device(args.device or default_device())
     dtype = parse_dtype(args.dtype, device.type)
+    args.target = resolve_model(args.target)  # a checkpoint dir (a .gguf is converted once)
     os.makedirs(args.out, exist_ok=True)
     data_path = args.data or os.path.join(args.out, "data.pt")
     if os.path.exists(data_path):
@@ -334,8 +393,7 @@ def main(args) -> int:
         print(f"[{len(records)} records from {data_path}]")
     else:
         if args.prompt_file:
-            with open(args.prompt_file) as f:
-                prompts = [line.rstrip("\n") for line in f if line.strip()][:args.prompts]
+            prompts = read_prompt_file(args.prompt_file)[:args.prompts]
         else:
             prompts = sharegpt_prompts(args.prompts)
         if not prompts:
@@ -344,7 +402,8 @@ def main(args) -> int:
         llm = LLM(args.target, device=str(device), dtype=dtype, spec="none", max_num_seqs=args.max_num_seqs,
                   kv_cache_gb=args.kv_cache_gb)
         records = generate_dataset(args.target, prompts, data_path, args.max_new_tokens, batch_size=args.gen_batch_size,
-                                   max_prompt_tokens=args.max_prompt_tokens, llm=llm)
+                                   max_prompt_tokens=args.max_prompt_tokens, llm=llm,
+                                   time_limit_s=args.gen_time_limit * 60 if args.gen_time_limit else None)
         del llm
         gc.collect()
         print(f"[{len(records)} records, {sum(r['loss_mask'].sum().item() for r in records)} response tokens "
@@ -352,7 +411,8 @@ def main(args) -> int:
     target, _ = load_model(args.target, device, dtype)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
                       warmup=args.warmup, gamma=args.gamma, max_len=args.max_len, seed=args.seed,
-                      save_every=args.save_every, save_dtype=args.save_dtype, attention=args.attention)
+                      save_every=args.save_every, save_dtype=args.save_dtype, attention=args.attention,
+                      time_budget_s=(args.time_budget or 0) * 60)
     kw = {}
     if args.intermediate_size:
         kw["intermediate_size"] = args.intermediate_size
@@ -360,6 +420,6 @@ def main(args) -> int:
         kw["num_features"] = args.num_features
     train(target, records, args.out, cfg, resume=args.resume, num_layers=args.num_layers, block_size=args.block_size,
           target_layer_ids=args.target_layer_ids or None, stop_at=args.stop_at,
-          time_limit_s=args.time_limit * 60 if args.time_limit else None, **kw)
+          time_limit_s=args.time_limit * 60 if args.time_limit else None, deadline=args.deadline, **kw)
     print(f"[drafter saved to {args.out}]")
     return 0

