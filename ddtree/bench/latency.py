@@ -43,23 +43,53 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, repeats: int) -> dict:
+def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, repeats: int,
+             labels: list[str] | None = None) -> dict:
+    """`labels`: the category of each batch (a batch holds one category), for per-category results."""
     llm.generate(batches[0], params)  # warm-up: graphs, kernels, allocator
     speeds, accepts, tokens = [], [], 0
+    cats: dict[str, dict] = {}
+    budget_hist: dict[str, int] = {}
     for _ in range(repeats):
         gen, elapsed = 0, 0.0
-        for batch in batches:
+        for i, batch in enumerate(batches):
             sync()
             t0 = time.perf_counter()
             outs = llm.generate(batch, params)
             sync()
-            elapsed += time.perf_counter() - t0
-            gen += sum(len(o.token_ids) for o in outs)
-            accepts += [a for o in outs for a in o.accept_lengths]
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            n = sum(len(o.token_ids) for o in outs)
+            gen += n
+            acc = [a for o in outs for a in o.accept_lengths]
+            accepts += acc
+            for b, m in llm.last_stats.get("budget_hist", {}).items():  # what `auto` chose (request-steps)
+                budget_hist[str(b)] = budget_hist.get(str(b), 0) + m
+            if labels:
+                c = cats.setdefault(labels[i], {"tokens": 0, "time": 0.0, "accepts": []})
+                c["tokens"], c["time"] = c["tokens"] + n, c["time"] + dt
+                c["accepts"] += acc
         speeds.append(gen / elapsed)
         tokens = gen
-    return {"output_tok_per_s": statistics.median(speeds), "runs_tok_per_s": speeds,
-            "mean_accept_length": sum(accepts) / len(accepts) if accepts else None, "generated_tokens": tokens}
+    row = {"output_tok_per_s": statistics.median(speeds), "runs_tok_per_s": speeds,
+           "mean_accept_length": sum(accepts) / len(accepts) if accepts else None, "generated_tokens": tokens,
+           "accept_length_hist": accept_hist(accepts)}
+    if budget_hist:
+        row["budget_hist"] = dict(sorted(budget_hist.items(), key=lambda kv: int(kv[0])))
+    if labels:
+        row["per_category"] = {
+            k: {"output_tok_per_s": c["tokens"] / c["time"], "generated_tokens": c["tokens"] // repeats,
+                "mean_accept_length": sum(c["accepts"]) / len(c["accepts"]) if c["accepts"] else None}
+            for k, c in cats.items()}
+    return row
+
+
+def accept_hist(accepts: list[int]) -> dict[str, int]:
+    """Counts of tokens committed per verify step, {"1": n1, "2": n2, ...} (JSON keys are strings)."""
+    counts: dict[int, int] = {}
+    for a in accepts:
+        counts[a] = counts.get(a, 0) + 1
+    return {str(k): counts[k] for k in sorted(counts)}
 
 
 def time_graph(fn, inputs, reps: int = 30) -> float:
@@ -182,6 +212,15 @@ def run_peers(llm: LLM, prompts: list[list[int]], max_tokens: int, draft: str | 
     return results
 
 
+def parse_budgets(text: str | list) -> list[int | str]:
+    """--budget: comma-separated budgets, each an integer >= 1 or "auto"."""
+    items = text if isinstance(text, list) else [x.strip() for x in text.split(",") if x.strip()]
+    out = [x if x == "auto" else int(x) if str(x).isdigit() and int(x) >= 1 else None for x in items]
+    if not out or None in out:
+        raise ValueError(f"--budget: expected comma-separated integers >= 1 or 'auto', got {text!r}")
+    return out
+
+
 def main(args) -> int:
     llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
               max_num_seqs=max(args.concurrency), num_pages=args.num_pages)
@@ -189,10 +228,11 @@ def main(args) -> int:
     rows_in = load_prompts(args.dataset, args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
     params = SamplingParams(max_tokens=args.max_tokens)
+    budgets = parse_budgets(args.budget)
     modes = [("ar", "none", 0, 1)]
     if args.draft:
         modes.append(("dflash", "dflash", None, 1))
-        modes += [("ddtree", "ddtree", b, k) for b in args.budget for k in args.topk]
+        modes += [("auto" if b == "auto" else "ddtree", "ddtree", b, k) for b in budgets for k in args.topk]
     results = []
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     for name, spec, budget, topk in modes:
@@ -202,11 +242,14 @@ def main(args) -> int:
             r = run_mode(llm, batches, params, args.repeats)
             row = {**env, "mode": name, "budget": llm.budget, "topk": llm.topk, "concurrency": c,
                    "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens, **r}
+            if name == "auto":  # the step costs measured at start-up that `auto` chose from
+                row["cost_table"] = llm.engine.speculator.policy.table.as_dict()
             results.append(row)
-            print(f"{name:7s} budget {llm.budget:3d} topk {llm.topk} C={c:3d}: {r['output_tok_per_s']:8.1f} tok/s"
+            print(f"{name:7s} budget {str(llm.budget):>4s} topk {llm.topk} C={c:3d}: {r['output_tok_per_s']:8.1f} tok/s"
                   f"  tau {r['mean_accept_length'] or 1.0:.2f}", flush=True)
         if args.step_times and (spec != "none" or not args.draft):
-            widths = sorted({b + 1 for b in args.budget} | {llm.drafter.dcfg.block_size if llm.drafter else 1})
+            widths = sorted({b + 1 for b in budgets if b != "auto"}
+                            | {llm.drafter.dcfg.block_size if llm.drafter else 1})
             for st in step_times(llm, args.concurrency, widths if spec != "none" else []):
                 row = {**env, "mode": f"step-times-{name}", "budget": llm.budget, "topk": llm.topk,
                        "dataset": None, **st}
@@ -236,5 +279,5 @@ def print_table(results: list[dict]) -> None:
         base = ar.get(r["concurrency"])
         ratio = f"{r['output_tok_per_s'] / base:.2f}x" if base else ""
         tau = f"{r['mean_accept_length']:.2f}" if r.get("mean_accept_length") else "-"
-        print(f"{r['mode']:18s} {r['budget']:6d} {r['topk']:4d} {r['concurrency']:4d} {r['output_tok_per_s']:9.1f} "
-              f"{tau:>5s} {ratio:>6s}")
+        print(f"{r['mode']:18s} {str(r['budget']):>6s} {r['topk']:4d} {r['concurrency']:4d} "
+              f"{r['output_tok_per_s']:9.1f} {tau:>5s} {ratio:>6s}")

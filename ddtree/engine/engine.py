@@ -17,7 +17,8 @@ from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
 from ddtree.ops.attention import pack_rows
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.decode import Speculator
+from ddtree.spec.adaptive import CostTable, candidate_budgets
+from ddtree.spec.decode import AdaptiveSpeculator, Speculator
 from ddtree.spec.draft import DraftRunner
 
 
@@ -31,14 +32,19 @@ class DecodeInputs:
 class LLMEngine:
     def __init__(self, model: CausalLM, cfg: ModelConfig, tokenizer, engine_cfg: EngineConfig,
                  device: torch.device, dtype: torch.dtype, drafter: DFlashDrafter | None = None,
-                 budget: int = 0, topk: int = 1):
+                 budget: int | str = 0, topk: int = 1, cost_table: CostTable | None = None):
+        """`budget`: DDTree nodes per step, 0 for AR, or "auto" (chosen per step from `cost_table`,
+        measured here on the device when not given)."""
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype)
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size)
         capacity = self.runner.num_pages * engine_cfg.page_size
         self.use_graphs = device.type == "cuda" and engine_cfg.cuda_graphs
         self.speculator = None
-        speculative = drafter is not None and budget > 0
+        auto = budget == "auto"
+        speculative = drafter is not None and (auto or budget > 0)
+        if auto and speculative:
+            budget = candidate_budgets(drafter.dcfg.block_size - 1, topk)[-1]
         # K/V slots a decode step writes past a request's cached tokens: the tree or the draft block.
         width = max(budget + 1, drafter.dcfg.block_size) if speculative else 1
         max_pages = -(-(min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position) + width)
@@ -46,8 +52,12 @@ class LLMEngine:
         if speculative:
             draft_runner = DraftRunner(drafter, model, self.runner.num_slots, engine_cfg.page_size, device, dtype,
                                        self.runner.scratch_page * engine_cfg.page_size, self.runner.use_triton)
-            self.speculator = Speculator(self.runner, draft_runner, budget, topk, self.use_graphs,
-                                         engine_cfg.max_num_seqs, max_pages)
+            if auto:
+                self.speculator = AdaptiveSpeculator(self.runner, draft_runner, topk, self.use_graphs,
+                                                     engine_cfg.max_num_seqs, max_pages, cost_table)
+            else:
+                self.speculator = Speculator(self.runner, draft_runner, budget, topk, self.use_graphs,
+                                             engine_cfg.max_num_seqs, max_pages)
         self.decode_graphs = None
         if self.use_graphs and self.speculator is None:
             self.decode_graphs = GraphPool(self._graph_decode, engine_cfg.max_num_seqs,

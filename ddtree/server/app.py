@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -104,8 +105,14 @@ def create_app(load: Callable[[], object], cfg: ServerConfig,
 
     def card() -> P.ModelCard:
         llm = engine.llm
-        return P.ModelCard(id=cfg.model_name, created=int(started),
-                           max_model_len=llm.engine.max_model_len if llm is not None else None)
+        if llm is None:
+            return P.ModelCard(id=cfg.model_name, created=int(started))
+        dev = llm.device
+        spec = P.ServedSpec(spec=llm.spec, budget=llm.budget, topk=llm.topk,
+                            max_num_seqs=llm.engine.scheduler.max_num_seqs,
+                            device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type)
+        return P.ModelCard(id=cfg.model_name, created=int(started), max_model_len=llm.engine.max_model_len,
+                           ddtree=spec)
 
     @app.get("/v1/models", responses=ERRORS)
     async def models() -> P.ModelList:

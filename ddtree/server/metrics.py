@@ -39,7 +39,7 @@ class Metrics:
         self.kv_pages_total = Gauge("ddtree_kv_pages_total", "KV cache pages in the pool", registry=r)
         self.waiting = Gauge("ddtree_requests_waiting", "Requests queued for admission", registry=r)
         self.running = Gauge("ddtree_requests_running", "Requests admitted and generating", registry=r)
-        self._spec_seen = (0, 0)  # (verify steps, accepted drafts) already counted
+        self._spec_seen = (0, 0, 0)  # (verify steps, accepted drafts, drafted nodes) already counted
 
     def tokens(self, n: int, first: bool, gap: float) -> None:
         """`n` new tokens of one request; `gap`: seconds since its arrival (first) or its last tokens."""
@@ -61,9 +61,9 @@ class Metrics:
             steps, accepted = st.steps, sum(st.depth_accepted)
             new_steps = steps - self._spec_seen[0]
             self.verify_steps.inc(new_steps)
-            self.drafted_tokens.inc(new_steps * engine.speculator.budget)
+            self.drafted_tokens.inc(st.drafted - self._spec_seen[2])
             self.accepted_tokens.inc(accepted - self._spec_seen[1])
-            self._spec_seen = (steps, accepted)
+            self._spec_seen = (steps, accepted, st.drafted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -174,12 +174,23 @@ class CompletionResponse(_Response):
     choices: list[CompletionChoice]
 
 
+class ServedSpec(BaseModel):
+    """The `ddtree` extension of a model card: how the server decodes (read-only), so a benchmark
+    client can label its results."""
+    spec: str
+    budget: int | str = Field(description="DDTree node budget (0 for AR)")
+    topk: int
+    max_num_seqs: int
+    device: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "ddtree"
     max_model_len: int | None = None
+    ddtree: ServedSpec | None = Field(None, description="extension; null while the model loads")
 
 
 class ModelList(BaseModel):

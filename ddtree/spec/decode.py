@@ -3,21 +3,25 @@
 The device part (`device_step`) is shape-static and free of host reads, so on GPU it is captured
 in a CUDA graph per batch-size bucket; the host reads back one small tensor per step. DFlash
 linear is the same step with topk = 1 and budget = block_size - 1 (the tree is a chain of the
-drafter's argmax tokens), so both modes share this code.
+drafter's argmax tokens), so both modes share this code. `AdaptiveSpeculator` (budget "auto") picks
+the budget, 0 = AR included, at every step (spec/adaptive.py).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from ddtree.engine.graphs import GraphPool
+from ddtree.engine.graphs import GraphPool, buckets_up_to
 from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import sample
 from ddtree.engine.sequence import Sequence
-from ddtree.ops.attention import page_slots
+from ddtree.ops.attention import pack_rows, page_slots
+from ddtree.spec.adaptive import PROBE_EVERY, AdaptivePolicy, CostTable, candidate_budgets, measure_costs
 from ddtree.spec.draft import DraftRunner, StepInputs
-from ddtree.spec.tree import build_tree
+from ddtree.spec.tree import Candidates, Tree, build_tree, candidates, cut_tree, expected_accepts
 from ddtree.spec.verify import walk
 
 
@@ -26,6 +30,8 @@ class SpecStats:
     steps: int = 0  # request-steps (one verify of one request)
     committed: int = 0
     depth_accepted: list[int] = field(default_factory=list)  # [d]: request-steps that accepted depth >= d + 1
+    drafted: int = 0  # tree nodes sent to verification (root excluded)
+    budget_hist: Counter = field(default_factory=Counter)  # budget -> request-steps (0: AR steps of `auto`)
 
     def add(self, length: int, committed: int) -> None:
         self.steps += 1
@@ -68,6 +74,10 @@ class Speculator:
         `pred_fn(logits [R, N, V]) -> [R, N]` gives the target's token at every node."""
         draft_logits = self.drafter.logits(inp)
         tree = build_tree(draft_logits.log_softmax(dim=-1), inp.roots, self.budget, self.topk)
+        return self._verify(inp, tree, pred_fn)
+
+    def _verify(self, inp, tree: Tree, pred_fn) -> StepOutputs:
+        """Verify a tree, accept, compact; `inp` has the requests' roots, starts and block_tables."""
         logits, feats = self.runner.verify(inp.block_tables, inp.starts, tree.tokens, tree.depth, tree.mask,
                                            self.drafter.layer_ids)
         acc = walk(tree, pred_fn(logits))
@@ -101,16 +111,27 @@ class Speculator:
         else:  # eager: sampled requests, or a first step whose context is a whole prompt
             inp = self.drafter.prepare(seqs)
             out = self.device_step(inp, lambda logits: self._sample(seqs, logits))
+        self._commit(seqs, out, commit, self.budget)
+
+    def _commit(self, seqs: list[Sequence], out: StepOutputs, commit, budget: int) -> int:
+        """Host side of a step: commits each request's accepted tokens and bonus; returns the accepted
+        draft tokens of the batch. `budget` 0 is an AR step (no acceptance statistics)."""
         rows = out.packed.tolist()  # the one read-back of the step
         feats = out.feats[:len(seqs)].clone()
+        accepted = 0
         for i, seq in enumerate(seqs):
             L, bonus, path_tokens = rows[i][0], rows[i][1], rows[i][2:]
             # Target features of the root and accepted nodes become the drafter's next context.
             seq.pending_features.append(feats[i, :L + 1])
             seq.num_cached += L + 1
             kept = commit(seq, path_tokens[1:L + 1] + [bonus])
-            seq.accept_lengths.append(kept)
-            self.stats.add(L, kept)
+            accepted += L
+            if budget:
+                seq.accept_lengths.append(kept)
+                self.stats.add(L, kept)
+        self.stats.drafted += budget * len(seqs)
+        self.stats.budget_hist[budget] += len(seqs)
+        return accepted
 
     @staticmethod
     def _sample(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
@@ -118,3 +139,138 @@ class Speculator:
         params = [s.params for s in seqs for _ in range(N)]
         gens = [s.generator for s in seqs for _ in range(N)]
         return sample(logits.view(R * N, V), params, gens).view(R, N)
+
+
+@dataclass(slots=True)
+class RootInputs:
+    """An AR step's inputs: the tree is the root alone."""
+    roots: torch.Tensor  # [R]
+    starts: torch.Tensor  # [R]
+    block_tables: torch.Tensor  # [R, P]
+
+
+@dataclass(slots=True)
+class TreeInputs:
+    """A verify step's inputs: the requests' rows and their drafted candidate nodes (spec/tree.py)."""
+    roots: torch.Tensor
+    starts: torch.Tensor
+    block_tables: torch.Tensor
+    score: torch.Tensor
+    parent: torch.Tensor
+    rank: torch.Tensor
+    order: torch.Tensor
+    tokens: torch.Tensor
+
+    @property
+    def candidates(self) -> Candidates:
+        return Candidates(self.score, self.parent, self.rank, self.order, self.tokens)
+
+
+class AdaptiveSpeculator(Speculator):
+    """`budget auto`: each step picks a budget in `budgets` (0 = AR) for the whole batch (spec/adaptive.py).
+
+    A step is split in two at the budget choice: draft (drafter block, candidate nodes for the largest
+    budget, expected accepted lengths of every budget), one read-back, then the tree of the chosen
+    budget cut from the candidates, verified and accepted. On GPU each half is a CUDA graph (the draft,
+    and one verify graph per budget). An AR step skips the draft: the target alone, its features
+    queued for the drafter's next context, which may then hold up to `ctx_rows` rows."""
+
+    def __init__(self, runner: ModelRunner, drafter: DraftRunner, topk: int, use_graphs: bool = False,
+                 max_batch: int = 64, max_pages: int = 0, table: CostTable | None = None):
+        self.budgets = candidate_budgets(drafter.block_size - 1, topk)
+        super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
+        self.ctx_rows = drafter.block_size + PROBE_EVERY  # the last accepted path plus AR steps until a probe
+        self.max_pages, self.draft_graphs, self.verify_graphs = max_pages, None, {}
+        if use_graphs:
+            pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
+            widths = {"block_tables": max_pages}
+            self.draft_graphs = GraphPool(self._draft, max_batch, pad=pad, widths=widths)
+            for b in self.budgets:
+                self.verify_graphs[b] = GraphPool(partial(self._budget_step, b, pred_fn=_argmax), max_batch,
+                                                  pad=pad, widths=widths)
+        if table is None:  # with graphs, every batch bucket (capturing the graphs ahead of serving); else two
+            sizes = buckets_up_to(max_batch) if use_graphs else sorted({1, min(2, max_batch)})
+            with torch.inference_mode():
+                table = measure_costs(self, sizes, self._fake_context(), reps=5 if use_graphs else 2)
+        self.policy = AdaptivePolicy(table, self.budgets)
+
+    def _draft(self, inp: StepInputs) -> tuple[Candidates, torch.Tensor]:
+        """Drafter block -> candidates for the largest budget and E(b) [R, budgets] for each b > 0."""
+        c = candidates(self.drafter.logits(inp).log_softmax(dim=-1), self.budget, self.topk)
+        return c, expected_accepts(c, self.budgets[1:])
+
+    def _budget_step(self, budget: int, inp: RootInputs | TreeInputs, pred_fn) -> StepOutputs:
+        """Verify the tree of `budget` nodes; device ops only. Budget 0: one AR step that also returns
+        the target features of the root (the drafter's context)."""
+        if budget:
+            return self._verify(inp, cut_tree(inp.candidates, inp.roots, budget), pred_fn)
+        R = inp.roots.shape[0]
+        ids = inp.roots[:, None]
+        logits, feats = self.runner.verify(inp.block_tables, inp.starts, ids, torch.zeros_like(ids), None,
+                                           self.drafter.layer_ids)
+        packed = torch.cat([torch.zeros_like(ids), pred_fn(logits).long(), ids], 1)
+        return StepOutputs(packed.view(R, 3), feats)
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence], commit) -> None:
+        R = len(seqs)
+        graphed = self.draft_graphs is not None and R <= self.draft_graphs.max_batch and \
+            all(s.params.greedy for s in seqs)
+        eager_pred = lambda logits: self._sample(seqs, logits)  # noqa: E731
+
+        def run(budget: int, inp) -> StepOutputs:
+            return self.verify_graphs[budget].run(inp) if graphed else self._budget_step(budget, inp, eager_pred)
+
+        if not self.policy.should_draft(R):
+            rows = pack_rows([s.block_table for s in seqs], [[s.token_ids[-1] for s in seqs],
+                                                             [s.num_cached for s in seqs]],
+                             self.runner.scratch_page, self.runner.device)
+            self._commit(seqs, run(0, RootInputs(rows[:, 0], rows[:, 1], rows[:, 2:])), commit, 0)
+            return
+        graphed = graphed and all(s.num_cached - s.draft_len <= self.ctx_rows for s in seqs)
+        inp = self.drafter.prepare(seqs, ctx_rows=self.ctx_rows if graphed else None)
+        c, expected = self.draft_graphs.run(inp) if graphed else self._draft(inp)
+        expected = dict(zip(self.budgets[1:], expected[:R].sum(0).tolist()))  # read back mid-step to choose
+        budget = self.policy.choose(R, expected)
+        if budget == 0:
+            out = run(0, RootInputs(inp.roots, inp.starts, inp.block_tables))
+        else:
+            out = run(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, c.score[:R], c.parent[:R],
+                                         c.rank[:R], c.order[:R], c.tokens[:R]))
+        accepted = self._commit(seqs, out, commit, budget)
+        if budget:
+            self.policy.observe(budget, R, expected[budget], accepted)
+
+    def _fake_context(self) -> int:
+        ps = self.runner.page_size
+        room = self.max_pages * ps - self.width if self.max_pages else 256
+        return max(1, min(256, room, self.runner.cfg.max_position - self.width - 1))
+
+    def fake_steps(self, bs: int, context: int) -> dict:
+        """Step closures on `bs` fake requests with `context` cached tokens whose pages are all the
+        scratch page (timing only: their K/V are garbage): {"draft": ..., budget: ...}."""
+        dev, ps = self.runner.device, self.runner.page_size
+        tables = torch.full((bs, -(-(context + self.width) // ps)), self.runner.scratch_page, dtype=torch.long,
+                            device=dev)
+        starts = torch.full((bs,), context, dtype=torch.long, device=dev)
+        roots = torch.zeros(bs, dtype=torch.long, device=dev)
+        C, dr = self.ctx_rows, self.drafter
+        inp = StepInputs(roots, starts, tables, torch.zeros(bs, C, dr.feat_dim, dtype=dr.dtype, device=dev),
+                         starts[:, None] - C + torch.arange(C, device=dev),
+                         torch.full((bs, C), dr.scratch_slot, dtype=torch.long, device=dev))
+        if self.draft_graphs is not None:
+            draft = partial(self.draft_graphs.run, inp)
+            step = lambda b, i: self.verify_graphs[b].run(i)  # noqa: E731
+        else:
+            draft = partial(self._draft, inp)
+            step = lambda b, i: self._budget_step(b, i, _argmax)  # noqa: E731
+        c = draft()[0]
+        tin = TreeInputs(roots, starts, tables, *(x[:bs].clone() for x in (c.score, c.parent, c.rank, c.order,
+                                                                         c.tokens)))
+        steps = {"draft": draft, 0: partial(step, 0, RootInputs(roots, starts, tables))}
+        steps.update({b: partial(step, b, tin) for b in self.budgets[1:]})
+        return steps
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)

@@ -47,12 +47,32 @@ class Tree:
         return self.tokens.shape[1]
 
 
+@dataclass(slots=True)
+class Candidates:
+    """The best `width` nodes of each depth (level-major: flat index = (depth - 1) * width + slot),
+    from which the tree of any budget <= width is cut (`cut_tree`)."""
+    score: torch.Tensor  # [R, D * W] path log-probability (-inf: no such node)
+    parent: torch.Tensor  # [R, D * W] the parent's slot in the previous level
+    rank: torch.Tensor  # [R, D * W] the node's token rank among its depth's topk
+    order: torch.Tensor  # [R, W] flat indices of the W best nodes, best first (ties: shallower first)
+    tokens: torch.Tensor  # [R, D, K] the topk tokens of each depth
+
+    @property
+    def width(self) -> int:
+        return self.order.shape[1]
+
+
 def build_tree(logprobs: torch.Tensor, roots: torch.Tensor, budget: int, topk: int) -> Tree:
     """logprobs: [R, D, V] drafter log-probs for depths 1..D; roots: [R] root tokens.
     Returns a tree of budget + 1 nodes per request."""
+    return cut_tree(candidates(logprobs, budget, topk), roots, budget)
+
+
+def candidates(logprobs: torch.Tensor, width: int, topk: int) -> Candidates:
+    """The `width` best nodes per depth and overall (see the module docstring)."""
     R, D, _ = logprobs.shape
-    assert budget >= 1 and topk >= 1 and D >= 1
-    W = budget
+    assert width >= 1 and topk >= 1 and D >= 1
+    W = width
     top_lp, top_tok = logprobs.topk(topk, dim=-1)  # [R, D, K], sorted best first
     # Level 1: the root's children. Levels are padded to W slots; missing nodes score -inf.
     lvl_score = torch.full((R, W), float("-inf"), device=logprobs.device)
@@ -72,27 +92,43 @@ def build_tree(logprobs: torch.Tensor, roots: torch.Tensor, budget: int, topk: i
     all_score = torch.stack(scores, 1).reshape(R, D * W)  # level-major: shallower first
     # Global best W; the stable sort prefers shallower nodes on ties, keeping the set prefix-closed.
     _, order = all_score.sort(dim=-1, descending=True, stable=True)
-    chosen = order[:, :W].sort(dim=-1).values  # ascending flat index == BFS order (depth, then level slot)
+    return Candidates(all_score, torch.stack(parents, 1).reshape(R, D * W), torch.stack(ranks, 1).reshape(R, D * W),
+                      order[:, :W], top_tok)
+
+
+def cut_tree(c: Candidates, roots: torch.Tensor, budget: int) -> Tree:
+    """The tree of the `budget` best candidates (budget <= c.width), flattened in BFS order."""
+    R, D, _ = c.tokens.shape
+    W = c.width
+    assert 1 <= budget <= W
+    chosen = c.order[:, :budget].sort(dim=-1).values  # ascending flat index == BFS order (depth, then slot)
     depth = chosen // W + 1
-    slot = chosen % W
-    rank = torch.stack(ranks, 1).reshape(R, D * W).gather(1, chosen)
-    parent_slot = torch.stack(parents, 1).reshape(R, D * W).gather(1, chosen)
-    score = all_score.gather(1, chosen)
+    rank = c.rank.gather(1, chosen)
+    parent_slot = c.parent.gather(1, chosen)
+    score = c.score.gather(1, chosen)
     valid = torch.isfinite(score)
-    tokens = top_tok[torch.arange(R, device=logprobs.device)[:, None], depth - 1, rank]
+    tokens = c.tokens[torch.arange(R, device=chosen.device)[:, None], depth - 1, rank]
     # Parent's flat index (depth - 1, parent_slot) -> its node index: position among `chosen`, + 1 for root.
     parent_flat = (depth - 2) * W + parent_slot
-    match = chosen[:, None, :] == parent_flat[:, :, None]  # [R, W, W]
+    match = chosen[:, None, :] == parent_flat[:, :, None]  # [R, budget, budget]
     parent = torch.where(depth == 1, torch.zeros_like(depth), match.float().argmax(-1) + 1)
     # Prepend the root.
-    zeros = torch.zeros(R, 1, dtype=torch.long, device=logprobs.device)
+    zeros = torch.zeros(R, 1, dtype=torch.long, device=chosen.device)
     tokens = torch.cat([roots.view(R, 1).long(), tokens], 1)
     parent = torch.cat([zeros - 1, parent], 1)
     depth = torch.cat([zeros, depth], 1)
-    valid = torch.cat([torch.ones(R, 1, dtype=torch.bool, device=logprobs.device), valid], 1)
+    valid = torch.cat([torch.ones(R, 1, dtype=torch.bool, device=chosen.device), valid], 1)
     score = torch.cat([zeros.float(), score], 1)
     parent = torch.where(valid, parent, torch.zeros_like(parent))  # padding hangs off the root
     return Tree(tokens, parent, depth, valid, ancestor_mask(parent, D), score, D)
+
+
+def expected_accepts(c: Candidates, budgets: list[int]) -> torch.Tensor:
+    """[R, len(budgets)]: the expected accepted length of the tree of each budget under the drafter's
+    (independent per-depth) distribution. A node is accepted with its path probability, and the
+    accepted length is the number of accepted nodes, so E(b) = sum of the b best path probabilities."""
+    cum = c.score.gather(1, c.order).exp().cumsum(dim=-1)  # missing nodes: exp(-inf) = 0
+    return torch.stack([cum[:, b - 1] for b in budgets], 1)
 
 
 def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:

@@ -1,0 +1,72 @@
+"""`ddtree bench sweep`: the DDTree budget x topk grid, plus DFlash (linear) and AR, in process.
+
+Same measurement as `ddtree bench latency` (`run_mode`: one warm-up batch, batches of C prompts run to
+completion, median over repeats), over a grid of configurations, so one run answers "which budget and
+topk are fastest at each concurrency". With `--with-auto` an adaptive-budget row (mode `auto`, budget
+"auto") is added. Rows carry the acceptance length histogram and, at C=1 on a dataset with categories
+(MT-Bench), per-category results; all rows are appended as JSON lines.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ddtree import LLM, SamplingParams
+from ddtree.bench.datasets import sample_prompts
+from ddtree.bench.latency import environment, print_table, run_mode
+
+
+def check_auto(llm: LLM, topk: int | None) -> None:
+    """Fails before any measurement when this build has no adaptive speculation."""
+    try:
+        llm.set_mode("ddtree", "auto", topk)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--with-auto needs adaptive speculation (LLM budget='auto'), which this build does "
+                         f"not support: {e}") from None
+
+
+def modes(args) -> list[tuple[str, str, int | str | None, int | None]]:
+    """(row mode, spec, budget, topk) for every configuration to measure, in order (auto first: the
+    engine is already in that mode after `check_auto`, and its start-up measurement is not repeated)."""
+    out = [("auto", "ddtree", "auto", args.auto_topk)] if args.with_auto else []
+    out += [] if args.no_ar else [("ar", "none", 0, 1)]
+    if not args.no_dflash:
+        out.append(("dflash", "dflash", None, 1))
+    return out + [("ddtree", "ddtree", b, k) for b in args.budget for k in args.topk]
+
+
+def main(args) -> int:
+    if args.draft is None:
+        raise ValueError("bench sweep needs --draft (a DFlash drafter checkpoint dir)")
+    if any(b < 1 for b in args.budget) or any(k < 1 for k in args.topk):
+        raise ValueError(f"budgets and topk must be >= 1, got --budget {args.budget} --topk {args.topk}")
+    llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
+              max_num_seqs=max(args.concurrency), num_pages=args.num_pages)
+    if args.with_auto:
+        check_auto(llm, args.auto_topk)
+    env = environment(llm)
+    rows_in = sample_prompts(args.dataset, args.num_prompts)
+    prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
+    cats = [r["category"] for r in rows_in]
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    results = []
+    for n, (name, spec, budget, topk) in enumerate(modes(args)):
+        if not (n == 0 and name == "auto"):
+            llm.set_mode(spec, budget, topk)
+        for c in args.concurrency:
+            batches = [prompts[i:i + c] for i in range(0, len(prompts), c)]
+            # per category only at C=1, where a batch is one prompt and its time is that category's alone
+            labels = cats if c == 1 and len(set(cats)) > 1 else None
+            r = run_mode(llm, batches, params, args.repeats, labels)
+            row = {**env, "bench": "sweep", "mode": name, "spec": spec, "budget": llm.budget, "topk": llm.topk,
+                   "concurrency": c, "dataset": args.dataset, "num_prompts": len(prompts),
+                   "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, **r}
+            results.append(row)
+            with open(args.out, "a") as f:  # row by row: a long grid that dies keeps what it measured
+                f.write(json.dumps(row) + "\n")
+            print(f"{name:7s} budget {str(llm.budget):>4s} topk {llm.topk} C={c:3d}: "
+                  f"{r['output_tok_per_s']:8.1f} tok/s  tau {r['mean_accept_length'] or 1.0:.2f}", flush=True)
+    print_table(results)
+    print(f"results appended to {args.out}")
+    return 0

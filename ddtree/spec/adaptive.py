@@ -1,0 +1,164 @@
+"""Adaptive speculation (`--budget auto`): each step, the budget (0 = plain AR) that maximizes expected
+committed tokens per second.
+
+Cost: a table of step times measured at start-up on the device (`measure_costs`): one AR step, one
+draft step and one verify step of each candidate width, at a few batch sizes (linear in between).
+Gain: the drafter's own probabilities give the expected accepted length E(b) of the best-first tree
+of each budget b (spec/tree.py `expected_accepts`); the drafter is miscalibrated, so E is scaled by
+a running ratio of observed to predicted accepted lengths. One budget per step for the whole batch.
+
+Choosing AR skips the draft, so it must be decided before drafting: from the running averages of
+past drafts (`should_draft`), with a probe draft every `probe_every` AR steps so the estimate can
+recover. Once drafted, the draft is paid for and the current probabilities pick the budget among
+the remaining costs: verify(b) for b > 0, or the AR step for 0 (`choose`).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+
+BUDGETS = (4, 8, 16, 32)  # speculative candidates; 0 (AR) is always one too
+PROBE_EVERY = 16  # AR steps before a probe draft
+
+
+def candidate_budgets(depth: int, topk: int) -> list[int]:
+    """[0] + BUDGETS, each capped by the number of nodes a tree of this depth and topk can hold."""
+    most = sum(topk ** d for d in range(1, depth + 1))
+    return [0] + sorted({min(b, most) for b in BUDGETS})
+
+
+def interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise linear in x; below the first point its value, past the last the last slope (>= 0)."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = min(bisect_left(xs, x), len(xs) - 1)
+    slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+    if x > xs[i]:
+        return ys[i] + max(slope, 0.0) * (x - xs[i])
+    return ys[i - 1] + slope * (x - xs[i - 1])
+
+
+@dataclass(slots=True)
+class CostTable:
+    """Step times in milliseconds by batch size (`batch`, ascending)."""
+    batch: list[int]
+    ar: list[float]  # one AR decode step
+    draft: list[float]  # one drafter block
+    verify: dict[int, list[float]]  # budget -> verifying budget + 1 nodes per request
+
+    def __post_init__(self) -> None:
+        n = len(self.batch)
+        assert n and self.batch == sorted(self.batch) and len(self.ar) == len(self.draft) == n
+        assert all(len(v) == n for v in self.verify.values())
+
+    def ar_ms(self, batch: int) -> float:
+        return interpolate(self.batch, self.ar, batch)
+
+    def draft_ms(self, batch: int) -> float:
+        return interpolate(self.batch, self.draft, batch)
+
+    def verify_ms(self, budget: int, batch: int) -> float:
+        return interpolate(self.batch, self.verify[budget], batch)
+
+    def as_dict(self) -> dict:
+        return {"batch": self.batch, "ar": self.ar, "draft": self.draft,
+                "verify": {str(b): v for b, v in self.verify.items()}}
+
+
+class AdaptivePolicy:
+    """The per-step budget choice for a batch; its state is running averages (EMA, weight `decay`)."""
+
+    def __init__(self, table: CostTable, budgets: list[int], probe_every: int = PROBE_EVERY, decay: float = 0.1):
+        self.table, self.probe_every, self.decay = table, probe_every, decay
+        self.budgets = [b for b in budgets if b > 0]  # the speculative candidates
+        assert all(b in table.verify for b in self.budgets), (self.budgets, list(table.verify))
+        self.expected: dict[int, float] | None = None  # running mean over requests of the drafter's E(b)
+        self.accepted: dict[int, float] = {}  # running mean accepted length per request, per chosen budget
+        self.predicted: dict[int, float] = {}  # ... and the drafter's E(b) for those same steps
+        self.total: tuple[float, float] | None = None  # running (accepted, predicted) over all budgets
+        self.ar_streak = 0
+
+    def calibration(self, budget: int) -> float:
+        """Observed over predicted accepted length: for this budget once it was chosen, else overall."""
+        if budget in self.accepted:
+            acc, pred = self.accepted[budget], self.predicted[budget]
+        else:
+            acc, pred = self.total or (1.0, 1.0)
+        return acc / pred if pred > 0 else 1.0
+
+    def should_draft(self, batch: int) -> bool:
+        """Before drafting: does some budget beat AR on past drafts' averages (or is a probe due)?"""
+        if self.expected is None or not self.budgets:
+            return bool(self.budgets)
+        t = self.table
+        ar_rate = batch / t.ar_ms(batch)
+        spec = max((batch * (1 + self.calibration(b) * self.expected[b])) / (t.draft_ms(batch) + t.verify_ms(b, batch))
+                   for b in self.budgets)
+        if spec > ar_rate or self.ar_streak >= self.probe_every:
+            self.ar_streak = 0
+            return True
+        self.ar_streak += 1
+        return False
+
+    def choose(self, batch: int, expected: dict[int, float]) -> int:
+        """After drafting: `expected[b]`, the drafter's E(b) summed over the batch. Returns the budget
+        with the most expected tokens per remaining millisecond (0: AR, the draft thrown away)."""
+        a = self.decay
+        mean = {b: e / batch for b, e in expected.items()}
+        self.expected = mean if self.expected is None else \
+            {b: (1 - a) * self.expected[b] + a * mean[b] for b in self.budgets}
+        t = self.table
+        best, best_rate = 0, batch / t.ar_ms(batch)
+        for b in self.budgets:  # ascending: a larger budget must be strictly better
+            rate = (batch + self.calibration(b) * expected[b]) / t.verify_ms(b, batch)
+            if rate > best_rate:
+                best, best_rate = b, rate
+        return best
+
+    def observe(self, budget: int, batch: int, predicted: float, accepted: int) -> None:
+        """A verify step of `budget` accepted `accepted` draft tokens over the batch where the drafter
+        expected `predicted`."""
+        a = self.decay
+        p, q = predicted / batch, accepted / batch
+        if budget not in self.accepted:
+            self.accepted[budget], self.predicted[budget] = q, p
+        else:
+            self.accepted[budget] = (1 - a) * self.accepted[budget] + a * q
+            self.predicted[budget] = (1 - a) * self.predicted[budget] + a * p
+        acc, pred = self.total or (q, p)
+        self.total = ((1 - a) * acc + a * q, (1 - a) * pred + a * p)
+
+
+def measure_costs(spec, batch_sizes: list[int], context: int, reps: int) -> CostTable:
+    """Times the speculator's own steps on fake requests (`spec.fake_steps`): on GPU replays of its
+    CUDA graphs (captured here, ahead of serving), on CPU eager calls. Median of `reps` after a warm-up."""
+    import torch
+    cuda = spec.runner.device.type == "cuda"
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    ar, draft, verify = [], [], {b: [] for b in spec.budgets if b > 0}
+    for bs in batch_sizes:
+        steps = spec.fake_steps(bs, context)
+        ar.append(timed(steps[0]))
+        draft.append(timed(steps["draft"]))
+        for b in verify:
+            verify[b].append(timed(steps[b]))
+    return CostTable(list(batch_sizes), ar, draft, verify)

@@ -1,0 +1,451 @@
+"""Adaptive speculation (spec/adaptive.py, AdaptiveSpeculator in spec/decode.py, `budget="auto"`).
+
+The policy is pinned on synthetic cost tables: AR when verification is expensive, the largest useful
+budget when it is cheap, smaller budgets (then AR) as the batch grows. The expected accepted length
+E(b) is checked on the tree module's worked example and against exact enumeration. End to end, auto
+decoding is lossless like every other mode: greedy output equals AR token for token, with a random
+drafter (auto stays on AR), an oracle (it speculates), and a scripted policy that switches between AR,
+AR after a wasted draft, and every budget, so the drafter's context must catch up after AR steps.
+"""
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+
+from ddtree.config import ModelConfig
+from ddtree.llm import LLM
+from ddtree.models.dflash import random_drafter, save_drafter
+from ddtree.sampling_params import SamplingParams
+from ddtree.spec.adaptive import PROBE_EVERY, AdaptivePolicy, CostTable, candidate_budgets
+from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
+from tiny import make_tiny_model
+
+ENGINE = dict(device="cpu", dtype="float32", page_size=4, num_pages=512)
+BUDGETS = [0, 4, 8, 16, 32]
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
+MAX_TOKENS = [40, 17, 29, 9]  # requests finishing at different times: the batch shrinks 4 -> 1
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny shapes: OpenMP overhead dominates
+    yield
+    torch.set_num_threads(before)
+
+
+def table(step_ms, draft_ms=lambda bs: 0.1) -> CostTable:
+    """A synthetic table: `step_ms(tokens per request, batch)` for AR (1 token) and verify (b + 1)."""
+    return CostTable(BATCHES, [step_ms(1, bs) for bs in BATCHES], [draft_ms(bs) for bs in BATCHES],
+                     {b: [step_ms(b + 1, bs) for bs in BATCHES] for b in BUDGETS[1:]})
+
+
+def roofline(n: int, bs: int) -> float:
+    """Memory-bound (flat) until 64 tokens in the step, then compute-bound (linear)."""
+    return 1.0 * max(1.0, n * bs / 64)
+
+
+# A drafter's typical E(b) per request: concave, saturating with the budget.
+E_PER_REQUEST = {4: 2.0, 8: 2.8, 16: 3.4, 32: 3.8}
+
+
+def choose(policy: AdaptivePolicy, bs: int) -> int:
+    return policy.choose(bs, {b: e * bs for b, e in E_PER_REQUEST.items()})
+
+
+# ----------------------------------------------------------------------------- policy on synthetic tables
+
+def test_policy_falls_back_to_ar_when_verification_is_expensive():
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 * n * bs), BUDGETS)  # cost grows with every token
+    assert policy.should_draft(1)  # nothing known yet: draft to find out
+    assert choose(policy, 1) == 0
+    assert not policy.should_draft(1)  # past drafts say AR wins: skip the draft
+
+
+def test_policy_takes_the_largest_useful_budget_when_verification_is_cheap():
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 + 0.001 * n), BUDGETS)
+    assert choose(policy, 1) == 32
+    assert policy.should_draft(1)
+    # A budget that adds no expected tokens is not worth its (tiny) extra cost.
+    assert policy.choose(1, {4: 2.0, 8: 2.8, 16: 3.4, 32: 3.4}) == 16
+
+
+def test_policy_budget_shrinks_then_turns_to_ar_as_the_batch_grows():
+    policy = AdaptivePolicy(table(roofline), BUDGETS)
+    chosen = [choose(policy, bs) for bs in BATCHES]
+    assert chosen == sorted(chosen, reverse=True), chosen
+    assert chosen[0] == 32 and chosen[-1] == 0, chosen
+    assert len(set(chosen)) >= 3, chosen  # intermediate budgets in between
+    drafts = [policy.should_draft(bs) for bs in BATCHES]
+    assert drafts == sorted(drafts, reverse=True) and drafts[0] and not drafts[-1], drafts
+
+
+def test_policy_calibrates_the_drafter_and_probes_while_on_ar():
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 + 0.001 * n), BUDGETS)
+    assert choose(policy, 1) == 32
+    for _ in range(100):  # the drafter is overconfident: nothing it proposes is accepted
+        policy.observe(32, 1, E_PER_REQUEST[32], 0)
+    assert policy.calibration(32) < 0.01 and policy.calibration(4) < 0.01  # unobserved: the overall ratio
+    assert choose(policy, 1) == 0
+    pattern = [policy.should_draft(1) for _ in range(3 * (PROBE_EVERY + 1))]
+    assert pattern == ([False] * PROBE_EVERY + [True]) * 3
+    for _ in range(100):  # it recovers once drafts are accepted again
+        policy.observe(32, 1, E_PER_REQUEST[32], 4)
+    assert choose(policy, 1) == 32 and policy.should_draft(1)
+
+
+def test_cost_table_interpolates_between_batch_sizes_and_extrapolates_the_last_slope():
+    t = CostTable([1, 4, 16], [1.0, 1.0, 4.0], [0.1, 0.1, 0.1], {4: [2.0, 3.0, 6.0]})
+    assert t.ar_ms(1) == 1.0 and t.ar_ms(0) == 1.0 and t.ar_ms(10) == pytest.approx(2.5)
+    assert t.ar_ms(28) == pytest.approx(7.0)  # slope 0.25 per request past 16
+    assert t.verify_ms(4, 2) == pytest.approx(2 + 1 / 3)
+    down = CostTable([1, 2], [2.0, 1.0], [0.1, 0.1], {})  # a noisy measurement: never extrapolate downwards
+    assert down.ar_ms(64) == 1.0
+
+
+def test_candidate_budgets_are_capped_by_what_a_tree_can_hold():
+    assert candidate_budgets(15, 4) == [0, 4, 8, 16, 32]
+    assert candidate_budgets(7, 1) == [0, 4, 7]  # a chain of 7
+    assert candidate_budgets(3, 2) == [0, 4, 8, 14]  # 2 + 4 + 8 nodes
+
+
+# ----------------------------------------------------------------------------- expected accepted length
+
+def worked_example() -> torch.Tensor:
+    """tree.py's worked example: best 4 paths .6, .3, .3, .27."""
+    lp = torch.full((1, 3, 32), float("-inf"))
+    for d, (toks, probs) in enumerate([([10, 11], [.6, .3]), ([20, 21], [.5, .4]), ([30, 31], [.9, .05])]):
+        lp[0, d, toks] = torch.tensor(probs).log()
+    return lp
+
+
+def test_expected_accepted_length_is_the_prefix_sum_of_the_best_path_probabilities():
+    c = candidates(worked_example(), 4, 2)
+    e = expected_accepts(c, [1, 2, 3, 4])
+    torch.testing.assert_close(e, torch.tensor([[.6, .9, 1.2, 1.47]]))
+
+
+def accepted_depth(paths: set, seq: tuple) -> int:
+    d = 0
+    while d < len(seq) and seq[:d + 1] in paths:
+        d += 1
+    return d
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_expected_accepted_length_equals_exact_enumeration_under_the_drafters_distribution(seed):
+    # Target tokens drawn independently per depth from the drafter's own distributions: the mean
+    # accepted depth of the budget-b tree, enumerated exactly over all V^D outcomes, is E(b).
+    g = torch.Generator().manual_seed(seed)
+    D, V, topk = 3, 4, 3
+    lp = (torch.randn(1, D, V, generator=g, dtype=torch.float64) * 1.5).log_softmax(-1).float()
+    c = candidates(lp, 12, topk)
+    budgets = [1, 3, 5, 8, 12]
+    e = expected_accepts(c, budgets)[0]
+    for b, want in zip(budgets, e.tolist()):
+        tree = cut_tree(c, torch.tensor([0]), b)
+        nodes = {}
+        for n in range(1, b + 1):  # token path of every node
+            p, path = n, []
+            while p > 0:
+                path.append(tree.tokens[0, p].item())
+                p = tree.parent[0, p].item()
+            nodes[n] = tuple(reversed(path))
+        paths = set(nodes.values())
+        exact = sum(math.prod(lp[0, d, t].exp().item() for d, t in enumerate(seq)) * accepted_depth(paths, seq)
+                    for seq in itertools.product(range(V), repeat=D))
+        assert exact == pytest.approx(want, rel=1e-4), b
+
+
+def test_trees_cut_from_wider_candidates_are_the_trees_built_for_that_budget():
+    g = torch.Generator().manual_seed(0)
+    lp = torch.randn(3, 5, 40, generator=g).log_softmax(-1)
+    roots = torch.tensor([1, 2, 3])
+    c = candidates(lp, 32, 4)
+    for b in (1, 4, 8, 16, 32):
+        cut, built = cut_tree(c, roots, b), build_tree(lp, roots, b, 4)
+        for name in ("tokens", "parent", "depth", "valid", "mask", "score"):
+            assert torch.equal(getattr(cut, name), getattr(built, name)), (b, name)
+
+
+# ----------------------------------------------------------------------------- end to end, lossless
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """pair(family) -> (target dir, block-8 random drafter dir), memoized."""
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            path = make_tiny_model(str(tmp_path_factory.mktemp(f"auto_{family}")), family)
+            d = str(tmp_path_factory.mktemp(f"auto_draft_{family}"))
+            save_drafter(random_drafter(ModelConfig.from_dir(path), num_layers=1, block_size=8,
+                                        target_layer_ids=[0, 1]), d)
+            made[family] = (path, d)
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [list(range(5, 5 + n)) for n in (3, 17, 6, 11)]
+
+
+@pytest.fixture(scope="module")
+def ar_out(pairs, prompts):
+    """ar_out(family, max_tokens) -> the AR engine's greedy outputs for `prompts` (memoized)."""
+    cache = {}
+
+    def get(family, max_tokens=tuple(MAX_TOKENS)):
+        if (family, max_tokens) not in cache:
+            llm = LLM(pairs(family)[0], **ENGINE)
+            cache[family, max_tokens] = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+        return cache[family, max_tokens]
+
+    return get
+
+
+def auto_llm(pairs, family, cost_table=None) -> LLM:
+    path, d = pairs(family)
+    llm = LLM(path, draft=d, **ENGINE)
+    llm.set_mode("ddtree", "auto", 4, cost_table=cost_table)
+    return llm
+
+
+def hook_draft_logits(llm: LLM, replace) -> None:
+    """Replaces the drafter's logits by `replace(seqs, logits)` (after the real drafter ran)."""
+    spec = llm.engine.speculator
+    current: list = []
+    real_step, real_logits = spec.step, spec.drafter.logits
+
+    def step(seqs, commit):
+        current[:] = seqs
+        return real_step(seqs, commit)
+
+    spec.step = step
+    spec.drafter.logits = lambda inp: replace(current, real_logits(inp))
+
+
+def plant_noisy_oracle(llm: LLM, ref: dict) -> None:
+    """Drafts the AR continuation's token at rank 0, 1 or 2 (or not at all), decoys above it."""
+    def replace(seqs, out):
+        logits, vocab = torch.zeros_like(out), out.shape[-1]
+        for i, seq in enumerate(seqs):
+            full = ref[tuple(seq.prompt_ids)]
+            for j in range(out.shape[1]):
+                pos = len(seq) + j
+                tok = full[pos] if pos < len(full) else 0
+                rank = [0, 0, 0, 1, 1, 2, None][(5 * pos + 3) % 7]
+                decoys = [(tok + k) % vocab for k in (1, 2, 3)]
+                order = decoys[:2] if rank is None else decoys[:rank] + [tok]
+                for r, t in enumerate(order):
+                    logits[i, j, t] = 10.0 - 0.5 * r
+        return logits
+    hook_draft_logits(llm, replace)
+
+
+def continuation(prompts, outs) -> dict:
+    return {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, outs)}
+
+
+class Scripted:
+    """A policy that follows a fixed cycle: "ar" (no draft), "wasted" (draft, then AR) or a budget."""
+    def __init__(self, plan):
+        self.plan, self.now, self.seen = itertools.cycle(plan), None, []
+
+    def should_draft(self, batch):
+        self.now = next(self.plan)
+        return self.now != "ar"
+
+    def choose(self, batch, expected):
+        assert sorted(expected) == BUDGETS[1:]
+        assert all(0 <= expected[b] <= b * batch + 1e-4 for b in expected)
+        assert all(expected[a] <= expected[b] + 1e-5 for a, b in zip(BUDGETS[1:], BUDGETS[2:]))  # more nodes, more hope
+        return 0 if self.now == "wasted" else self.now
+
+    def observe(self, budget, batch, predicted, accepted):
+        self.seen.append(budget)
+
+
+def assert_idle(llm: LLM) -> None:
+    assert not llm.engine.scheduler.waiting and not llm.engine.scheduler.running
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages, "KV pages leaked"
+
+
+def check_lossless(llm: LLM, prompts, ref, tokens_per_step_le: int = 8) -> list:
+    params = [SamplingParams(max_tokens=m) for m in MAX_TOKENS]
+    outs, hist = [], {}
+    for batch, ps in [([p], [q]) for p, q in zip(prompts, params)] + [(prompts, params)]:  # alone, then batched
+        outs += llm.generate(batch, ps)
+        for b, n in llm.last_stats["budget_hist"].items():
+            hist[b] = hist.get(b, 0) + n
+    for o, r in zip(outs, ref + ref):
+        assert o.token_ids == r.token_ids and o.finish_reason == r.finish_reason
+        assert max(o.accept_lengths, default=1) <= tokens_per_step_le
+    # Every generated token: one from the prefill, the rest from verify steps or AR steps.
+    assert sum(len(o.token_ids) for o in outs) == len(outs) + sum(sum(o.accept_lengths) for o in outs) + hist.get(0, 0)
+    assert_idle(llm)
+    return outs, hist
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_auto_with_a_random_drafter_stays_on_ar_and_equals_it(family, pairs, prompts, ar_out):
+    llm = auto_llm(pairs, family)  # the cost table measured here, on the CPU
+    t = llm.engine.speculator.policy.table
+    assert t.batch == [1, 2] and sorted(t.verify) == BUDGETS[1:] and min(t.ar + t.draft) > 0
+    spec = llm.engine.speculator
+    spec.policy.table = table(lambda n, bs: 1.0 * n)  # deterministic: drafts far below their cost
+    outs, hist = check_lossless(llm, prompts, ar_out(family))
+    assert set(hist) == {0}, hist  # a random drafter never earns a verify
+    assert all(o.accept_lengths == [] for o in outs)
+    assert llm.budget == "auto" and llm.spec == "ddtree"
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_auto_with_a_good_drafter_speculates_and_equals_ar(family, pairs, prompts, ar_out):
+    ref = ar_out(family)
+    llm = auto_llm(pairs, family, cost_table=table(lambda n, bs: 1.0 + 0.01 * n))
+    plant_noisy_oracle(llm, continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)))
+    outs, hist = check_lossless(llm, prompts, ref)
+    assert hist.get(0, 0) < sum(hist.values()) / 4, hist  # mostly speculating
+    accepts = [n for o in outs for n in o.accept_lengths]
+    assert sum(accepts) / len(accepts) > 1.5
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_switching_between_ar_and_budgets_every_step_stays_lossless(family, pairs, prompts, ar_out):
+    ref = ar_out(family)
+    llm = auto_llm(pairs, family, cost_table=table(roofline))
+    plant_noisy_oracle(llm, continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)))
+    llm.engine.speculator.policy = script = Scripted(["ar", "ar", 4, "ar", 8, "wasted", 16, 32, "ar", "ar", "ar",
+                                                      32, "wasted", "wasted", 8])
+    outs, hist = check_lossless(llm, prompts, ref)
+    assert set(hist) == set(BUDGETS), hist
+    assert set(script.seen) == set(BUDGETS[1:])
+
+
+def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, ar_out):
+    # AR steps queue their target features for the drafter; the next draft must see exactly the
+    # context a fresh engine builds by prefilling the same tokens.
+    family = "qwen2"
+    llm = auto_llm(pairs, family, cost_table=table(roofline))
+    seen = {}
+
+    def record(seqs, out):
+        for seq, row in zip(seqs, out):
+            seen[tuple(seq.token_ids)] = row.clone()
+        return out
+
+    hook_draft_logits(llm, record)
+    llm.engine.speculator.policy = Scripted(["ar", "ar", "ar", 4, "ar", "wasted", "ar", 8])
+    llm.generate(prompts, [SamplingParams(max_tokens=m) for m in MAX_TOKENS])
+    keys = [k for k in seen if list(k[:-1]) not in prompts]
+    assert len(keys) > 10
+    fresh = auto_llm(pairs, family, cost_table=table(roofline))
+    again = {}
+
+    def record_fresh(seqs, out):
+        for seq, row in zip(seqs, out):
+            again[tuple(seq.token_ids)] = row.clone()
+        return out
+
+    hook_draft_logits(fresh, record_fresh)
+    fresh.engine.speculator.policy = Scripted([4])
+    out = fresh.generate([list(k[:-1]) for k in keys], SamplingParams(max_tokens=2))
+    assert [o.token_ids[0] for o in out] == [k[-1] for k in keys]
+    for k in keys:
+        torch.testing.assert_close(again[k], seen[k], atol=1e-3, rtol=1e-3)
+
+
+def test_sampled_and_greedy_requests_in_one_auto_batch(pairs, prompts, ar_out):
+    family = "qwen2"
+    llm = auto_llm(pairs, family, cost_table=table(roofline))
+    plant_noisy_oracle(llm, continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)))
+    llm.engine.speculator.policy = Scripted(["ar", 8, "wasted", 32, 4])
+    params = [SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=i) for i in range(3)]
+    params.insert(1, SamplingParams(max_tokens=30))
+    got = llm.generate(prompts, params)
+    assert got[1].token_ids == ar_out(family, (30,) * 4)[1].token_ids
+    assert all(len(o.token_ids) == 30 or o.finish_reason == "stop" for o in got)
+    llm.engine.speculator.policy = Scripted(["ar", 8, "wasted", 32, 4])  # samples depend on the trees drawn
+    again = llm.generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in got]  # seeded: reproducible
+    assert_idle(llm)
+
+
+def test_budget_auto_validation_and_mode_switches(pairs):
+    path, d = pairs("qwen2")
+    t = table(roofline)
+    llm = LLM(path, draft=d, budget="auto", **ENGINE)
+    assert llm.budget == "auto" and llm.engine.speculator.width == 33
+    llm.set_mode("ddtree", "8", 4)  # as the command line passes it
+    assert llm.budget == 8 and type(llm.engine.speculator).__name__ == "Speculator"
+    llm.set_mode("dflash", "auto", cost_table=CostTable(t.batch, t.ar, t.draft, {4: t.verify[4], 7: t.verify[8]}))
+    assert llm.engine.speculator.budgets == [0, 4, 7] and llm.topk == 1
+    llm.set_mode("none", "auto")
+    assert llm.engine.speculator is None and llm.budget == 0
+    with pytest.raises(ValueError, match="'bogus'"):
+        llm.set_mode("ddtree", "bogus")
+    with pytest.raises(ValueError, match="-1"):
+        llm.set_mode("ddtree", -1)
+
+
+# ----------------------------------------------------------------------------- the graphed path, emulated
+
+class EmulatedGraph:
+    """Stands in for a CUDA graph on CPU: a replay recomputes the captured function on the static
+    inputs and overwrites the static outputs in place, as a real replay does."""
+    def __init__(self, fn, view, out):
+        self.fn, self.view, self.out = fn, view, out
+
+    def replay(self):
+        copy_into(self.out, self.fn(self.view))
+
+
+def copy_into(dst, src):
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, tuple):
+        for a, b in zip(dst, src):
+            copy_into(a, b)
+    else:
+        for f in dataclasses.fields(dst):
+            copy_into(getattr(dst, f.name), getattr(src, f.name))
+
+
+def emulated_pool():
+    from ddtree.engine.graphs import GraphPool
+
+    class EmulatedPool(GraphPool):
+        def _capture(self, bs):
+            view = self._view(bs)
+            out = self.fn(view)
+            self.graphs[bs] = (EmulatedGraph(self.fn, view, out), out)
+
+    return EmulatedPool
+
+
+def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, monkeypatch):
+    # The GPU path's plumbing (static inputs padded to batch buckets, the draft graph's outputs fed to a
+    # verify graph, AR steps through their own graph, the cost table measured on the graphs) run on
+    # CPU with graph replays emulated.
+    import ddtree.spec.decode as decode
+    family = "llama"
+    ref = ar_out(family)
+    llm = auto_llm(pairs, family, cost_table=table(roofline))
+    monkeypatch.setattr(decode, "GraphPool", emulated_pool())
+    eng = llm.engine
+    old = eng.speculator
+    spec = decode.AdaptiveSpeculator(eng.runner, old.drafter, 4, True, 3, old.max_pages)  # buckets 1, 2, 3
+    assert spec.draft_graphs is not None and spec.policy.table.batch == [1, 2, 3]
+    assert set(spec.verify_graphs[8].graphs) == {1, 2, 3}  # captured while measuring
+    eng.speculator = llm.engine.speculator = spec
+    plant_noisy_oracle(llm, continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)))
+    script = Scripted(["ar", 4, "ar", "ar", 32, "wasted", 16, 8, 32])
+    spec.policy = script
+    outs, hist = check_lossless(llm, prompts, ref)
+    assert set(hist) == set(BUDGETS), hist
+    assert set(spec.draft_graphs.graphs) == {1, 2, 3}  # four requests ran as a bucket of 3 + 1, 2 ...
