@@ -9,7 +9,7 @@ import sys
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: the default model)")
-    p.add_argument("--draft", default=None, help="DFlash drafter checkpoint dir (z-lab format)")
+    p.add_argument("--draft", default=None, help="DFlash drafter checkpoint dir (z-lab format; default model: the shipped drafter)")
     p.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None, help="speculative decoding mode")
     p.add_argument("--budget", default=None, help="DDTree node budget, or auto: chosen each step from measured costs")
     p.add_argument("--topk", type=int, default=None, help="DDTree per-depth top-k cap")
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     lat = bench.add_parser("latency", help="offline decoding speed: AR vs DFlash vs DDTree (and peers)")
     lat.add_argument("--model", default=None)
-    lat.add_argument("--draft", default=None, help="drafter dir; without it only AR runs")
+    lat.add_argument("--draft", default=None, help="drafter dir (default model: the shipped drafter; other models without it: AR only)")
     lat.add_argument("--device", default=None)
     lat.add_argument("--dtype", default=None)
     lat.add_argument("--dataset", choices=["humaneval", "mtbench", "sharegpt"], default="humaneval")
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sw = bench.add_parser("sweep", help="in-process grid: DDTree budget x topk, plus DFlash and AR")
     sw.add_argument("--model", default=None)
-    sw.add_argument("--draft", default=None, help="drafter dir (required)")
+    sw.add_argument("--draft", default=None, help="drafter dir (default model: the shipped drafter)")
     sw.add_argument("--device", default=None)
     sw.add_argument("--dtype", default=None)
     sw.add_argument("--dataset", choices=["humaneval", "mtbench", "sharegpt"], default="humaneval")

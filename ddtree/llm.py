@@ -14,7 +14,7 @@ from ddtree.engine.sequence import Sequence
 from ddtree.sampling_params import SamplingParams
 
 SPEC_MODES = ("none", "dflash", "ddtree")
-DEFAULT_BUDGET, DEFAULT_TOPK = 16, 4
+DEFAULT_BUDGET, DEFAULT_TOPK = "auto", 4  # auto: the budget (AR included) is chosen per step
 
 
 @dataclass(slots=True)

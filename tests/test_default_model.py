@@ -39,3 +39,24 @@ def test_default_model_stops_at_end_of_turn(llm):
     assert out.finish_reason == "stop"
     assert out.token_ids[-1] in llm.config.eos_token_ids
     assert "yes" in out.text.lower()
+
+
+def test_default_pair_is_ddtree_with_the_shipped_drafter(llm):
+    from ddtree.models.hub import default_draft
+    assert default_draft() is not None
+    assert llm.spec == "ddtree" and llm.budget == "auto" and llm.drafter is not None
+    llm.set_mode("ddtree", 16, 4)
+    out = llm.chat([{"role": "user", "content": PROMPTS[0]}], SamplingParams(max_tokens=48))[0]
+    assert max(out.accept_lengths) >= 2  # the trained drafter gets whole tokens accepted, not just the bonus
+    llm.set_mode("ddtree")
+
+
+def test_default_pair_dflash_and_ar_equal_ddtree(llm):
+    convs = [[{"role": "user", "content": p}] for p in PROMPTS]
+    params = SamplingParams(max_tokens=24)
+    llm.set_mode("ddtree", 16, 4)
+    want = [o.token_ids for o in llm.chat(convs, params)]
+    for spec, budget in (("dflash", None), ("none", None), ("ddtree", "auto")):
+        llm.set_mode(spec, budget)
+        assert [o.token_ids for o in llm.chat(convs, params)] == want, spec
+    llm.set_mode("ddtree")

@@ -80,3 +80,36 @@ def test_greedy_output_and_acceptance_match_reference_dflash_generate(pair, monk
     out = llm.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True))[0]
     assert out.token_ids == want
     assert out.accept_lengths == res.acceptance_lengths
+
+
+def test_shipped_default_drafter_matches_reference_on_the_default_target():
+    """The committed drafter (ddtree/models/default_drafter) loads in the reference package and in
+    ddtree, and both give the same draft for the same context on the real default target."""
+    from ddtree.models.hub import default_draft
+    draft = default_draft()
+    assert draft is not None, "the default drafter is missing from the package"
+    llm = LLM(device="cpu", dtype="float32", spec="dflash", num_pages=64)  # the default pair, DFlash
+    assert llm.drafter is not None and llm.drafter.dcfg.target_layer_ids == [1, 8, 14, 21]
+    hf, ref = reference_models(llm.model_path, draft)
+    assert ref.target_layer_ids == [1, 8, 14, 21] and ref.block_size == 16
+    prompt = llm.encode_chat([{"role": "user", "content": "Write a Python function that reverses a string."}])
+    n, B = len(prompt), ref.block_size
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), output_hidden_states=True)
+        first = int(out.logits[0, -1].argmax())
+        feats = dflash_model.extract_context_feature(out.hidden_states, ref.target_layer_ids)
+        block = torch.full((1, B), ref.mask_token_id)
+        block[0, 0] = first
+        hidden = ref(target_hidden=feats, noise_embedding=hf.get_input_embeddings()(block),
+                     position_ids=torch.arange(n + B)[None], past_key_values=dflash_model._make_cache(ref.config),
+                     use_cache=True)
+        want = ref.compute_logits(hidden[:, 1:], hf.lm_head)[0]
+    seq = llm.engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.engine.step()
+    assert seq.output_ids == [first]
+    llm.engine.allocator.grow(seq, seq.num_cached + llm.engine.speculator.width)
+    drafter = llm.engine.speculator.drafter
+    with torch.inference_mode():
+        got = drafter.logits(drafter.prepare([seq]))[0]
+    assert (got - want).abs().max().item() < 1e-3
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

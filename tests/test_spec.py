@@ -297,7 +297,7 @@ def test_oracle_accepts_whole_blocks_and_adversary_one_token_per_step(shift, kin
                                                                       drafter, ar, prompts):
     params = greedy_params(ignore_eos=True)
     ref = ar("qwen3", prompts, params)
-    llm = spec_llm(tiny("qwen3"), drafter("qwen3", block), spec, None, topk)
+    llm = spec_llm(tiny("qwen3"), drafter("qwen3", block), spec, 16 if spec == "ddtree" else None, topk)
     plant(llm, oracle(continuation(prompts, ar("qwen3", prompts, greedy_params([LONGEST] * 4, ignore_eos=True))),
                       shift))
     out = llm.generate(prompts, params)
@@ -330,7 +330,7 @@ def test_stop_token_inside_an_accepted_block_stops_exactly_where_ar_stops(spec, 
     prompt, stop_tok = found[0]
     params = SamplingParams(max_tokens=LONGEST, stop_token_ids=[stop_tok])
     want = ar("qwen3", [prompt], params)[0]
-    llm = spec_llm(tiny("qwen3"), drafter("qwen3", block), spec, None, topk)
+    llm = spec_llm(tiny("qwen3"), drafter("qwen3", block), spec, 16 if spec == "ddtree" else None, topk)
     plant(llm, oracle(ref))
     got = llm.generate([prompt], params)[0]
     assert want.finish_reason == got.finish_reason == "stop"
@@ -346,7 +346,7 @@ def test_stop_string_spanning_two_blocks_cuts_text_like_ar(spec, topk, tiny, dra
     from ddtree.engine.detokenizer import IncrementalDetokenizer
     block = 8
     outs, ref = greedy_reference(ar, prompts, ignore_eos=True)
-    llm = spec_llm(tiny("qwen3"), drafter("qwen3", block), spec, None, topk)
+    llm = spec_llm(tiny("qwen3"), drafter("qwen3", block), spec, 16 if spec == "ddtree" else None, topk)
     plant(llm, oracle(ref))
     chosen = None
     for prompt, o in zip(prompts, outs):
@@ -384,7 +384,7 @@ def test_max_tokens_ending_inside_a_block_gives_exactly_max_tokens(spec, topk, t
     _, ref = greedy_reference(ar, prompts, ignore_eos=True)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     want = ar("qwen3", prompts[:2], params)
-    llm = spec_llm(tiny("qwen3"), drafter("qwen3", block), spec, None, topk)
+    llm = spec_llm(tiny("qwen3"), drafter("qwen3", block), spec, 16 if spec == "ddtree" else None, topk)
     plant(llm, oracle(ref))
     got = llm.generate(prompts[:2], params)
     for g, w in zip(got, want):

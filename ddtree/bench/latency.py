@@ -222,6 +222,9 @@ def parse_budgets(text: str | list) -> list[int | str]:
 
 
 def main(args) -> int:
+    from ddtree.models.hub import default_draft, is_default_model
+    if args.draft is None and is_default_model(args.model):
+        args.draft = default_draft()  # the default pair
     llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
               max_num_seqs=max(args.concurrency), num_pages=args.num_pages)
     env = environment(llm)

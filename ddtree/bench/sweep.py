@@ -36,6 +36,9 @@ def modes(args) -> list[tuple[str, str, int | str | None, int | None]]:
 
 
 def main(args) -> int:
+    from ddtree.models.hub import default_draft, is_default_model
+    if args.draft is None and is_default_model(args.model):
+        args.draft = default_draft()  # the default pair
     if args.draft is None:
         raise ValueError("bench sweep needs --draft (a DFlash drafter checkpoint dir)")
     if any(b < 1 for b in args.budget) or any(k < 1 for k in args.topk):
