@@ -172,3 +172,50 @@ def test_cli_train_drafter_generates_data_trains_and_saves(target, tmp_path):
     d = load_drafter(str(out), ModelConfig.from_dir(target), "cpu", torch.float32)
     assert d.dcfg.block_size == 4 and len(d.dcfg.target_layer_ids) == 2
     assert [r["step"] for r in read_log(str(out))][-1] == 3
+
+
+def test_packed_target_features_equal_one_sequence_at_a_time(target, records):
+    from ddtree.train.drafter import precompute_features
+    net, _ = load_model(target, "cpu", torch.float32)
+    layers = [0, 2]
+    packed = precompute_features(net, records, layers, max_len=2048, tokens_per_batch=200, progress=False)
+    for rec, f in zip(records, packed):
+        alone = target_features(net, [rec["input_ids"]], layers)[0]
+        assert f.shape == (rec["input_ids"].shape[0], 2 * net.config.hidden_size)
+        torch.testing.assert_close(f, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_files_round_trip_multiline_prompts(tmp_path):
+    from ddtree.train.data import read_prompt_file, write_prompt_file
+    prompts = ["line one\nline two", "tab\there", "ünïcode ✓"]
+    for name in ("p.jsonl", "p.jsonl.gz"):
+        path = str(tmp_path / name)
+        assert write_prompt_file(prompts, path) == 3
+        assert read_prompt_file(path) == prompts
+    (tmp_path / "plain.txt").write_text("first\n\nsecond\n")
+    assert read_prompt_file(str(tmp_path / "plain.txt")) == ["first", "second"]
+
+
+def test_data_time_limit_stops_after_the_first_batch(target):
+    llm = LLM(target, device="cpu", dtype="float32", spec="none")
+    recs = generate_dataset(target, PROMPTS, None, max_new_tokens=4, batch_size=2, llm=llm, time_limit_s=0.0)
+    assert len(recs) == 2  # the first batch always runs; no new batch starts past the limit
+
+
+def test_time_budget_schedule_ends_the_run_and_resumes_with_the_time_spent(target, records, tmp_path):
+    from ddtree.train.drafter import lr_lambda
+    f = lr_lambda(small_cfg(10**6, warmup=5, min_lr_ratio=0.1))
+    assert f(0, 0.0) == pytest.approx(0.2) and f(10, 0.0) == pytest.approx(1.0)
+    assert f(10, 0.5) == pytest.approx(0.55) and f(10, 1.0) == pytest.approx(0.1) and f(10, 2.0) == pytest.approx(0.1)
+    net, _ = load_model(target, "cpu", torch.float32)
+    out = str(tmp_path / "d")
+    cfg = small_cfg(10**6, time_budget_s=1.0)
+    train(net, records, out, cfg, num_layers=1, block_size=BLOCK, progress=False)
+    state = torch.load(os.path.join(out, STATE_FILE), weights_only=True)
+    assert 1.0 <= state["trained_s"] < 30 and 0 < state["step"] < 10**6
+    steps = state["step"]
+    train(net, records, out, small_cfg(10**6, time_budget_s=1.5), resume=True, progress=False)
+    state = torch.load(os.path.join(out, STATE_FILE), weights_only=True)
+    assert state["trained_s"] >= 1.5 and state["step"] > steps
+    train(net, records, out, small_cfg(10**6, time_budget_s=1.5), resume=True, progress=False)  # spent: no steps
+    assert torch.load(os.path.join(out, STATE_FILE), weights_only=True)["step"] == state["step"]
