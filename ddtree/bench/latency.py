@@ -9,6 +9,7 @@ Results are JSON lines, one object per measured configuration.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -41,6 +42,13 @@ def environment(llm: LLM | None = None) -> dict:
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def full_batches(prompts: list, c: int) -> list[list]:
+    """Batches of exactly c prompts (repeating prompts to fill the last), so a row labelled C ran at C."""
+    n = -(-max(len(prompts), c) // c) * c
+    cycled = list(itertools.islice(itertools.cycle(prompts), n))
+    return [cycled[i:i + c] for i in range(0, n, c)]
 
 
 def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, repeats: int,
@@ -241,7 +249,7 @@ def main(args) -> int:
     for name, spec, budget, topk in modes:
         llm.set_mode(spec, budget, topk)
         for c in args.concurrency:
-            batches = [prompts[i:i + c] for i in range(0, len(prompts), c)]
+            batches = full_batches(prompts, c)
             r = run_mode(llm, batches, params, args.repeats)
             row = {**env, "mode": name, "budget": llm.budget, "topk": llm.topk, "concurrency": c,
                    "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens, **r}

@@ -13,7 +13,7 @@ import os
 
 from ddtree import LLM, SamplingParams
 from ddtree.bench.datasets import sample_prompts
-from ddtree.bench.latency import environment, print_table, run_mode
+from ddtree.bench.latency import environment, full_batches, print_table, run_mode
 
 
 def check_auto(llm: LLM, topk: int | None) -> None:
@@ -58,7 +58,7 @@ def main(args) -> int:
         if not (n == 0 and name == "auto"):
             llm.set_mode(spec, budget, topk)
         for c in args.concurrency:
-            batches = [prompts[i:i + c] for i in range(0, len(prompts), c)]
+            batches = full_batches(prompts, c)
             # per category only at C=1, where a batch is one prompt and its time is that category's alone
             labels = cats if c == 1 and len(set(cats)) > 1 else None
             r = run_mode(llm, batches, params, args.repeats, labels)

@@ -79,6 +79,7 @@ class AdaptivePolicy:
         self.predicted: dict[int, float] = {}  # ... and the drafter's E(b) for those same steps
         self.total: tuple[float, float] | None = None  # running (accepted, predicted) over all budgets
         self.ar_streak = 0
+        self.probing = False  # this draft is a probe: AR looked better on past averages
 
     def calibration(self, budget: int) -> float:
         """Observed over predicted accepted length: for this budget once it was chosen, else overall."""
@@ -97,6 +98,7 @@ class AdaptivePolicy:
         spec = max((batch * (1 + self.calibration(b) * self.expected[b])) / (t.draft_ms(batch) + t.verify_ms(b, batch))
                    for b in self.budgets)
         if spec > ar_rate or self.ar_streak >= self.probe_every:
+            self.probing = spec <= ar_rate
             self.ar_streak = 0
             return True
         self.ar_streak += 1
@@ -115,6 +117,11 @@ class AdaptivePolicy:
             rate = (batch + self.calibration(b) * expected[b]) / t.verify_ms(b, batch)
             if rate > best_rate:
                 best, best_rate = b, rate
+        if best == 0 and self.probing:
+            # A probe verifies the smallest tree anyway: the calibration only learns from verified steps,
+            # so without this a drafter that looked bad once could keep the policy on AR for good.
+            best = self.budgets[0]
+        self.probing = False
         return best
 
     def observe(self, budget: int, batch: int, predicted: float, accepted: int) -> None:

