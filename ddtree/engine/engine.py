@@ -39,7 +39,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype)
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size)
         capacity = self.runner.num_pages * engine_cfg.page_size
-        self.use_graphs = device.type == "cuda" and engine_cfg.cuda_graphs
+        # Graphs need the Triton kernels: the torch reference attention reads host values.
+        self.use_graphs = device.type == "cuda" and engine_cfg.cuda_graphs and self.runner.use_triton
         self.speculator = None
         auto = budget == "auto"
         speculative = drafter is not None and (auto or budget > 0)
@@ -133,14 +134,13 @@ class LLMEngine:
         return self.runner.decode_logits(inp.ids, inp.block_tables, inp.starts)
 
     def _decode_graphed(self, seqs: list[Sequence]) -> list[Sequence]:
-        rows = pack_rows([s.block_table for s in seqs], [[s.token_ids[-1] for s in seqs], [s.num_cached for s in seqs]],
+        rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
                          self.runner.scratch_page, self.device)
         inp = DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2:])
         logits = self.decode_graphs.run(inp)[:len(seqs)]
-        for seq in seqs:
-            seq.num_cached += 1
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
         for seq, tok in zip(seqs, tokens):
+            seq.num_cached += 1
             self.commit(seq, [tok])
         return seqs
 
@@ -155,24 +155,26 @@ class LLMEngine:
 
     def commit(self, seq: Sequence, tokens: list[int]) -> int:
         """Appends tokens one at a time until a stop condition; returns how many were kept."""
-        p = seq.params
+        p, out, detok = seq.params, seq.output_ids, seq.detok
+        eos = () if p.ignore_eos else self.eos_ids
+        max_out = min(p.max_tokens, self.max_model_len - len(seq.prompt_ids))  # output length that ends it
         for n, tok in enumerate(tokens, 1):
-            seq.output_ids.append(tok)
+            out.append(tok)
             before = len(seq.text)
-            if seq.detok is not None:
-                seq.text += seq.detok.add([tok])
+            if detok is not None:
+                seq.text += detok.add([tok])
             reason, cut = None, False
-            if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+            if tok in eos or tok in p.stop_token_ids:
                 reason = "stop"
             elif p.stop and self._cut_at_stop(seq, before):
                 reason, cut = "stop", True
-            elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
+            elif len(out) >= max_out:
                 reason = "length"
             if reason:
-                if seq.detok is None:
-                    seq.text = self._decode(seq.output_ids)
+                if detok is None:
+                    seq.text = self._decode(out)
                 elif not cut:  # text held back for an incomplete character is emitted at the end
-                    seq.text += seq.detok.flush()
+                    seq.text += detok.flush()
                 self.scheduler.finish(seq, reason)
                 return n
         return len(tokens)

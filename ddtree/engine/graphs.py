@@ -25,15 +25,17 @@ def buckets_up_to(n: int) -> list[int]:
 
 class GraphPool:
     def __init__(self, fn: Callable, max_batch: int, pad: dict[str, float] | None = None,
-                 widths: dict[str, int] | None = None):
+                 widths: dict[str, int] | None = None, mempool=None):
         """`pad`: value for padding rows per input field (default 0); `widths`: fixed size of dim 1 for
-        inputs whose width varies between calls (page tables)."""
+        inputs whose width varies between calls (page tables); `mempool`: a `torch.cuda.graph_pool_handle()`
+        shared with other pools whose graphs never run concurrently and whose outputs are consumed
+        before another graph replays (their intermediates then share memory)."""
         self.fn, self.max_batch = fn, max_batch
         self.pad, self.widths = pad or {}, widths or {}
         self.buckets = buckets_up_to(max_batch)
         self.static: dict[str, torch.Tensor] | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
-        self.mempool = None
+        self.mempool = mempool
         self.input_type = None
 
     def _allocate(self, inp) -> None:
@@ -51,18 +53,19 @@ class GraphPool:
         return self.input_type(**{k: v[:bs] for k, v in self.static.items()})
 
     def run(self, inp):
-        R = getattr(inp, dataclasses.fields(inp)[0].name).shape[0]
         if self.static is None:
             self._allocate(inp)
+        R = getattr(inp, next(iter(self.static))).shape[0]
         bs = next(b for b in self.buckets if b >= R)
         for name, buf in self.static.items():
-            t = getattr(inp, name)
+            t, pad = getattr(inp, name), self.pad.get(name, 0)
             if buf.dim() > 1 and t.shape[1] != buf.shape[1]:
                 buf[:R, :t.shape[1]].copy_(t)
-                buf[:R, t.shape[1]:].fill_(self.pad.get(name, 0))
+                buf[:R, t.shape[1]:].fill_(pad)
             else:
                 buf[:R].copy_(t)
-            buf[R:bs].fill_(self.pad.get(name, 0))
+            if R < bs:
+                buf[R:bs].fill_(pad)
         if bs not in self.graphs:
             self._capture(bs)
         graph, out = self.graphs[bs]

@@ -57,11 +57,11 @@ class ModelRunner:
         for seq, n in chunks:
             start = seq.num_cached
             assert start + n <= len(seq)
-            ids.extend(seq.token_ids[start:start + n])
-            pos.append(torch.arange(start, start + n))
+            ids.extend(seq.tokens(start, start + n))
+            pos.extend(range(start, start + n))
         batch = self.batch_for([s for s, _ in chunks], [n for _, n in chunks])
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return input_ids, torch.cat(pos).to(self.device), batch
+        ids_pos = torch.tensor([ids, pos], dtype=torch.long).to(self.device)  # one host->device copy
+        return ids_pos[0], ids_pos[1], batch
 
     @torch.inference_mode()
     def run(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):

@@ -50,26 +50,32 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
+        alloc, width = self.allocator, self.decode_width
+        prefilling = []
         # 1. Decode every request past its prompt; grow its pages, preempting the newest if needed.
+        #    (A preempted request is no longer RUNNING: a status check, not a search of the list.)
         for seq in list(self.running):
-            if seq not in self.running or seq.num_uncached != 1:
+            if seq.status is not Status.RUNNING:
                 continue
-            while not self.allocator.can_grow(seq, seq.num_cached + self.decode_width):
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                self.allocator.grow(seq, seq.num_cached + self.decode_width)
+            n = seq.num_uncached
+            if n != 1:
+                if n > 1:
+                    prefilling.append(seq)
+                continue
+            need = alloc.pages_needed(seq, seq.num_cached + width)
+            while need > alloc.num_free and seq.status is Status.RUNNING:
+                self.preempt(self.running[-1])
+            if seq.status is Status.RUNNING:
+                if need:
+                    alloc.grow(seq, seq.num_cached + width)
                 step.decode.append(seq)
         # 2. Prompt chunks: requests mid-prompt first, then newly admitted ones. Admission reserves
         #    pages for the whole prompt, so a chunked prefill never stalls.
         # Decode tokens count against the step's token budget too, but prompts always keep a quarter
         # of it so new requests still start while a large batch decodes.
-        budget = max(self.max_num_batched_tokens - len(step.decode) * self.decode_width,
-                     self.max_num_batched_tokens // 4)
-        for seq in self.running:
-            if seq.num_uncached > 1 and budget > 0:
+        budget = max(self.max_num_batched_tokens - len(step.decode) * width, self.max_num_batched_tokens // 4)
+        for seq in prefilling:
+            if seq.status is Status.RUNNING and budget > 0:
                 budget -= self._chunk(seq, budget, step)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]

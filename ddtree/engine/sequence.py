@@ -50,6 +50,19 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list (a decode step reads one token)."""
+        P = len(self.prompt_ids)
+        if start >= P:
+            return self.output_ids[start - P:end - P]
+        if end <= P:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[:end - P]
+
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

@@ -117,12 +117,15 @@ class Speculator:
         """Host side of a step: commits each request's accepted tokens and bonus; returns the accepted
         draft tokens of the batch. `budget` 0 is an AR step (no acceptance statistics)."""
         rows = out.packed.tolist()  # the one read-back of the step
-        feats = out.feats[:len(seqs)].clone()
+        # Target features of the root and accepted nodes become the drafter's next context: each
+        # request's first L + 1 path rows, cut out of the batch by one split (not one slice per request).
+        R, N = len(seqs), out.feats.shape[1]
+        sizes = [n for row in rows[:R] for n in (row[0] + 1, N - row[0] - 1)]
+        feats = out.feats[:R].clone().flatten(0, 1).split_with_sizes(sizes)
         accepted = 0
         for i, seq in enumerate(seqs):
             L, bonus, path_tokens = rows[i][0], rows[i][1], rows[i][2:]
-            # Target features of the root and accepted nodes become the drafter's next context.
-            seq.pending_features.append(feats[i, :L + 1])
+            seq.pending_features.append(feats[2 * i])
             seq.num_cached += L + 1
             kept = commit(seq, path_tokens[1:L + 1] + [bonus])
             accepted += L
@@ -181,13 +184,14 @@ class AdaptiveSpeculator(Speculator):
         super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
         self.ctx_rows = drafter.block_size + PROBE_EVERY  # the last accepted path plus AR steps until a probe
         self.max_pages, self.draft_graphs, self.verify_graphs = max_pages, None, {}
-        if use_graphs:
+        if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
             pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
             widths = {"block_tables": max_pages}
-            self.draft_graphs = GraphPool(self._draft, max_batch, pad=pad, widths=widths)
+            pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None  # (CPU: tests)
+            self.draft_graphs = GraphPool(self._draft, max_batch, pad=pad, widths=widths, mempool=pool)
             for b in self.budgets:
                 self.verify_graphs[b] = GraphPool(partial(self._budget_step, b, pred_fn=_argmax), max_batch,
-                                                  pad=pad, widths=widths)
+                                                  pad=pad, widths=widths, mempool=pool)
         if table is None:  # with graphs, every batch bucket (capturing the graphs ahead of serving); else two
             sizes = buckets_up_to(max_batch) if use_graphs else sorted({1, min(2, max_batch)})
             with torch.inference_mode():
@@ -222,14 +226,16 @@ class AdaptiveSpeculator(Speculator):
             return self.verify_graphs[budget].run(inp) if graphed else self._budget_step(budget, inp, eager_pred)
 
         if not self.policy.should_draft(R):
-            rows = pack_rows([s.block_table for s in seqs], [[s.token_ids[-1] for s in seqs],
+            rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs],
                                                              [s.num_cached for s in seqs]],
                              self.runner.scratch_page, self.runner.device)
             self._commit(seqs, run(0, RootInputs(rows[:, 0], rows[:, 1], rows[:, 2:])), commit, 0)
             return
-        graphed = graphed and all(s.num_cached - s.draft_len <= self.ctx_rows for s in seqs)
-        inp = self.drafter.prepare(seqs, ctx_rows=self.ctx_rows if graphed else None)
-        c, expected = self.draft_graphs.run(inp) if graphed else self._draft(inp)
+        # Only the draft depends on the context width: a long one (a new request's prompt) drafts eagerly,
+        # the verify stays graphed.
+        draft_graphed = graphed and all(s.num_cached - s.draft_len <= self.ctx_rows for s in seqs)
+        inp = self.drafter.prepare(seqs, ctx_rows=self.ctx_rows if draft_graphed else None)
+        c, expected = self.draft_graphs.run(inp) if draft_graphed else self._draft(inp)
         expected = dict(zip(self.budgets[1:], expected[:R].sum(0).tolist()))  # read back mid-step to choose
         budget = self.policy.choose(R, expected)
         if budget == 0:

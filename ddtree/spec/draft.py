@@ -13,7 +13,7 @@ import torch
 from ddtree.engine.sequence import Sequence
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
-from ddtree.ops.attention import pack_rows, slots_for, uniform_batch
+from ddtree.ops.attention import pack_rows, uniform_batch
 
 
 @dataclass(slots=True)
@@ -54,20 +54,24 @@ class DraftRunner:
             n = seq.num_cached - seq.draft_len
             assert n == sum(f.shape[0] for f in seq.pending_features), "drafter context out of sync"
             counts.append(n)
-        R, C = len(seqs), max(ctx_rows or 0, max(counts), 1)
-        feats = torch.zeros(R, C, self.feat_dim, dtype=self.dtype, device=self.device)
-        pos = torch.zeros(R, C, dtype=torch.long)
-        slots = torch.full((R, C), self.scratch_slot, dtype=torch.long)
+        R, C, ps = len(seqs), max(ctx_rows or 0, max(counts), 1), self.page_size
+        # Positions and slots as host lists and the features in one cat + one indexed write: a few tensor
+        # ops per step instead of a dozen per request (the host cost of a large batch).
+        pos, slots, chunks, rows = [], [], [], []
         for i, (seq, n) in enumerate(zip(seqs, counts)):
-            if n:
-                feats[i, :n] = torch.cat(seq.pending_features) if len(seq.pending_features) > 1 \
-                    else seq.pending_features[0]
-                pos[i, :n] = torch.arange(seq.draft_len, seq.num_cached)
-                slots[i, :n] = slots_for(seq.block_table, seq.draft_len, seq.num_cached, self.page_size)
+            table, new = seq.block_table, range(seq.draft_len, seq.num_cached)
+            pos += [*new] + [0] * (C - n)
+            slots += [table[q // ps] * ps + q % ps for q in new] + [self.scratch_slot] * (C - n)
+            rows += range(i * C, i * C + n)
+            chunks += seq.pending_features
             seq.draft_len, seq.pending_features = seq.num_cached, []
-        rows = pack_rows([s.block_table for s in seqs], [[s.token_ids[-1] for s in seqs], [s.num_cached for s in seqs]],
-                         self.scratch_slot // self.page_size, self.device)
-        return StepInputs(rows[:, 0], rows[:, 1], rows[:, 2:], feats, pos.to(self.device), slots.to(self.device))
+        feats = torch.zeros(R * C, self.feat_dim, dtype=self.dtype, device=self.device)
+        if chunks:
+            feats[torch.tensor(rows, device=self.device)] = torch.cat(chunks)
+        pos_slots = torch.tensor([pos, slots], dtype=torch.long).view(2, R, C).to(self.device)
+        req = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
+                        self.scratch_slot // self.page_size, self.device)
+        return StepInputs(req[:, 0], req[:, 1], req[:, 2:], feats.view(R, C, -1), pos_slots[0], pos_slots[1])
 
     def logits(self, inp: StepInputs) -> torch.Tensor:
         """Draft logits [R, B-1, V] (fp32) for depths 1..B-1; device ops only.
