@@ -266,13 +266,15 @@ def main(args) -> int:
     for (source, dataset, device), g in groups(rows).items():
         title = f"{source} · {dataset} · {device}"
         base = slug(source, dataset, device)
+
+        def figure(heading: str, name: str, plot, why_not: str) -> None:
+            """A section with the plot `plot(g, title, path)` draws, or a note saying why there is none."""
+            png = f"{base}_{name}.png"
+            drawn = plot(g, title, os.path.join(args.out, png))
+            md.extend([f"### {heading}", "", f"![{heading.lower()}]({png})" if drawn else f"_No plot: {why_not}._", ""])
+
         md += [f"## {title}", ""]
-        md += ["### Throughput vs concurrency", ""]
-        png = f"{base}_throughput.png"
-        if plot_throughput(g, title, os.path.join(args.out, png)):
-            md += [f"![throughput vs concurrency]({png})", ""]
-        else:
-            md += ["_No plot: fewer than two concurrency levels._", ""]
+        figure("Throughput vs concurrency", "throughput", plot_throughput, "fewer than two concurrency levels")
         md += throughput_table(g) + [""]
         peers = [r for r in g if r["mode"] not in SPEED_MODES]
         if peers:  # e.g. transformers generate and the reference dflash from `bench latency --peers`
@@ -289,18 +291,9 @@ def main(args) -> int:
             md += [""]
         if source == "serve":
             md += ["### Latency (serve)", ""] + serve_table(g) + [""]
-        md += ["### Budget x topk at C=1", ""]
-        png = f"{base}_heatmap.png"
-        if plot_heatmap(g, title, os.path.join(args.out, png)):
-            md += [f"![budget x topk heatmap]({png})", ""]
-        else:
-            md += ["_No plot: no DDTree rows at concurrency 1._", ""]
-        md += ["### Acceptance length distribution", ""]
-        png = f"{base}_accept.png"
-        if plot_accept_hist(g, title, os.path.join(args.out, png)):
-            md += [f"![acceptance length distribution]({png})", ""]
-        else:
-            md += ["_No plot: no speculative rows with an acceptance length histogram._", ""]
+        figure("Budget x topk at C=1", "heatmap", plot_heatmap, "no DDTree rows at concurrency 1")
+        figure("Acceptance length distribution", "accept", plot_accept_hist,
+               "no speculative rows with an acceptance length histogram")
         md += ["### Per-category speedup vs AR", ""]
         cs = category_speedups(g)
         if cs is None:
