@@ -113,8 +113,9 @@ def plot_heatmap(rows: list[dict], title: str, path: str) -> bool:
         for i, b in enumerate(budgets):
             for j, k in enumerate(topks):
                 if cell.get((b, k)) is not None:
-                    ax.text(j, i, fmt(cell[(b, k)], 0 if key == "output_tok_per_s" else 2), ha="center",
-                            va="center", color="w", fontsize=8)
+                    v = cell[(b, k)]
+                    digits = (0 if v >= 100 else 1) if key == "output_tok_per_s" else 2
+                    ax.text(j, i, fmt(v, digits), ha="center", va="center", color="w", fontsize=8)
         ax.set_xticks(range(len(topks)), [str(k) for k in topks])
         ax.set_yticks(range(len(budgets)), [str(b) for b in budgets])
         ax.set_xlabel("topk")
