@@ -20,6 +20,7 @@ from ddtree.models.dflash import random_drafter, save_drafter
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import PROBE_EVERY, AdaptivePolicy, CostTable, candidate_budgets
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
+from test_spec import assert_idle, continuation, hook_draft_logits, noisy_oracle, plant
 from tiny import make_tiny_model
 
 ENGINE = dict(device="cpu", dtype="float32", page_size=4, num_pages=512)
@@ -215,40 +216,9 @@ def auto_llm(pairs, family, cost_table=None) -> LLM:
     return llm
 
 
-def hook_draft_logits(llm: LLM, replace) -> None:
-    """Replaces the drafter's logits by `replace(seqs, logits)` (after the real drafter ran)."""
-    spec = llm.engine.speculator
-    current: list = []
-    real_step, real_logits = spec.step, spec.drafter.logits
-
-    def step(seqs, commit):
-        current[:] = seqs
-        return real_step(seqs, commit)
-
-    spec.step = step
-    spec.drafter.logits = lambda inp: replace(current, real_logits(inp))
-
-
 def plant_noisy_oracle(llm: LLM, ref: dict) -> None:
     """Drafts the AR continuation's token at rank 0, 1 or 2 (or not at all), decoys above it."""
-    def replace(seqs, out):
-        logits, vocab = torch.zeros_like(out), out.shape[-1]
-        for i, seq in enumerate(seqs):
-            full = ref[tuple(seq.prompt_ids)]
-            for j in range(out.shape[1]):
-                pos = len(seq) + j
-                tok = full[pos] if pos < len(full) else 0
-                rank = [0, 0, 0, 1, 1, 2, None][(5 * pos + 3) % 7]
-                decoys = [(tok + k) % vocab for k in (1, 2, 3)]
-                order = decoys[:2] if rank is None else decoys[:rank] + [tok]
-                for r, t in enumerate(order):
-                    logits[i, j, t] = 10.0 - 0.5 * r
-        return logits
-    hook_draft_logits(llm, replace)
-
-
-def continuation(prompts, outs) -> dict:
-    return {tuple(p): list(p) + o.token_ids for p, o in zip(prompts, outs)}
+    plant(llm, noisy_oracle(ref, vocab=llm.config.vocab_size))
 
 
 class Scripted:
@@ -268,11 +238,6 @@ class Scripted:
 
     def observe(self, budget, batch, predicted, accepted):
         self.seen.append(budget)
-
-
-def assert_idle(llm: LLM) -> None:
-    assert not llm.engine.scheduler.waiting and not llm.engine.scheduler.running
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages, "KV pages leaked"
 
 
 def check_lossless(llm: LLM, prompts, ref, tokens_per_step_le: int = 8) -> list:
