@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -58,8 +59,8 @@ class LLM:
             draft = default_draft()  # the default pair: our drafter for the default model (DDTree)
         if draft is not None:
             from ddtree.models.dflash import load_drafter
-            self.drafter = draft if not isinstance(draft, str) else \
-                load_drafter(draft, self.config, self.device, self.dtype)
+            self.drafter = load_drafter(str(draft), self.config, self.device, self.dtype) \
+                if isinstance(draft, (str, os.PathLike)) else draft
         self.engine = None
         self.set_mode(spec or ("ddtree" if draft is not None else "none"), budget, topk)
         self.last_stats: dict = {}

@@ -103,9 +103,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         eps = self.q_norm.eps if self.qk_norm else 0.0
-        q, k, v = qkv_rope(self.qkv_proj(x), positions, self.rotary[0].cos_sin, self.q_size, self.kv_size,
-                           self.head_dim, qn, kn, eps)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
+        qkv = self.qkv_proj(x)
+        if batch.use_triton:  # one kernel: norm, rotary and the K/V written to the cache
+            from ddtree.ops.triton_qkv import qkv_rope_store
+            q = qkv_rope_store(qkv, positions, self.rotary[0].cos_sin, batch.slot_mapping, self.k_cache,
+                               self.v_cache, self.num_heads, self.num_kv_heads, self.head_dim, qn, kn, eps)
+            o = paged_attention(q, None, None, self.k_cache, self.v_cache, batch, self.scale)
+        else:
+            q, k, v = qkv_rope(qkv, positions, self.rotary[0].cos_sin, self.q_size, self.kv_size, self.head_dim,
+                               qn, kn, eps)
+            o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
         return self.o_proj(o.flatten(1))
 
 

@@ -118,8 +118,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
-    store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.use_triton)
+    """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens, or None when they are already in the cache;
+    caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
+    if k is not None:
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.use_triton)
     if batch.use_triton:
         from ddtree.ops.triton_attention import triton_paged_attention
         return triton_paged_attention(q, k_cache, v_cache, batch, scale)
