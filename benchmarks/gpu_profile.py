@@ -137,6 +137,8 @@ def main() -> int:
         for s in seqs:
             eng.allocator.release(s)
 
+    del eng, runner, seqs, tables  # the next engines must not find the old KV cache still held
+
     # 3. GPU busy share, graphed AR
     busy_share(llm, prompts[:1], 64, "ar-b1")
     busy_share(llm, prompts[:64], 32, "ar-b64")

@@ -331,3 +331,34 @@ def test_chat_accepts_one_conversation_or_a_list(make_llm, alone):
         assert_output_shape(out, 8)
     with pytest.raises(ValueError, match="at least one message"):
         llm.chat([[]])
+
+
+# ----------------------------------------------------------------------------- graphed AR bursts, emulated
+
+@pytest.mark.parametrize("limits", [dict(num_pages=64, max_num_seqs=16), dict(num_pages=12, max_num_seqs=3)],
+                         ids=["roomy", "few-pages-and-seqs"])
+def test_graphed_ar_decode_bursts_emulated_on_cpu_give_the_alone_outputs(tiny_qwen2, alone, corpus_ids,
+                                                                         monkeypatch, limits):
+    # The GPU AR path (static inputs, bursts of pipelined steps whose inputs are the previous step's
+    # samples, tokens read back one step late, requests finishing mid-burst, preemption) with the CUDA
+    # graph replays emulated: every request gets exactly what it gets alone, and no page leaks.
+    import ddtree.engine.engine as engine_mod
+    from test_adaptive import emulated_pool
+    monkeypatch.setattr(engine_mod, "GraphPool", emulated_pool())
+    monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)
+    llm = LLM(tiny_qwen2, device="cpu", dtype="float32", page_size=4, spec="none", **limits)
+    eng = llm.engine
+    assert eng.decode_graphs is not None and eng.burst == engine_mod.DECODE_BURST > 1
+    prompts = prompts_of(corpus_ids, LENGTHS[:8])
+    params = [greedy(n) for n in (1, 2, 9, 24, 7, 16)] + [sampled(5, 13), sampled(6, 20)]
+    params[3] = greedy(24, stop=["e"])  # a stop string ends it mid-burst
+    bursts = []
+    run = eng._decode_graphed
+    monkeypatch.setattr(eng, "_decode_graphed", lambda seqs: bursts.append(eng._burst_length(seqs)) or run(seqs))
+    check_pages_after_each_step(llm, monkeypatch)
+    outs = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs):
+        want = alone(prompt, p)
+        assert (out.token_ids, out.text, out.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert max(bursts) == engine_mod.DECODE_BURST
+    assert_engine_idle(llm)

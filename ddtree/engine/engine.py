@@ -22,6 +22,33 @@ from ddtree.spec.decode import AdaptiveSpeculator, Speculator
 from ddtree.spec.draft import DraftRunner
 
 
+DECODE_BURST = 8  # graphed AR decode steps per engine step, pipelined (see LLMEngine._decode_graphed)
+
+
+class TokenReadback:
+    """Copies sampled tokens to the host without waiting for them (pinned buffers, an event per copy),
+    so the host can launch the next step before reading this one. Two buffers, used in turn: a
+    buffer is read before the copy after next overwrites it."""
+
+    def __init__(self, max_rows: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.buffers = [torch.empty(max_rows, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.turn = 0
+
+    def start(self, tokens: torch.Tensor) -> int:
+        i, self.turn = self.turn, 1 - self.turn
+        self.buffers[i][:tokens.shape[0]].copy_(tokens, non_blocking=True)
+        if self.events[i] is not None:
+            self.events[i].record()
+        return i
+
+    def result(self, i: int, n: int) -> list[int]:
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        return self.buffers[i][:n].tolist()
+
+
 @dataclass(slots=True)
 class DecodeInputs:
     ids: torch.Tensor  # [R] last token of each request
@@ -39,15 +66,17 @@ class LLMEngine:
         self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype)
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size)
         capacity = self.runner.num_pages * engine_cfg.page_size
-        # Graphs need the Triton kernels: the torch reference attention reads host values.
-        self.use_graphs = device.type == "cuda" and engine_cfg.cuda_graphs and self.runner.use_triton
+        self.use_graphs = engine_cfg.cuda_graphs and self._graphs_supported()
         self.speculator = None
         auto = budget == "auto"
         speculative = drafter is not None and (auto or budget > 0)
         if auto and speculative:
             budget = candidate_budgets(drafter.dcfg.block_size - 1, topk)[-1]
-        # K/V slots a decode step writes past a request's cached tokens: the tree or the draft block.
-        width = max(budget + 1, drafter.dcfg.block_size) if speculative else 1
+        # Graphed AR decodes run in bursts of up to `burst` steps (see _decode_graphed).
+        self.burst = DECODE_BURST if self.use_graphs and not speculative else 1
+        # K/V slots a decode step writes past a request's cached tokens: the tree or the draft block,
+        # or one per step of an AR burst.
+        width = max(budget + 1, drafter.dcfg.block_size) if speculative else self.burst
         max_pages = -(-(min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position) + width)
                       // engine_cfg.page_size)
         if speculative:
@@ -65,13 +94,22 @@ class LLMEngine:
                                            pad={"block_tables": self.runner.scratch_page},
                                            widths={"block_tables": max_pages})
         self.scheduler = Scheduler(self.allocator, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens,
-                                   decode_width=width)
+                                   decode_width=width, decode_tokens=width if speculative else 1)
+        self.readback = TokenReadback(engine_cfg.max_num_seqs, device)
         # A request at the limit must still find room for one step's width of speculative K/V.
         self.max_model_len = min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position,
                                  capacity - width + 1)
+        if self.max_model_len < 2:
+            raise ValueError(f"the KV cache holds {capacity} tokens ({self.runner.num_pages} pages), too few for a "
+                             f"decode step of width {width}: give it more memory (kv_cache_gb on CPU, "
+                             "gpu_memory_utilization on GPU) or more pages")
         self.eos_ids = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
+
+    def _graphs_supported(self) -> bool:
+        # Graphs need the Triton kernels: the torch reference attention reads host values.
+        return self.device.type == "cuda" and self.runner.use_triton
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
         """Queues a request. `stream=False` (offline use) detokenizes once at the end instead of per
@@ -99,6 +137,7 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Runs one step; returns the requests that received tokens or finished in it."""
         step = self.scheduler.schedule()
@@ -134,15 +173,44 @@ class LLMEngine:
         return self.runner.decode_logits(inp.ids, inp.block_tables, inp.starts)
 
     def _decode_graphed(self, seqs: list[Sequence]) -> list[Sequence]:
+        """AR decode steps for a fixed batch, pipelined: step i+1 is launched (its input tokens are step
+        i's samples, still on the device) before step i's tokens are read back and committed, so the
+        GPU never waits for the host's graph launch, read-back and bookkeeping. The burst ends after
+        `_burst_length` steps or one step after a request finishes (that request's last step is wasted;
+        its K/V land in pages it held, which nobody reuses before the next schedule)."""
         rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
                          self.runner.scratch_page, self.device)
-        inp = DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2:])
-        logits = self.decode_graphs.run(inp)[:len(seqs)]
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
-        for seq, tok in zip(seqs, tokens):
+        ids, starts, tables = rows[:, 0], rows[:, 1], rows[:, 2:]
+        params, gens = [s.params for s in seqs], [s.generator for s in seqs]
+        pending = None
+        for _ in range(self._burst_length(seqs)):
+            logits = self.decode_graphs.run(DecodeInputs(ids, starts, tables))[:len(seqs)]
+            ids = sample(logits, params, gens)
+            starts = starts + 1
+            launched = self.readback.start(ids)
+            ended = pending is not None and self._commit_decoded(seqs, pending)
+            pending = launched
+            if ended:
+                break
+        self._commit_decoded(seqs, pending)
+        return seqs
+
+    def _burst_length(self, seqs: list[Sequence]) -> int:
+        # Short bursts while requests wait to start, so a new request's prefill is not held back.
+        n = self.burst if not self.scheduler.waiting else min(self.burst, 2)
+        left = max(min(s.params.max_tokens, self.max_model_len - len(s.prompt_ids)) - len(s.output_ids) for s in seqs)
+        return max(1, min(n, left))
+
+    def _commit_decoded(self, seqs: list[Sequence], handle: int) -> bool:
+        """Commits one decode step's tokens to the requests still running; True if one finished."""
+        ended = False
+        for seq, tok in zip(seqs, self.readback.result(handle, len(seqs))):
+            if seq.is_finished:  # finished in an earlier step of the burst: this token is discarded
+                continue
             seq.num_cached += 1
             self.commit(seq, [tok])
-        return seqs
+            ended = ended or seq.is_finished
+        return ended
 
     def _unblock(self) -> None:
         # Nothing could be scheduled: the queue head needs more pages than the whole cache has

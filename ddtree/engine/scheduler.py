@@ -33,11 +33,13 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 decode_width: int = 1):
+                 decode_width: int = 1, decode_tokens: int | None = None):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_width = decode_width  # new K/V slots a decode step writes per request
+        # tokens a decode feeds per forward (a verify's tree; 1 for AR, even in a burst of steps)
+        self.decode_tokens = decode_width if decode_tokens is None else decode_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, holding pages, in admission order
         self.num_preemptions = 0
@@ -73,7 +75,8 @@ class Scheduler:
         #    pages for the whole prompt, so a chunked prefill never stalls.
         # Decode tokens count against the step's token budget too, but prompts always keep a quarter
         # of it so new requests still start while a large batch decodes.
-        budget = max(self.max_num_batched_tokens - len(step.decode) * width, self.max_num_batched_tokens // 4)
+        budget = max(self.max_num_batched_tokens - len(step.decode) * self.decode_tokens,
+                     self.max_num_batched_tokens // 4)
         for seq in prefilling:
             if seq.status is Status.RUNNING and budget > 0:
                 budget -= self._chunk(seq, budget, step)
