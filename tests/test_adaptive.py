@@ -230,6 +230,12 @@ class Scripted:
         self.now = next(self.plan)
         return self.now != "ar"
 
+    def ar_steps_ahead(self):  # one script entry per step: no AR bursts
+        return 0
+
+    def skip_ar(self, steps):
+        assert steps == 0
+
     def choose(self, batch, expected):
         assert sorted(expected) == BUDGETS[1:]
         assert all(0 <= expected[b] <= b * batch + 1e-4 for b in expected)
@@ -417,6 +423,30 @@ def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, mon
     outs, hist = check_lossless(llm, prompts, ref)
     assert set(hist) == set(BUDGETS), hist
     assert set(spec.draft_graphs.graphs) == {1, 2, 3}  # four requests ran as a bucket of 3 + 1, 2 ...
+
+
+def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out, monkeypatch):
+    # Verification priced high: the real policy runs AR bursts (pipelined steps until a probe is due),
+    # requests finish mid-burst, probes draft and verify in between; the output is AR's exactly.
+    import ddtree.spec.decode as decode
+    family = "qwen2"
+    ref = ar_out(family)
+    llm = auto_llm(pairs, family, cost_table=table(lambda n, bs: 1.0 * n * bs))
+    monkeypatch.setattr(decode, "GraphPool", emulated_pool())
+    eng = llm.engine
+    old = eng.speculator
+    spec = decode.AdaptiveSpeculator(eng.runner, old.drafter, 4, True, 4, old.max_pages,
+                                     table(lambda n, bs: 1.0 * n * bs))
+    eng.speculator = llm.engine.speculator = spec
+    plant_noisy_oracle(llm, continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)))
+    calls = {"bursts": 0, "steps": 0}
+    burst, read = spec._ar_burst, spec._commit_read
+    monkeypatch.setattr(spec, "_ar_burst", lambda *a: calls.__setitem__("bursts", calls["bursts"] + 1) or burst(*a))
+    monkeypatch.setattr(spec, "_commit_read", lambda *a: calls.__setitem__("steps", calls["steps"] + 1) or read(*a))
+    outs, hist = check_lossless(llm, prompts, ref)
+    assert hist.get(0, 0) > 3 * sum(n for b, n in hist.items() if b), hist  # mostly AR ...
+    assert len(set(hist)) > 1, hist  # ... with probes
+    assert calls["steps"] > 3 * calls["bursts"] > 0, calls  # AR steps ran in pipelined bursts
 
 
 def test_policy_recovers_from_a_hard_stretch():

@@ -335,7 +335,7 @@ def test_chat_accepts_one_conversation_or_a_list(make_llm, alone):
 
 # ----------------------------------------------------------------------------- graphed AR bursts, emulated
 
-@pytest.mark.parametrize("limits", [dict(num_pages=64, max_num_seqs=16), dict(num_pages=12, max_num_seqs=3)],
+@pytest.mark.parametrize("limits", [dict(num_pages=64, max_num_seqs=16), dict(num_pages=20, max_num_seqs=3)],
                          ids=["roomy", "few-pages-and-seqs"])
 def test_graphed_ar_decode_bursts_emulated_on_cpu_give_the_alone_outputs(tiny_qwen2, alone, corpus_ids,
                                                                          monkeypatch, limits):
@@ -361,4 +361,10 @@ def test_graphed_ar_decode_bursts_emulated_on_cpu_give_the_alone_outputs(tiny_qw
         want = alone(prompt, p)
         assert (out.token_ids, out.text, out.finish_reason) == (want.token_ids, want.text, want.finish_reason)
     assert max(bursts) == engine_mod.DECODE_BURST
+    assert eng.scheduler.num_preemptions > 0 or limits["num_pages"] == 64
     assert_engine_idle(llm)
+
+
+def test_a_kv_cache_too_small_for_one_decode_step_is_a_clear_error(tiny_qwen2):
+    with pytest.raises(ValueError, match="KV cache holds 1 tokens"):
+        LLM(tiny_qwen2, device="cpu", dtype="float32", page_size=1, num_pages=1, spec="none")

@@ -9,6 +9,7 @@ from ddtree.config import EngineConfig, ModelConfig
 from ddtree.engine.detokenizer import IncrementalDetokenizer
 from ddtree.engine.graphs import GraphPool
 from ddtree.engine.kv_cache import PageAllocator
+from ddtree.engine.readback import TokenReadback
 from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import sample
 from ddtree.engine.scheduler import Scheduler
@@ -22,31 +23,7 @@ from ddtree.spec.decode import AdaptiveSpeculator, Speculator
 from ddtree.spec.draft import DraftRunner
 
 
-DECODE_BURST = 8  # graphed AR decode steps per engine step, pipelined (see LLMEngine._decode_graphed)
-
-
-class TokenReadback:
-    """Copies sampled tokens to the host without waiting for them (pinned buffers, an event per copy),
-    so the host can launch the next step before reading this one. Two buffers, used in turn: a
-    buffer is read before the copy after next overwrites it."""
-
-    def __init__(self, max_rows: int, device: torch.device):
-        cuda = device.type == "cuda"
-        self.buffers = [torch.empty(max_rows, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
-        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self.turn = 0
-
-    def start(self, tokens: torch.Tensor) -> int:
-        i, self.turn = self.turn, 1 - self.turn
-        self.buffers[i][:tokens.shape[0]].copy_(tokens, non_blocking=True)
-        if self.events[i] is not None:
-            self.events[i].record()
-        return i
-
-    def result(self, i: int, n: int) -> list[int]:
-        if self.events[i] is not None:
-            self.events[i].synchronize()
-        return self.buffers[i][:n].tolist()
+DECODE_BURST = 16  # graphed AR decode steps per engine step, pipelined (see LLMEngine._decode_graphed)
 
 
 @dataclass(slots=True)
@@ -170,7 +147,12 @@ class LLMEngine:
         return seqs
 
     def _graph_decode(self, inp: "DecodeInputs") -> torch.Tensor:
-        return self.runner.decode_logits(inp.ids, inp.block_tables, inp.starts)
+        logits = self.runner.decode_logits(inp.ids, inp.block_tables, inp.starts)
+        # The next step's inputs, written by this one: its greedy tokens (sampled rows are overwritten
+        # by the host's sampler before the next replay) one position further on.
+        inp.ids.copy_(logits.argmax(dim=-1))
+        inp.starts.add_(1)
+        return logits
 
     def _decode_graphed(self, seqs: list[Sequence]) -> list[Sequence]:
         """AR decode steps for a fixed batch, pipelined: step i+1 is launched (its input tokens are step
@@ -178,16 +160,21 @@ class LLMEngine:
         GPU never waits for the host's graph launch, read-back and bookkeeping. The burst ends after
         `_burst_length` steps or one step after a request finishes (that request's last step is wasted;
         its K/V land in pages it held, which nobody reuses before the next schedule)."""
+        R, pool = len(seqs), self.decode_graphs
         rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
                          self.runner.scratch_page, self.device)
-        ids, starts, tables = rows[:, 0], rows[:, 1], rows[:, 2:]
         params, gens = [s.params for s in seqs], [s.generator for s in seqs]
+        greedy = all(p.greedy for p in params)
         pending = None
-        for _ in range(self._burst_length(seqs)):
-            logits = self.decode_graphs.run(DecodeInputs(ids, starts, tables))[:len(seqs)]
-            ids = sample(logits, params, gens)
-            starts = starts + 1
-            launched = self.readback.start(ids)
+        for i in range(self._burst_length(seqs)):
+            if i == 0:
+                logits = pool.run(DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2:]))
+            else:  # the graph already wrote this step's inputs
+                logits = pool.replay(R)
+            tokens = pool.static["ids"][:R]  # the greedy tokens, also the next step's inputs
+            if not greedy:
+                tokens.copy_(sample(logits[:R], params, gens))
+            launched = self.readback.start(tokens)
             ended = pending is not None and self._commit_decoded(seqs, pending)
             pending = launched
             if ended:

@@ -4,8 +4,10 @@ A step function reads a dataclass of device tensors with one row per request and
 dataclass of device tensors. `GraphPool` keeps static copies of the inputs sized for the largest
 batch, captures the function once per batch-size bucket (1, 2, 4, 8, ...), and on each call copies
 the real rows in, fills padding rows with harmless values (their K/V land in the scratch page),
-replays the graph and returns the outputs. Every per-step value, positions and masks included, is
-derived inside the graph from these static buffers, so a replay can never read a stale tensor.
+replays the graph and returns the outputs. A bucket is captured on padding values only (its warm-up
+runs execute for real), so a step function may also update its own inputs. Every per-step value,
+positions and masks included, is derived inside the graph from these static buffers, so a replay
+can never read a stale tensor.
 """
 from __future__ import annotations
 
@@ -57,6 +59,12 @@ class GraphPool:
             self._allocate(inp)
         R = getattr(inp, next(iter(self.static))).shape[0]
         bs = next(b for b in self.buckets if b >= R)
+        if bs not in self.graphs:
+            # Captured on padding, before the inputs go in: the warm-up runs really execute, and on
+            # stale rows of an earlier step they would write K/V over live cache positions.
+            for name, buf in self.static.items():
+                buf.fill_(self.pad.get(name, 0))
+            self._capture(bs)
         for name, buf in self.static.items():
             t, pad = getattr(inp, name), self.pad.get(name, 0)
             if buf.dim() > 1 and t.shape[1] != buf.shape[1]:
@@ -66,9 +74,12 @@ class GraphPool:
                 buf[:R].copy_(t)
             if R < bs:
                 buf[R:bs].fill_(pad)
-        if bs not in self.graphs:
-            self._capture(bs)
-        graph, out = self.graphs[bs]
+        return self.replay(R)
+
+    def replay(self, rows: int):
+        """Replays the graph for `rows` on the static inputs as they are: for a step function that
+        writes the next step's inputs itself (AR decode feeding its tokens forward)."""
+        graph, out = self.graphs[next(b for b in self.buckets if b >= rows)]
         graph.replay()
         return out
 

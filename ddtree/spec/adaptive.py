@@ -104,6 +104,15 @@ class AdaptivePolicy:
         self.ar_streak += 1
         return False
 
+    def ar_steps_ahead(self) -> int:
+        """After `should_draft` said no: how many more steps it will say no (until a probe is due;
+        without new drafts nothing else changes its answer)."""
+        return max(0, self.probe_every - self.ar_streak)
+
+    def skip_ar(self, steps: int) -> None:
+        """Count AR steps taken without asking `should_draft` (an AR burst)."""
+        self.ar_streak += steps
+
     def choose(self, batch: int, expected: dict[int, float]) -> int:
         """After drafting: `expected[b]`, the drafter's E(b) summed over the batch. Returns the budget
         with the most expected tokens per remaining millisecond (0: AR, the draft thrown away)."""

@@ -15,6 +15,7 @@ from functools import partial
 import torch
 
 from ddtree.engine.graphs import GraphPool, buckets_up_to
+from ddtree.engine.readback import TokenReadback
 from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import sample
 from ddtree.engine.sequence import Sequence
@@ -113,10 +114,12 @@ class Speculator:
             out = self.device_step(inp, lambda logits: self._sample(seqs, logits))
         self._commit(seqs, out, commit, self.budget)
 
-    def _commit(self, seqs: list[Sequence], out: StepOutputs, commit, budget: int) -> int:
+    def _commit(self, seqs: list[Sequence], out: StepOutputs, commit, budget: int, rows: list | None = None) -> int:
         """Host side of a step: commits each request's accepted tokens and bonus; returns the accepted
-        draft tokens of the batch. `budget` 0 is an AR step (no acceptance statistics)."""
-        rows = out.packed.tolist()  # the one read-back of the step
+        draft tokens of the batch. `budget` 0 is an AR step (no acceptance statistics). `rows`: the
+        packed outputs already read back."""
+        if rows is None:
+            rows = out.packed.tolist()  # the one read-back of the step
         # Target features of the root and accepted nodes become the drafter's next context: each
         # request's first L + 1 path rows, cut out of the batch by one split (not one slice per request).
         R, N = len(seqs), out.feats.shape[1]
@@ -184,6 +187,7 @@ class AdaptiveSpeculator(Speculator):
         super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
         self.ctx_rows = drafter.block_size + PROBE_EVERY  # the last accepted path plus AR steps until a probe
         self.max_pages, self.draft_graphs, self.verify_graphs = max_pages, None, {}
+        self.readback = TokenReadback(3 * max_batch, runner.device)  # AR bursts: [R, 3] packed outputs
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
             pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
             widths = {"block_tables": max_pages}
@@ -226,10 +230,7 @@ class AdaptiveSpeculator(Speculator):
             return self.verify_graphs[budget].run(inp) if graphed else self._budget_step(budget, inp, eager_pred)
 
         if not self.policy.should_draft(R):
-            rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs],
-                                                             [s.num_cached for s in seqs]],
-                             self.runner.scratch_page, self.runner.device)
-            self._commit(seqs, run(0, RootInputs(rows[:, 0], rows[:, 1], rows[:, 2:])), commit, 0)
+            self._ar_burst(seqs, commit, run, graphed)
             return
         # Only the draft depends on the context width: a long one (a new request's prompt) drafts eagerly,
         # the verify stays graphed.
@@ -246,6 +247,41 @@ class AdaptiveSpeculator(Speculator):
         accepted = self._commit(seqs, out, commit, budget)
         if budget:
             self.policy.observe(budget, R, expected[budget], accepted)
+
+    def _ar_burst(self, seqs: list[Sequence], commit, run, graphed: bool) -> None:
+        """AR steps until the policy wants a draft, pipelined when graphed (as the engine's AR bursts):
+        step i+1 is launched from step i's tokens on the device before step i is read back and
+        committed. Ends one step after a request finishes (that step is wasted for it)."""
+        R = len(seqs)
+        rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
+                         self.runner.scratch_page, self.runner.device)
+        inp = RootInputs(rows[:, 0], rows[:, 1], rows[:, 2:])
+        if not graphed:
+            self._commit(seqs, run(0, inp), commit, 0)
+            return
+        left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
+        pending, steps = None, 0
+        for _ in range(max(1, min(1 + self.policy.ar_steps_ahead(), left))):
+            out = run(0, inp)
+            # graph outputs are static buffers: keep this step's before the next replay overwrites them
+            out = StepOutputs(out.packed[:R].clone(), out.feats[:R].clone())
+            inp = RootInputs(out.packed[:, 1], inp.starts + 1, inp.block_tables)
+            launched = (out, self.readback.start(out.packed.flatten()))
+            steps += 1
+            ended = pending is not None and self._commit_read(seqs, pending, commit)
+            pending = launched
+            if ended:
+                break
+        self._commit_read(seqs, pending, commit)
+        self.policy.skip_ar(steps - 1)
+
+    def _commit_read(self, seqs: list[Sequence], pending, commit) -> bool:
+        out, handle = pending
+        flat = self.readback.result(handle, out.packed.numel())
+        live = [i for i, s in enumerate(seqs) if not s.is_finished]
+        rows = [flat[3 * i:3 * i + 3] for i in live]
+        self._commit([seqs[i] for i in live], StepOutputs(out.packed[live], out.feats[live]), commit, 0, rows)
+        return any(seqs[i].is_finished for i in live)
 
     def _fake_context(self) -> int:
         ps = self.runner.page_size
