@@ -5,6 +5,7 @@
 #   bash benchmarks/h200_suite.sh latency   # GPU sanity (fp32), bench latency at C=1 with step times and peers
 #   bash benchmarks/h200_suite.sh low       # DDTree/DFlash vs AR on all HumanEval prompts; sweep at C=1,2,4
 #   bash benchmarks/h200_suite.sh high      # sweep at C=8..128
+#   bash benchmarks/h200_suite.sh auto      # AR vs auto vs DDTree 16/4 at C=1..128 (a shorter sweep)
 set -u
 cli=(python3 -m ddtree.cli)
 sweep=("${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4
@@ -20,4 +21,8 @@ case $1 in
     "${sweep[@]}" --concurrency 1,2,4 > "$OUT/sweep_low.log" 2>&1 ;;
   high)
     "${sweep[@]}" --concurrency 8,16,32,64,128 > "$OUT/sweep_high.log" 2>&1 ;;
+  auto)
+    "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 16 --topk 4 --with-auto \
+      --no-dflash --repeats 1 --concurrency 1,2,4,8,16,32,64,128 --out "$OUT/sweep_auto_h200.jsonl" \
+      > "$OUT/sweep_auto.log" 2>&1 ;;
 esac
