@@ -90,8 +90,13 @@ def test_policy_calibrates_the_drafter_and_probes_while_on_ar():
         policy.observe(32, 1, E_PER_REQUEST[32], 0)
     assert policy.calibration(32) < 0.01 and policy.calibration(4) < 0.01  # unobserved: the overall ratio
     assert choose(policy, 1) == 0
-    pattern = [policy.should_draft(1) for _ in range(3 * (PROBE_EVERY + 1))]
-    assert pattern == ([False] * PROBE_EVERY + [True]) * 3
+    gaps = [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]  # a probe that AR still wins doubles the wait
+    pattern = [policy.should_draft(1) for _ in range(sum(gaps) + 3)]
+    assert pattern == [x for g in gaps for x in [False] * g + [True]]
+    capped = AdaptivePolicy(policy.table, BUDGETS, max_probe_every=2 * PROBE_EVERY)
+    capped.expected, capped.total = policy.expected, policy.total
+    pattern = [capped.should_draft(1) for _ in range(PROBE_EVERY + 1 + 2 * (2 * PROBE_EVERY + 1))]
+    assert pattern == [False] * PROBE_EVERY + [True] + ([False] * 2 * PROBE_EVERY + [True]) * 2
     for _ in range(100):  # it recovers once drafts are accepted again
         policy.observe(32, 1, E_PER_REQUEST[32], 4)
     assert choose(policy, 1) == 32 and policy.should_draft(1)

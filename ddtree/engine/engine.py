@@ -40,15 +40,16 @@ class LLMEngine:
         """`budget`: DDTree nodes per step, 0 for AR, or "auto" (chosen per step from `cost_table`,
         measured here on the device when not given)."""
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
-        self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype)
-        self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size)
-        capacity = self.runner.num_pages * engine_cfg.page_size
-        self.use_graphs = engine_cfg.cuda_graphs and self._graphs_supported()
-        self.speculator = None
         auto = budget == "auto"
         speculative = drafter is not None and (auto or budget > 0)
         if auto and speculative:
             budget = candidate_budgets(drafter.dcfg.block_size - 1, topk)[-1]
+        step_tokens = max(engine_cfg.max_num_batched_tokens, engine_cfg.max_num_seqs * (budget + 1 if speculative else 1))
+        self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype, step_tokens)
+        self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size)
+        capacity = self.runner.num_pages * engine_cfg.page_size
+        self.use_graphs = engine_cfg.cuda_graphs and self._graphs_supported()
+        self.speculator = None
         # Graphed AR decodes run in bursts of up to `burst` steps (see _decode_graphed).
         self.burst = DECODE_BURST if self.use_graphs and not speculative else 1
         # K/V slots a decode step writes past a request's cached tokens: the tree or the draft block,

@@ -18,13 +18,15 @@ from ddtree.ops.attention import AttentionBatch, make_batch, pack_rows, uniform_
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, engine_cfg: EngineConfig,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, step_tokens: int = 0):
+        """`step_tokens`: the most tokens one forward feeds; their activations (the logits above all)
+        are kept out of the GPU memory the KV cache takes."""
         self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
         self.page_size = engine_cfg.page_size
         # Triton kernels on GPU; DDTREE_ATTENTION=torch forces the reference (debugging).
         self.use_triton = device.type == "cuda" and os.environ.get("DDTREE_ATTENTION", "triton") == "triton"
         self.heads_per_kv = cfg.num_heads // cfg.num_kv_heads
-        self.num_pages = engine_cfg.num_pages or self._pages_from_memory(engine_cfg)
+        self.num_pages = engine_cfg.num_pages or self._pages_from_memory(engine_cfg, step_tokens)
         # One page more than the allocator hands out: the scratch page, where padding rows of a
         # fixed-shape (CUDA graph) step write their K/V.
         self.kv_cache = allocate_kv_cache(cfg.num_layers, self.num_pages + 1, self.page_size, cfg.num_kv_heads,
@@ -35,10 +37,13 @@ class ModelRunner:
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
 
-    def _pages_from_memory(self, ec: EngineConfig) -> int:
+    def _pages_from_memory(self, ec: EngineConfig, step_tokens: int) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - ec.gpu_memory_utilization) * total
+            # A step's logits in the model dtype plus their fp32 copy (sampling, AR read-out), twice:
+            # once in the CUDA graphs' pool, once in eager steps' cached blocks.
+            activations = 2 * step_tokens * self.cfg.vocab_size * (4 + self.dtype.itemsize)
+            budget = free - (1 - ec.gpu_memory_utilization) * total - activations
         else:
             budget = ec.kv_cache_gb * 2**30
         return pages_for_memory(budget, self.cfg.num_layers, self.page_size, self.cfg.num_kv_heads,
@@ -79,13 +84,15 @@ class ModelRunner:
                mask: torch.Tensor, taps: list[int] | None):
         """One target forward over a tree of N nodes per request ([R, N] tokens and depths, [R, N, N]
         ancestor mask); device ops only. Node i's K/V go to cache position start + i; its rotary
-        position is start + depth. Returns logits [R, N, V] (fp32) and features [R, N, len(taps) * D]."""
+        position is start + depth. Returns logits [R, N, V] (model dtype) and features [R, N, len(taps) * D]."""
         R, N = tokens.shape
         batch = uniform_batch(block_tables, starts, N, mask, self.page_size, self.use_triton, self.heads_per_kv,
                               self.cfg.num_kv_heads)
         positions = (starts[:, None] + depth).flatten()
         hidden, tapped = self.model(tokens.flatten(), positions, batch, taps)
-        logits = self.model.compute_logits(hidden).float().view(R, N, -1)
+        # In the model dtype: greedy verification only needs the argmax (exact in bf16), and fp32
+        # logits of a large batch's trees would be gigabytes; the sampler converts what it samples.
+        logits = self.model.compute_logits(hidden).view(R, N, -1)
         return logits, torch.cat(tapped, dim=-1).view(R, N, -1) if taps else None
 
     @torch.inference_mode()

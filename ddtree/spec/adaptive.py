@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 BUDGETS = (4, 8, 16, 32)  # speculative candidates; 0 (AR) is always one too
 AR_TIMING_BURST = 8
-PROBE_EVERY = 16  # AR steps before a probe draft
+PROBE_EVERY = 16  # AR steps before a probe draft ...
+MAX_PROBE_EVERY = 256  # ... doubling after each probe that AR still wins, up to this
 
 
 def candidate_budgets(depth: int, topk: int) -> list[int]:
@@ -71,7 +72,8 @@ class CostTable:
 class AdaptivePolicy:
     """The per-step budget choice for a batch; its state is running averages (EMA, weight `decay`)."""
 
-    def __init__(self, table: CostTable, budgets: list[int], probe_every: int = PROBE_EVERY, decay: float = 0.1):
+    def __init__(self, table: CostTable, budgets: list[int], probe_every: int = PROBE_EVERY, decay: float = 0.1,
+                 max_probe_every: int = MAX_PROBE_EVERY):
         self.table, self.probe_every, self.decay = table, probe_every, decay
         self.budgets = [b for b in budgets if b > 0]  # the speculative candidates
         assert all(b in table.verify for b in self.budgets), (self.budgets, list(table.verify))
@@ -80,6 +82,8 @@ class AdaptivePolicy:
         self.predicted: dict[int, float] = {}  # ... and the drafter's E(b) for those same steps
         self.total: tuple[float, float] | None = None  # running (accepted, predicted) over all budgets
         self.ar_streak = 0
+        self.interval = probe_every  # AR steps before the next probe
+        self.max_probe_every = max_probe_every
         self.probing = False  # this draft is a probe: AR looked better on past averages
 
     def calibration(self, budget: int) -> float:
@@ -98,9 +102,14 @@ class AdaptivePolicy:
         ar_rate = batch / t.ar_ms(batch)
         spec = max((batch * (1 + self.calibration(b) * self.expected[b])) / (t.draft_ms(batch) + t.verify_ms(b, batch))
                    for b in self.budgets)
-        if spec > ar_rate or self.ar_streak >= self.probe_every:
-            self.probing = spec <= ar_rate
-            self.ar_streak = 0
+        if spec > ar_rate:
+            self.probing, self.ar_streak, self.interval = False, 0, self.probe_every
+            return True
+        if self.ar_streak >= self.interval:
+            # A probe. A drafter that keeps losing is probed less and less often (a probe costs a
+            # draft and a verify): every probe doubles the wait for the next, until one pays again.
+            self.probing, self.ar_streak = True, 0
+            self.interval = min(2 * self.interval, self.max_probe_every)
             return True
         self.ar_streak += 1
         return False
@@ -108,7 +117,7 @@ class AdaptivePolicy:
     def ar_steps_ahead(self) -> int:
         """After `should_draft` said no: how many more steps it will say no (until a probe is due;
         without new drafts nothing else changes its answer)."""
-        return max(0, self.probe_every - self.ar_streak)
+        return max(0, self.interval - self.ar_streak)
 
     def skip_ar(self, steps: int) -> None:
         """Count AR steps taken without asking `should_draft` (an AR burst)."""

@@ -25,6 +25,8 @@ from ddtree.spec.draft import DraftRunner, StepInputs
 from ddtree.spec.tree import Candidates, Tree, build_tree, candidates, cut_tree, expected_accepts
 from ddtree.spec.verify import walk
 
+AR_BURST = 16  # AR steps of `auto` per engine step at most, pipelined (the engine holds new requests meanwhile)
+
 
 @dataclass(slots=True)
 class SpecStats:
@@ -114,12 +116,10 @@ class Speculator:
             out = self.device_step(inp, lambda logits: self._sample(seqs, logits))
         self._commit(seqs, out, commit, self.budget)
 
-    def _commit(self, seqs: list[Sequence], out: StepOutputs, commit, budget: int, rows: list | None = None) -> int:
+    def _commit(self, seqs: list[Sequence], out: StepOutputs, commit, budget: int) -> int:
         """Host side of a step: commits each request's accepted tokens and bonus; returns the accepted
-        draft tokens of the batch. `budget` 0 is an AR step (no acceptance statistics). `rows`: the
-        packed outputs already read back."""
-        if rows is None:
-            rows = out.packed.tolist()  # the one read-back of the step
+        draft tokens of the batch. `budget` 0 is an AR step (no acceptance statistics)."""
+        rows = out.packed.tolist()  # the one read-back of the step
         # Target features of the root and accepted nodes become the drafter's next context: each
         # request's first L + 1 path rows, cut out of the batch by one split (not one slice per request).
         R, N = len(seqs), out.feats.shape[1]
@@ -260,27 +260,36 @@ class AdaptiveSpeculator(Speculator):
             self._commit(seqs, run(0, inp), commit, 0)
             return
         left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
-        pending, steps = None, 0
-        for _ in range(max(1, min(1 + self.policy.ar_steps_ahead(), left))):
+        pending, feats = None, []
+        for _ in range(max(1, min(1 + self.policy.ar_steps_ahead(), left, AR_BURST))):
             out = run(0, inp)
             # graph outputs are static buffers: keep this step's before the next replay overwrites them
-            out = StepOutputs(out.packed[:R].clone(), out.feats[:R].clone())
-            inp = RootInputs(out.packed[:, 1], inp.starts + 1, inp.block_tables)
-            launched = (out, self.readback.start(out.packed.flatten()))
-            steps += 1
+            packed = out.packed[:R].clone()
+            feats.append(out.feats[:R, 0].clone())
+            inp = RootInputs(packed[:, 1], inp.starts + 1, inp.block_tables)
+            launched = self.readback.start(packed.flatten())
             ended = pending is not None and self._commit_read(seqs, pending, commit)
             pending = launched
             if ended:
                 break
         self._commit_read(seqs, pending, commit)
-        self.policy.skip_ar(steps - 1)
+        self.policy.skip_ar(len(feats) - 1)
+        # The drafter's context: one [steps, F] block per request still running (every step was
+        # committed to it), not one row per request per step.
+        stacked = torch.stack(feats, dim=1)
+        for i, seq in enumerate(seqs):
+            if not seq.is_finished:
+                seq.pending_features.append(stacked[i])
 
-    def _commit_read(self, seqs: list[Sequence], pending, commit) -> bool:
-        out, handle = pending
-        flat = self.readback.result(handle, out.packed.numel())
+    def _commit_read(self, seqs: list[Sequence], handle: int, commit) -> bool:
+        """Commits one AR step of a burst (its features are queued after the burst); True if a
+        request finished."""
+        flat = self.readback.result(handle, 3 * len(seqs))
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
-        rows = [flat[3 * i:3 * i + 3] for i in live]
-        self._commit([seqs[i] for i in live], StepOutputs(out.packed[live], out.feats[live]), commit, 0, rows)
+        for i in live:
+            seqs[i].num_cached += 1
+            commit(seqs[i], [flat[3 * i + 1]])
+        self.stats.budget_hist[0] += len(live)
         return any(seqs[i].is_finished for i in live)
 
     def _fake_context(self) -> int:
