@@ -17,7 +17,8 @@ common=(--out "$out" --num-layers 2 --intermediate-size 1024 --num-features 4 --
         --steps 1000000 --warmup 200 --lr 1e-3 --batch-size 16 --blocks-per-seq 32 --gamma 7
         --max-len 1024 --save-every 1000 --time-budget "${TIME_BUDGET:-9}")
 if [ "$phase" = 1 ]; then
-  python3 -m ddtree.cli train-drafter "${common[@]}" --prompt-file .xfer/sharegpt_prompts.jsonl.gz \
+  # INIT=ddtree/models/default_drafter: warm start from the shipped drafter (its shape wins)
+  python3 -m ddtree.cli train-drafter "${common[@]}" ${INIT:+--init "$INIT"} --prompt-file .xfer/sharegpt_prompts.jsonl.gz \
     --max-new-tokens 384 --max-prompt-tokens 512 --gen-batch-size 1024 --max-num-seqs 256 --kv-cache-gb 16 \
     --gen-time-limit "${GEN_MINUTES:-2}" --deadline $((t0 + ${DEADLINE:-560}))
 else

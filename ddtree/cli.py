@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved drafter weights")
     t.add_argument("--attention", choices=["sdpa", "flex"], default="sdpa",
                    help="training attention: SDPA with a dense boolean mask, or flex_attention (GPU)")
+    t.add_argument("--init", default=None,
+                   help="start from this drafter checkpoint's weights (z-lab format; new optimizer and schedule)")
     t.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt if there is one (else start fresh)")
     t.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this step (resume later)")
     t.add_argument("--time-limit", type=float, default=None, help="checkpoint and stop after this many minutes")

@@ -454,6 +454,56 @@ def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out,
     assert calls["steps"] > 3 * calls["bursts"] > 0, calls  # AR steps ran in pipelined bursts
 
 
+def plant_by_position(llm: LLM, choose) -> None:
+    """Like test_spec's `plant`, but the drafted position comes from the step's device inputs (the
+    root's position), so it stays right inside a burst, where steps after the first are prepared
+    on the device without the host's help."""
+    spec, current = llm.engine.speculator, []
+    real_step, real_logits = spec.step, spec.drafter.logits
+
+    def step(seqs, commit):
+        current[:] = seqs
+        return real_step(seqs, commit)
+
+    def logits(inp):
+        out = torch.zeros_like(real_logits(inp))
+        for i, seq in enumerate(current):  # rows past the requests: graph padding
+            for j in range(out.shape[1]):  # depth j + 1 predicts position root + j + 1
+                for tok, value in choose(seq, int(inp.starts[i]) + 1 + j).items():
+                    out[i, j, tok] = value
+        return out
+
+    spec.step, spec.drafter.logits = step, logits
+
+
+@pytest.mark.parametrize("budget,topk,min_tau", [(8, 4, 2.0), (7, 1, 1.5)], ids=["ddtree", "dflash"])
+def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out, monkeypatch, budget, topk,
+                                                             min_tau):
+    # Fixed-budget speculation on the graphed path: bursts of pipelined steps whose inputs (root, positions,
+    # drafter context = the accepted path's features) are built on the device from the previous step,
+    # requests finishing mid-burst; the output is AR's exactly and no page leaks.
+    import ddtree.engine.engine as engine_mod
+    import ddtree.spec.decode as decode
+    family = "qwen2"
+    ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)  # AR before graphs are faked
+    monkeypatch.setattr(decode, "GraphPool", emulated_pool())
+    monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)
+    path, d = pairs(family)
+    llm = LLM(path, draft=d, spec="ddtree", budget=budget, topk=topk, **ENGINE)
+    spec = llm.engine.speculator
+    assert spec.graphs is not None and llm.engine.scheduler.decode_width > budget + 1
+    plant_by_position(llm, noisy_oracle(continuation(prompts, longer)))
+    calls = {"bursts": 0, "steps": 0}
+    burst, read = spec._burst, spec._commit_burst_step
+    monkeypatch.setattr(spec, "_burst", lambda *a: calls.__setitem__("bursts", calls["bursts"] + 1) or burst(*a))
+    monkeypatch.setattr(spec, "_commit_burst_step",
+                        lambda *a: calls.__setitem__("steps", calls["steps"] + 1) or read(*a))
+    outs, hist = check_lossless(llm, prompts, ref)
+    assert calls["steps"] > 2 * calls["bursts"] > 0, calls
+    accepted = [a for o in outs for a in o.accept_lengths]
+    assert sum(accepted) / len(accepted) > min_tau, accepted  # the oracle's drafts were accepted inside bursts
+
+
 def test_policy_recovers_from_a_hard_stretch():
     """The calibration learns only from verified steps, so probes must verify: after a stretch where
     nothing is accepted (AR wins), easy text again must bring speculation back."""

@@ -174,6 +174,24 @@ def test_cli_train_drafter_generates_data_trains_and_saves(target, tmp_path):
     assert [r["step"] for r in read_log(str(out))][-1] == 3
 
 
+def test_cli_init_starts_from_a_checkpoint_s_weights_and_shape(target, tmp_path):
+    from ddtree.cli import main
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nWrite a loop\n")
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["--target", target, "--prompt-file", str(prompts), "--max-new-tokens", "8", "--batch-size", "2",
+              "--device", "cpu", "--dtype", "float32", "--lr", "0"]  # lr 0: the weights stay the init's
+    assert main(["train-drafter", "--out", str(first), "--steps", "2", "--block-size", "4", "--num-features", "2",
+                 *common]) == 0
+    assert main(["train-drafter", "--out", str(second), "--steps", "2", "--init", str(first),
+                 "--data", str(first / "data.pt"), *common]) == 0
+    cfg = ModelConfig.from_dir(target)
+    a, b = (load_drafter(str(d), cfg, "cpu", torch.float32) for d in (first, second))
+    assert b.dcfg.block_size == 4 and b.dcfg.target_layer_ids == a.dcfg.target_layer_ids
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x, y, msg=name)
+
+
 def test_packed_target_features_equal_one_sequence_at_a_time(target, records):
     from ddtree.train.drafter import precompute_features
     net, _ = load_model(target, "cpu", torch.float32)

@@ -19,7 +19,7 @@ from ddtree.models.transformer import CausalLM
 from ddtree.ops.attention import pack_rows
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import CostTable, candidate_budgets
-from ddtree.spec.decode import AdaptiveSpeculator, Speculator
+from ddtree.spec.decode import SPEC_BURST, AdaptiveSpeculator, Speculator
 from ddtree.spec.draft import DraftRunner
 
 
@@ -53,8 +53,12 @@ class LLMEngine:
         # Graphed AR decodes run in bursts of up to `burst` steps (see _decode_graphed).
         self.burst = DECODE_BURST if self.use_graphs and not speculative else 1
         # K/V slots a decode step writes past a request's cached tokens: the tree or the draft block,
-        # or one per step of an AR burst.
-        width = max(budget + 1, drafter.dcfg.block_size) if speculative else self.burst
+        # or one per step of an AR burst; a burst of speculative steps advances up to a block per
+        # step before its last tree.
+        width = self.burst
+        if speculative:
+            block = drafter.dcfg.block_size
+            width = max(budget + 1, block) + ((SPEC_BURST - 1) * block if self.use_graphs and not auto else 0)
         max_pages = -(-(min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position) + width)
                       // engine_cfg.page_size)
         if speculative:
@@ -72,7 +76,7 @@ class LLMEngine:
                                            pad={"block_tables": self.runner.scratch_page},
                                            widths={"block_tables": max_pages})
         self.scheduler = Scheduler(self.allocator, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens,
-                                   decode_width=width, decode_tokens=width if speculative else 1)
+                                   decode_width=width, decode_tokens=budget + 1 if speculative else 1)
         self.readback = TokenReadback(engine_cfg.max_num_seqs, device)
         # A request at the limit must still find room for one step's width of speculative K/V.
         self.max_model_len = min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position,

@@ -26,6 +26,7 @@ from ddtree.spec.tree import Candidates, Tree, build_tree, candidates, cut_tree,
 from ddtree.spec.verify import walk
 
 AR_BURST = 16  # AR steps of `auto` per engine step at most, pipelined (the engine holds new requests meanwhile)
+SPEC_BURST = 4  # graphed speculative steps per engine step at most, pipelined
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class Speculator:
             self.graphs = GraphPool(self._graph_step, max_batch,
                                     pad={"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot},
                                     widths={"block_tables": max_pages})
+        self.readback = TokenReadback(max_batch * (self.depth + 3), runner.device)  # bursts: packed rows
 
     @property
     def width(self) -> int:
@@ -109,12 +111,64 @@ class Speculator:
         greedy = all(s.params.greedy for s in seqs)
         fits = all(s.num_cached - s.draft_len <= self.drafter.block_size for s in seqs)
         if self.graphs is not None and greedy and fits and len(seqs) <= self.graphs.max_batch:
-            inp = self.drafter.prepare(seqs, ctx_rows=self.drafter.block_size)
-            out = self.graphs.run(inp)
-        else:  # eager: sampled requests, or a first step whose context is a whole prompt
-            inp = self.drafter.prepare(seqs)
-            out = self.device_step(inp, lambda logits: self._sample(seqs, logits))
+            self._burst(seqs, commit)
+            return
+        # eager: sampled requests, or a first step whose context is a whole prompt
+        inp = self.drafter.prepare(seqs)
+        out = self.device_step(inp, lambda logits: self._sample(seqs, logits))
         self._commit(seqs, out, commit, self.budget)
+
+    def _burst(self, seqs: list[Sequence], commit) -> None:
+        """Graphed speculative steps, pipelined like the engine's AR bursts: step i+1's inputs (root =
+        bonus token, positions past the accepted path, drafter context = the accepted path's target
+        features) are computed on the device from step i's outputs, and step i+1 is launched before
+        step i is read back and committed. Ends after SPEC_BURST steps, or one step after a request
+        finishes (that step is wasted for it; its K/V land in pages nobody reuses before the next
+        schedule)."""
+        R = len(seqs)
+        inp = self.drafter.prepare(seqs, ctx_rows=self.drafter.block_size)
+        left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
+        pending = None
+        for i in range(max(1, min(SPEC_BURST, left))):
+            out = self.graphs.run(inp)
+            # graph outputs are static buffers: keep this step's before the next replay overwrites them
+            packed, feats = out.packed[:R].clone(), out.feats[:R].clone()
+            inp = self._next_inputs(inp, packed, feats)
+            launched = (self.readback.start(packed.flatten()), feats)
+            ended = pending is not None and self._commit_burst_step(seqs, pending, commit)
+            pending = launched
+            if ended:
+                break
+        self._commit_burst_step(seqs, pending, commit)
+
+    def _next_inputs(self, inp: StepInputs, packed: torch.Tensor, feats: torch.Tensor) -> StepInputs:
+        """The next step's inputs from this step's outputs, on the device: what `prepare` would build
+        after committing them (the accepted path's L + 1 feature rows, padding to the scratch slot)."""
+        length, bonus = packed[:, 0], packed[:, 1]
+        j = torch.arange(self.drafter.block_size, device=packed.device)
+        valid = j[None, :] <= length[:, None]
+        pos = inp.starts[:, None] + j
+        slots = torch.where(valid, page_slots(inp.block_tables, pos, self.runner.page_size), self.drafter.scratch_slot)
+        return StepInputs(bonus, inp.starts + length + 1, inp.block_tables, feats, torch.where(valid, pos, 0), slots)
+
+    def _commit_burst_step(self, seqs: list[Sequence], pending, commit) -> bool:
+        """Commits one step of a burst to the requests still running; True if one finished. Each
+        keeps only this step's path features pending: the next step (if launched) fed the ones before."""
+        handle, feats = pending
+        W = self.depth + 3
+        flat = self.readback.result(handle, len(seqs) * W)
+        live = [i for i, s in enumerate(seqs) if not s.is_finished]
+        for i in live:
+            seq, row = seqs[i], flat[i * W:(i + 1) * W]
+            L, bonus = row[0], row[1]
+            seq.num_cached += L + 1
+            seq.draft_len, seq.pending_features = seq.num_cached - L - 1, [feats[i, :L + 1]]
+            kept = commit(seq, row[3:3 + L] + [bonus])
+            seq.accept_lengths.append(kept)
+            self.stats.add(L, kept)
+        self.stats.drafted += self.budget * len(live)
+        self.stats.budget_hist[self.budget] += len(live)
+        return any(seqs[i].is_finished for i in live)
 
     def _commit(self, seqs: list[Sequence], out: StepOutputs, commit, budget: int) -> int:
         """Host side of a step: commits each request's accepted tokens and bonus; returns the accepted

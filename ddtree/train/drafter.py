@@ -418,7 +418,11 @@ def main(args) -> int:
         kw["intermediate_size"] = args.intermediate_size
     if args.num_features and not args.target_layer_ids:
         kw["num_features"] = args.num_features
-    train(target, records, args.out, cfg, resume=args.resume, num_layers=args.num_layers, block_size=args.block_size,
+    init = None
+    if args.init:  # a warm start; its shape (layers, block, taps) is the checkpoint's
+        init = load_drafter(args.init, target.config, device, torch.float32)
+    train(target, records, args.out, cfg, drafter=init, resume=args.resume, num_layers=args.num_layers,
+          block_size=args.block_size,
           target_layer_ids=args.target_layer_ids or None, stop_at=args.stop_at,
           time_limit_s=args.time_limit * 60 if args.time_limit else None, deadline=args.deadline, **kw)
     print(f"[drafter saved to {args.out}]")
