@@ -120,3 +120,21 @@ def test_model_with_triton_kernels_generates_like_the_torch_path(family, tmp_pat
     llm.engine.runner.use_triton = True
     got = [o.token_ids for o in llm.generate(prompts, P)]
     assert got == want
+
+
+@pytest.mark.parametrize("n,k,bias", [(24, 40, False), (37, 300, True), (8, 1024, False)])
+def test_gemv_kernel_matches_a_linear_layer(n, k, bias):
+    from ddtree.ops.triton_gemv import gemv, gemv_config
+    g = torch.Generator().manual_seed(n)
+    layer = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(n, generator=g))
+    x = torch.randn(1, k, generator=g)
+    want = layer(x).detach()
+    torch.testing.assert_close(gemv(x, layer.weight.detach(), layer.bias.detach() if bias else None), want,
+                               atol=1e-4, rtol=1e-4)
+    bn, bk, _ = gemv_config(n, k)
+    torch.testing.assert_close(gemv(x, layer.weight.detach(), layer.bias.detach() if bias else None,
+                                    (bn * 2, bk // 2, 4)), want, atol=1e-4, rtol=1e-4)

@@ -6,6 +6,7 @@ Tokens of all requests in a step are flattened into one [T] sequence; the per-st
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -13,6 +14,17 @@ from torch import nn
 from ddtree.config import ModelConfig
 from ddtree.ops.attention import AttentionBatch, paged_attention
 from ddtree.ops.fused import add_rms_norm, qkv_rope, rms_norm, rope, silu_mul
+
+
+GEMV = os.environ.get("DDTREE_GEMV", "0") == "1"  # see ddtree/ops/triton_gemv.py (off until tuned)
+
+
+def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x); a single token on the GPU goes through the Triton GEMV kernel when DDTREE_GEMV=1."""
+    if GEMV and x.shape[0] == 1 and x.is_cuda:
+        from ddtree.ops.triton_gemv import gemv
+        return gemv(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 class RMSNorm(nn.Module):
@@ -103,7 +115,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         eps = self.q_norm.eps if self.qk_norm else 0.0
-        qkv = self.qkv_proj(x)
+        qkv = project(self.qkv_proj, x)
         if batch.use_triton:  # one kernel: norm, rotary and the K/V written to the cache
             from ddtree.ops.triton_qkv import qkv_rope_store
             q = qkv_rope_store(qkv, positions, self.rotary[0].cos_sin, batch.slot_mapping, self.k_cache,
@@ -113,7 +125,7 @@ class Attention(nn.Module):
             q, k, v = qkv_rope(qkv, positions, self.rotary[0].cos_sin, self.q_size, self.kv_size, self.head_dim,
                                qn, kn, eps)
             o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
-        return self.o_proj(o.flatten(1))
+        return project(self.o_proj, o.flatten(1))
 
 
 class MLP(nn.Module):
@@ -124,7 +136,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return project(self.down_proj, silu_mul(project(self.gate_up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
