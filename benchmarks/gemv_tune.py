@@ -10,12 +10,12 @@ cuBLAS row of each shape, and the bandwidth each reaches.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from ddtree.bench.latency import median_replay_ms
 from ddtree.ops.triton_gemv import gemv, gemv_config
 
 # Qwen2.5-0.5B: hidden 896, 14 + 2 + 2 heads of 64, MLP 4864
@@ -31,15 +31,7 @@ def time_us(fn, calls: int = 50, reps: int = 20) -> float:
         for _ in range(calls):
             fn()
     g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    return median_replay_ms(g, reps) * 1e3 / calls
 
 
 def main() -> int:

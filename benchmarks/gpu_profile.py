@@ -102,6 +102,17 @@ def busy_share(llm: LLM, prompts, max_tokens: int, label: str) -> None:
     prof.export_chrome_trace(os.path.join(OUT, f"trace_{label}.json"))
 
 
+def end_to_end(llm: LLM, prompts, max_tokens: int) -> float:
+    """Seconds to generate `max_tokens` for each prompt (after one warm-up run of the same)."""
+    P = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts, P)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, P)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def main() -> int:
     d = default_shaped_model()
     emit("env", gpu=torch.cuda.get_device_name(), torch=torch.__version__)
@@ -110,13 +121,7 @@ def main() -> int:
 
     # 1. end-to-end AR vs graph replay
     for c in (1, 16, 64, 256):
-        P = SamplingParams(max_tokens=128, ignore_eos=True)
-        llm.generate(prompts[:c], P)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        llm.generate(prompts[:c], P)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = end_to_end(llm, prompts[:c], 128)
         emit("ar-e2e", concurrency=c, tok_per_s=round(c * 128 / wall, 1), ms_per_step=round(wall / 128 * 1e3, 3),
              stats={k: v for k, v in llm.last_stats.items() if k != "budget_hist"})
     emit("step-times-ar", rows=step_times(llm, [1, 16, 64, 256], []))
@@ -147,14 +152,8 @@ def main() -> int:
     for budget in (32, "auto"):
         try:
             llm.set_mode("ddtree", budget, 4)
-            P = SamplingParams(max_tokens=128, ignore_eos=True)
             for c in (1, 16, 64):
-                llm.generate(prompts[:c], P)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                llm.generate(prompts[:c], P)
-                torch.cuda.synchronize()
-                wall = time.perf_counter() - t0
+                wall = end_to_end(llm, prompts[:c], 128)
                 emit("ddtree-e2e", budget=budget, concurrency=c, tok_per_s=round(c * 128 / wall, 1),
                      stats=llm.last_stats)
             if budget == 32:

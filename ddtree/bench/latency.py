@@ -112,7 +112,11 @@ def time_graph(fn, inputs, reps: int = 30) -> float:
         return statistics.median(times)
     pool = GraphPool(fn, inputs_rows(inputs))
     pool.run(inputs)
-    graph = pool.graphs[pool.buckets[-1]][0]
+    return median_replay_ms(pool.graphs[pool.buckets[-1]][0], reps)
+
+
+def median_replay_ms(graph, reps: int) -> float:
+    """Median milliseconds of one replay of a captured CUDA graph, over `reps` replays (CUDA events)."""
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
