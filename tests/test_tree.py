@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from ddtree.spec import tree as tree_mod
 from ddtree.spec.tree import Tree, ancestor_mask, build_tree
 
 VOCAB = 50
@@ -225,3 +226,31 @@ def test_topk_one_with_budget_past_the_depth_is_the_chain_then_padding():
 def test_ancestor_mask_follows_parent_pointers():
     parent = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 6], [-1, 0, 1, 2, 3, 4, 5, 6]])
     assert torch.equal(ancestor_mask(parent, 7), torch.tensor([naive_ancestor_mask(p) for p in parent.tolist()]))
+
+
+def test_tree_ops_trace_under_torch_compile_and_give_the_eager_results():
+    # On the GPU the tree ops run through torch.compile (ddtree.ops.fused.compiled_on_cuda); here the
+    # same functions are traced by dynamo (aot_eager backend: no code generation, so it stays fast)
+    # for DDTree and DFlash shapes, and must reproduce the eager results exactly.
+    from ddtree.spec import verify as V
+    torch.manual_seed(0)
+    R, D, vocab = 3, 15, 200
+    lp = torch.randn(R, D, vocab).log_softmax(-1)
+    roots = torch.tensor([1, 2, 3])
+    fns = {f: torch.compile(f.__wrapped__, dynamic=True, backend="aot_eager")
+           for f in (tree_mod._levels, tree_mod._cut, tree_mod._expected, V._walk)}
+    for budget, topk in [(32, 4), (15, 1)]:
+        top_lp, top_tok = lp.topk(topk, -1)
+        levels = tree_mod._levels.__wrapped__(top_lp, budget, topk)
+        assert all(torch.equal(a, b) for a, b in zip(levels, fns[tree_mod._levels](top_lp, budget, topk)))
+        c = tree_mod.Candidates(*levels, top_tok)
+        args = (c.score, c.parent, c.rank, c.order, c.tokens, roots, budget)
+        cut = tree_mod._cut.__wrapped__(*args)
+        assert all(torch.equal(a, b) for a, b in zip(cut, fns[tree_mod._cut](*args)))
+        t = tree_mod.Tree(*cut, D)
+        right = t.tokens.gather(1, torch.arange(budget + 1).expand(R, -1).clamp(max=budget))  # some agreement
+        pred = torch.where(torch.rand(R, budget + 1) < 0.7, right.roll(-1, 1), torch.randint(0, vocab, (R, budget + 1)))
+        wargs = (t.tokens, t.parent, t.depth, t.valid, pred, D)
+        assert all(torch.equal(a, b) for a, b in zip(V._walk.__wrapped__(*wargs), fns[V._walk](*wargs)))
+        torch.testing.assert_close(fns[tree_mod._expected](c.score, c.order, (4, 8)),
+                                   tree_mod._expected.__wrapped__(c.score, c.order, (4, 8)))

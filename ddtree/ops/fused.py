@@ -1,9 +1,13 @@
 """Small hot element-wise ops, fused by torch.compile on GPU (eager on CPU, where compiling would
-only slow the tests down): residual add + RMSNorm, q/k norm + rotary, SiLU-and-mul.
+only slow the tests down): residual add + RMSNorm, q/k norm + rotary, SiLU-and-mul; and the
+`compiled_on_cuda` wrapper that does it (also used for the tree ops in ddtree/spec).
 
 Each keeps transformers' order of operations and dtype casts, so bf16 results stay close to it.
 """
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -55,28 +59,27 @@ def _silu_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_compiled = {}
+COMPILE = os.environ.get("DDTREE_COMPILE", "1") != "0"
 
 
-def _pick(fn, x: torch.Tensor):
-    if not x.is_cuda:
-        return fn
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=True)
-    return _compiled[fn]
+def compiled_on_cuda(fn):
+    """`fn`, run through torch.compile (dynamic shapes) when its first tensor argument is on a GPU and
+    eagerly otherwise: a chain of tiny element-wise / gather ops becomes a few fused kernels (fewer
+    launches, and fewer nodes for a CUDA graph replay to submit). DDTREE_COMPILE=0 turns it off."""
+    compiled = []
+
+    @functools.wraps(fn)
+    def run(*args):
+        x = next(a for a in args if isinstance(a, torch.Tensor))
+        if not x.is_cuda or not COMPILE:
+            return fn(*args)
+        if not compiled:
+            compiled.append(torch.compile(fn, dynamic=True))
+        return compiled[0](*args)
+    return run
 
 
-def rms_norm(x, weight, eps):
-    return _pick(_rms_norm, x)(x, weight, eps)
-
-
-def add_rms_norm(x, residual, weight, eps):
-    return _pick(_add_rms_norm, x)(x, residual, weight, eps)
-
-
-def qkv_rope(qkv, positions, cos_sin, q_size, kv_size, head_dim, q_norm, k_norm, eps):
-    return _pick(_qkv_rope, qkv)(qkv, positions, cos_sin, q_size, kv_size, head_dim, q_norm, k_norm, eps)
-
-
-def silu_mul(x):
-    return _pick(_silu_mul, x)(x)
+rms_norm = compiled_on_cuda(_rms_norm)
+add_rms_norm = compiled_on_cuda(_add_rms_norm)
+qkv_rope = compiled_on_cuda(_qkv_rope)
+silu_mul = compiled_on_cuda(_silu_mul)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.ops.fused import compiled_on_cuda
+
 
 @dataclass(slots=True)
 class Tree:
@@ -70,16 +72,23 @@ def build_tree(logprobs: torch.Tensor, roots: torch.Tensor, budget: int, topk: i
 
 def candidates(logprobs: torch.Tensor, width: int, topk: int) -> Candidates:
     """The `width` best nodes per depth and overall (see the module docstring)."""
-    R, D, _ = logprobs.shape
-    assert width >= 1 and topk >= 1 and D >= 1
-    W = width
+    assert width >= 1 and topk >= 1 and logprobs.shape[1] >= 1
     top_lp, top_tok = logprobs.topk(topk, dim=-1)  # [R, D, K], sorted best first
+    return Candidates(*_levels(top_lp, width, topk), top_tok)
+
+
+@compiled_on_cuda
+def _levels(top_lp: torch.Tensor, width: int, topk: int):
+    """(score, parent, rank, order) of the candidates from the per-depth top-k log-probs."""
+    R, D, _ = top_lp.shape
+    W = width
     # Level 1: the root's children. Levels are padded to W slots; missing nodes score -inf.
-    lvl_score = torch.full((R, W), float("-inf"), device=logprobs.device)
+    dev = top_lp.device
+    lvl_score = torch.full((R, W), float("-inf"), device=dev)
     k1 = min(topk, W)
     lvl_score[:, :k1] = top_lp[:, 0, :k1]
-    lvl_parent = torch.zeros(R, W, dtype=torch.long, device=logprobs.device)
-    lvl_rank = torch.arange(W, device=logprobs.device).clamp(max=topk - 1).expand(R, W).clone()
+    lvl_parent = torch.zeros(R, W, dtype=torch.long, device=dev)
+    lvl_rank = torch.arange(W, device=dev).clamp(max=topk - 1).expand(R, W).clone()
     scores, parents, ranks = [lvl_score], [lvl_parent], [lvl_rank]
     for d in range(1, D):
         cand = (lvl_score[:, :, None] + top_lp[:, d, None, :]).reshape(R, W * topk)
@@ -92,22 +101,27 @@ def candidates(logprobs: torch.Tensor, width: int, topk: int) -> Candidates:
     all_score = torch.stack(scores, 1).reshape(R, D * W)  # level-major: shallower first
     # Global best W; the stable sort prefers shallower nodes on ties, keeping the set prefix-closed.
     _, order = all_score.sort(dim=-1, descending=True, stable=True)
-    return Candidates(all_score, torch.stack(parents, 1).reshape(R, D * W), torch.stack(ranks, 1).reshape(R, D * W),
-                      order[:, :W], top_tok)
+    return all_score, torch.stack(parents, 1).reshape(R, D * W), torch.stack(ranks, 1).reshape(R, D * W), order[:, :W]
 
 
 def cut_tree(c: Candidates, roots: torch.Tensor, budget: int) -> Tree:
     """The tree of the `budget` best candidates (budget <= c.width), flattened in BFS order."""
-    R, D, _ = c.tokens.shape
-    W = c.width
-    assert 1 <= budget <= W
-    chosen = c.order[:, :budget].sort(dim=-1).values  # ascending flat index == BFS order (depth, then slot)
+    assert 1 <= budget <= c.width
+    return Tree(*_cut(c.score, c.parent, c.rank, c.order, c.tokens, roots, budget), c.tokens.shape[1])
+
+
+@compiled_on_cuda
+def _cut(c_score, c_parent, c_rank, c_order, c_tokens, roots: torch.Tensor, budget: int):
+    """(tokens, parent, depth, valid, mask, score) of the tree cut from the candidates."""
+    R, D, _ = c_tokens.shape
+    W = c_order.shape[1]
+    chosen = c_order[:, :budget].sort(dim=-1).values  # ascending flat index == BFS order (depth, then slot)
     depth = chosen // W + 1
-    rank = c.rank.gather(1, chosen)
-    parent_slot = c.parent.gather(1, chosen)
-    score = c.score.gather(1, chosen)
+    rank = c_rank.gather(1, chosen)
+    parent_slot = c_parent.gather(1, chosen)
+    score = c_score.gather(1, chosen)
     valid = torch.isfinite(score)
-    tokens = c.tokens[torch.arange(R, device=chosen.device)[:, None], depth - 1, rank]
+    tokens = c_tokens[torch.arange(R, device=chosen.device)[:, None], depth - 1, rank]
     # Parent's flat index (depth - 1, parent_slot) -> its node index: position among `chosen`, + 1 for root.
     parent_flat = (depth - 2) * W + parent_slot
     match = chosen[:, None, :] == parent_flat[:, :, None]  # [R, budget, budget]
@@ -120,14 +134,19 @@ def cut_tree(c: Candidates, roots: torch.Tensor, budget: int) -> Tree:
     valid = torch.cat([torch.ones(R, 1, dtype=torch.bool, device=chosen.device), valid], 1)
     score = torch.cat([zeros.float(), score], 1)
     parent = torch.where(valid, parent, torch.zeros_like(parent))  # padding hangs off the root
-    return Tree(tokens, parent, depth, valid, ancestor_mask(parent, D), score, D)
+    return tokens, parent, depth, valid, ancestor_mask(parent, D), score
 
 
 def expected_accepts(c: Candidates, budgets: list[int]) -> torch.Tensor:
     """[R, len(budgets)]: the expected accepted length of the tree of each budget under the drafter's
     (independent per-depth) distribution. A node is accepted with its path probability, and the
     accepted length is the number of accepted nodes, so E(b) = sum of the b best path probabilities."""
-    cum = c.score.gather(1, c.order).exp().cumsum(dim=-1)  # missing nodes: exp(-inf) = 0
+    return _expected(c.score, c.order, tuple(budgets))
+
+
+@compiled_on_cuda
+def _expected(score: torch.Tensor, order: torch.Tensor, budgets: tuple[int, ...]) -> torch.Tensor:
+    cum = score.gather(1, order).exp().cumsum(dim=-1)  # missing nodes: exp(-inf) = 0
     return torch.stack([cum[:, b - 1] for b in budgets], 1)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.ops.fused import compiled_on_cuda
 from ddtree.spec.tree import Tree
 
 
@@ -23,20 +24,25 @@ class Acceptance:
 
 
 def walk(tree: Tree, pred: torch.Tensor) -> Acceptance:
-    R, N = tree.tokens.shape
-    max_depth = tree.max_depth
-    up = tree.parent.clamp(min=0)
-    correct = tree.valid & (tree.tokens == pred.gather(1, up))
+    return Acceptance(*_walk(tree.tokens, tree.parent, tree.depth, tree.valid, pred, tree.max_depth))
+
+
+@compiled_on_cuda
+def _walk(tokens, parent, depth, valid, pred: torch.Tensor, max_depth: int):
+    """(length, path, bonus): see `Acceptance`."""
+    R, N = tokens.shape
+    up = parent.clamp(min=0)
+    correct = valid & (tokens == pred.gather(1, up))
     correct[:, 0] = True
     on_path = correct
     for _ in range(max_depth):  # each pass extends "all ancestors correct" by one level
         on_path = correct & on_path.gather(1, up)
-    deepest = torch.where(on_path, tree.depth, -1).argmax(dim=1)
-    length = tree.depth.gather(1, deepest[:, None]).squeeze(1)
+    deepest = torch.where(on_path, depth, -1).argmax(dim=1)
+    length = depth.gather(1, deepest[:, None]).squeeze(1)
     path = torch.zeros(R, max_depth + 1, dtype=torch.long, device=pred.device)
     node = deepest
     for _ in range(max_depth + 1):  # climb to the root, filling path[depth(node)] = node
-        path.scatter_(1, tree.depth.gather(1, node[:, None]), node[:, None])
+        path.scatter_(1, depth.gather(1, node[:, None]), node[:, None])
         node = up.gather(1, node[:, None]).squeeze(1)
     bonus = pred.gather(1, deepest[:, None]).squeeze(1)
-    return Acceptance(length, path, bonus)
+    return length, path, bonus
