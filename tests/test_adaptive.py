@@ -430,20 +430,27 @@ def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, mon
     assert set(spec.draft_graphs.graphs) == {1, 2, 3}  # four requests ran as a bucket of 3 + 1, 2 ...
 
 
-def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out, monkeypatch):
+@pytest.mark.parametrize("spec_mode,topk", [("ddtree", 4), ("dflash", 1)])
+def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out, monkeypatch, spec_mode, topk):
     # Verification priced high: the real policy runs AR bursts (pipelined steps until a probe is due),
-    # requests finish mid-burst, probes draft and verify in between; the output is AR's exactly.
+    # requests finish mid-burst, probes draft and verify in between; the output is AR's exactly. The
+    # engine is built as on a GPU, so its page reservation must cover a whole AR burst even when the
+    # trees are narrower (DFlash with a block-8 drafter: budgets 4 and 7).
+    import ddtree.engine.engine as engine_mod
     import ddtree.spec.decode as decode
     family = "qwen2"
-    ref = ar_out(family)
-    llm = auto_llm(pairs, family, cost_table=table(lambda n, bs: 1.0 * n * bs))
+    ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)  # AR before graphs are faked
     monkeypatch.setattr(decode, "GraphPool", emulated_pool())
-    eng = llm.engine
-    old = eng.speculator
-    spec = decode.AdaptiveSpeculator(eng.runner, old.drafter, 4, True, 4, old.max_pages,
-                                     table(lambda n, bs: 1.0 * n * bs))
-    eng.speculator = llm.engine.speculator = spec
-    plant_noisy_oracle(llm, continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)))
+    monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)
+    path, d = pairs(family)
+    budgets = candidate_budgets(7, topk)[1:]
+    cost = CostTable(BATCHES, [1.0 * bs for bs in BATCHES], [0.1] * len(BATCHES),
+                     {b: [(b + 1.0) * bs for bs in BATCHES] for b in budgets})
+    llm = LLM(path, draft=d, spec="none", max_num_seqs=4, **ENGINE)
+    llm.set_mode(spec_mode, "auto", topk, cost_table=cost)
+    spec = llm.engine.speculator
+    assert spec.draft_graphs is not None and llm.engine.scheduler.decode_width >= decode.AR_BURST
+    plant_noisy_oracle(llm, continuation(prompts, longer))
     calls = {"bursts": 0, "steps": 0}
     burst, read = spec._ar_burst, spec._commit_read
     monkeypatch.setattr(spec, "_ar_burst", lambda *a: calls.__setitem__("bursts", calls["bursts"] + 1) or burst(*a))

@@ -19,7 +19,7 @@ from ddtree.models.transformer import CausalLM
 from ddtree.ops.attention import pack_rows
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import CostTable, candidate_budgets
-from ddtree.spec.decode import SPEC_BURST, AdaptiveSpeculator, Speculator
+from ddtree.spec.decode import AR_BURST, SPEC_BURST, AdaptiveSpeculator, Speculator
 from ddtree.spec.draft import DraftRunner
 
 
@@ -44,8 +44,9 @@ class LLMEngine:
         speculative = drafter is not None and (auto or budget > 0)
         if auto and speculative:
             budget = candidate_budgets(drafter.dcfg.block_size - 1, topk)[-1]
-        step_tokens = max(engine_cfg.max_num_batched_tokens, engine_cfg.max_num_seqs * (budget + 1 if speculative else 1))
-        self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype, step_tokens)
+        # rows of logits one forward can produce: every request's tree (or its one token)
+        logit_rows = engine_cfg.max_num_seqs * (budget + 1 if speculative else 1)
+        self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype, logit_rows)
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size)
         capacity = self.runner.num_pages * engine_cfg.page_size
         self.use_graphs = engine_cfg.cuda_graphs and self._graphs_supported()
@@ -58,7 +59,9 @@ class LLMEngine:
         width = self.burst
         if speculative:
             block = drafter.dcfg.block_size
-            width = max(budget + 1, block) + ((SPEC_BURST - 1) * block if self.use_graphs and not auto else 0)
+            width = max(budget + 1, block)
+            if self.use_graphs:  # graphed bursts: speculative steps (fixed budget) or AR steps (auto)
+                width = max(width, AR_BURST) if auto else width + (SPEC_BURST - 1) * block
         max_pages = -(-(min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position) + width)
                       // engine_cfg.page_size)
         if speculative:
@@ -188,8 +191,9 @@ class LLMEngine:
         return seqs
 
     def _burst_length(self, seqs: list[Sequence]) -> int:
-        # Short bursts while requests wait to start, so a new request's prefill is not held back.
-        n = self.burst if not self.scheduler.waiting else min(self.burst, 2)
+        # Short bursts while a request waits for a free slot, so its prefill is not held back.
+        sched = self.scheduler
+        n = min(self.burst, 2) if sched.waiting and len(sched.running) < sched.max_num_seqs else self.burst
         left = max(min(s.params.max_tokens, self.max_model_len - len(s.prompt_ids)) - len(s.output_ids) for s in seqs)
         return max(1, min(n, left))
 

@@ -18,15 +18,15 @@ from ddtree.ops.attention import AttentionBatch, make_batch, pack_rows, uniform_
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, engine_cfg: EngineConfig,
-                 device: torch.device, dtype: torch.dtype, step_tokens: int = 0):
-        """`step_tokens`: the most tokens one forward feeds; their activations (the logits above all)
-        are kept out of the GPU memory the KV cache takes."""
+                 device: torch.device, dtype: torch.dtype, logit_rows: int = 0):
+        """`logit_rows`: the most rows of logits one forward produces; they and a full prefill chunk's
+        activations are kept out of the GPU memory the KV cache takes."""
         self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
         self.page_size = engine_cfg.page_size
         # Triton kernels on GPU; DDTREE_ATTENTION=torch forces the reference (debugging).
         self.use_triton = device.type == "cuda" and os.environ.get("DDTREE_ATTENTION", "triton") == "triton"
         self.heads_per_kv = cfg.num_heads // cfg.num_kv_heads
-        self.num_pages = engine_cfg.num_pages or self._pages_from_memory(engine_cfg, step_tokens)
+        self.num_pages = engine_cfg.num_pages or self._pages_from_memory(engine_cfg, logit_rows)
         # One page more than the allocator hands out: the scratch page, where padding rows of a
         # fixed-shape (CUDA graph) step write their K/V.
         self.kv_cache = allocate_kv_cache(cfg.num_layers, self.num_pages + 1, self.page_size, cfg.num_kv_heads,
@@ -37,12 +37,14 @@ class ModelRunner:
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
 
-    def _pages_from_memory(self, ec: EngineConfig, step_tokens: int) -> int:
+    def _pages_from_memory(self, ec: EngineConfig, logit_rows: int) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # A step's logits in the model dtype plus their fp32 copy (sampling, AR read-out), twice:
-            # once in the CUDA graphs' pool, once in eager steps' cached blocks.
-            activations = 2 * step_tokens * self.cfg.vocab_size * (4 + self.dtype.itemsize)
+            # once in the CUDA graphs' pool, once in eager steps' cached blocks; and a prefill chunk's
+            # widest activation (the MLP's gate|up) in fp32.
+            activations = 2 * logit_rows * self.cfg.vocab_size * (4 + self.dtype.itemsize) + \
+                ec.max_num_batched_tokens * 2 * self.cfg.intermediate_size * 4
             budget = free - (1 - ec.gpu_memory_utilization) * total - activations
         else:
             budget = ec.kv_cache_gb * 2**30

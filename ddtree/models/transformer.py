@@ -110,13 +110,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
         self.scale = self.head_dim ** -0.5
+        half = self.head_dim // 2
+        self.fused_qkv = self.head_dim % 2 == 0 and half & (half - 1) == 0  # the Triton kernel's tile shape
         self.k_cache = self.v_cache = torch.empty(0)  # [num_slots, Hkv, D], assigned by the runner
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         eps = self.q_norm.eps if self.qk_norm else 0.0
         qkv = project(self.qkv_proj, x)
-        if batch.use_triton:  # one kernel: norm, rotary and the K/V written to the cache
+        if batch.use_triton and self.fused_qkv:  # one kernel: norm, rotary and the K/V written to the cache
             from ddtree.ops.triton_qkv import qkv_rope_store
             q = qkv_rope_store(qkv, positions, self.rotary[0].cos_sin, batch.slot_mapping, self.k_cache,
                                self.v_cache, self.num_heads, self.num_kv_heads, self.head_dim, qn, kn, eps)
