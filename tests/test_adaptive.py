@@ -532,3 +532,26 @@ def test_policy_recovers_from_a_hard_stretch():
     assert run(p, 50, 0.0)[-16:].count(0) >= 15  # nothing accepted: back to AR (bar a probe)
     later = run(p, 400, 3.0)
     assert sum(b > 0 for b in later[-100:]) > 90, later[-100:]
+
+
+def test_next_burst_inputs_stay_inside_the_pages_the_accepted_path_used(pairs):
+    # The next step's drafter context is the accepted path (L + 1 rows); its padding rows must get the
+    # scratch slot without indexing past a request's last page (the table may end right after the path).
+    from ddtree.spec.decode import StepInputs
+    path, d = pairs("qwen2")
+    llm = LLM(path, draft=d, spec="dflash", **ENGINE)  # block 8, page size 4
+    spec = llm.engine.speculator
+    B, ps, scratch = spec.drafter.block_size, 4, spec.drafter.scratch_slot
+    starts = torch.tensor([5, 10])
+    tables = torch.tensor([[3, 9, -1, -1], [4, 6, 7, 0]])  # request 0: pages for positions < 8 only
+    length = torch.tensor([2, 5])  # request 0's path: positions 5, 6, 7
+    packed = torch.stack([length, torch.tensor([11, 12])], 1)
+    feats = torch.randn(2, B, spec.drafter.feat_dim)
+    inp = StepInputs(torch.tensor([1, 2]), starts, tables.clamp(min=0), feats, starts[:, None].expand(2, B),
+                     torch.zeros(2, B, dtype=torch.long))
+    nxt = spec._next_inputs(inp, packed, feats)
+    assert nxt.roots.tolist() == [11, 12] and nxt.starts.tolist() == [8, 16]
+    assert nxt.ctx_pos[0].tolist() == [5, 6, 7] + [0] * (B - 3)
+    assert nxt.ctx_slots[0].tolist() == [9 * ps + 1, 9 * ps + 2, 9 * ps + 3] + [scratch] * (B - 3)
+    assert nxt.ctx_slots[1, :6].tolist() == [7 * ps + 2, 7 * ps + 3, 0, 1, 2, 3]  # positions 10..15
+    assert (nxt.ctx_slots[1, 6:] == scratch).all()

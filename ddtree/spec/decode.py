@@ -128,12 +128,13 @@ class Speculator:
         R = len(seqs)
         inp = self.drafter.prepare(seqs, ctx_rows=self.drafter.block_size)
         left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
-        pending = None
-        for i in range(max(1, min(SPEC_BURST, left))):
+        pending, steps = None, max(1, min(SPEC_BURST, left))
+        for i in range(steps):
             out = self.graphs.run(inp)
             # graph outputs are static buffers: keep this step's before the next replay overwrites them
             packed, feats = out.packed[:R].clone(), out.feats[:R].clone()
-            inp = self._next_inputs(inp, packed, feats)
+            if i + 1 < steps:  # (past the last step the positions may lie beyond the reserved pages)
+                inp = self._next_inputs(inp, packed, feats)
             launched = (self.readback.start(packed.flatten()), feats)
             ended = pending is not None and self._commit_burst_step(seqs, pending, commit)
             pending = launched
@@ -147,7 +148,7 @@ class Speculator:
         length, bonus = packed[:, 0], packed[:, 1]
         j = torch.arange(self.drafter.block_size, device=packed.device)
         valid = j[None, :] <= length[:, None]
-        pos = inp.starts[:, None] + j
+        pos = torch.where(valid, inp.starts[:, None] + j, inp.starts[:, None])  # padding: a position in range
         slots = torch.where(valid, page_slots(inp.block_tables, pos, self.runner.page_size), self.drafter.scratch_slot)
         return StepInputs(bonus, inp.starts + length + 1, inp.block_tables, feats, torch.where(valid, pos, 0), slots)
 
