@@ -11,7 +11,7 @@ from ddtree.engine.graphs import GraphPool
 from ddtree.engine.kv_cache import PageAllocator
 from ddtree.engine.readback import TokenReadback
 from ddtree.engine.runner import ModelRunner
-from ddtree.engine.sampler import sample
+from ddtree.engine.sampler import RowSampler, sample
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.sequence import Sequence
 from ddtree.models.dflash import DFlashDrafter
@@ -171,8 +171,9 @@ class LLMEngine:
         R, pool = len(seqs), self.decode_graphs
         rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
                          self.runner.scratch_page, self.device)
-        params, gens = [s.params for s in seqs], [s.generator for s in seqs]
-        greedy = all(p.greedy for p in params)
+        params = [s.params for s in seqs]
+        sampler = None if all(p.greedy for p in params) else \
+            RowSampler(params, [s.generator for s in seqs], self.device)  # built once for the burst
         pending = None
         for i in range(self._burst_length(seqs)):
             if i == 0:
@@ -180,8 +181,8 @@ class LLMEngine:
             else:  # the graph already wrote this step's inputs
                 logits = pool.replay(R)
             tokens = pool.static["ids"][:R]  # the greedy tokens, also the next step's inputs
-            if not greedy:
-                tokens.copy_(sample(logits[:R], params, gens))
+            if sampler is not None:
+                tokens.copy_(sampler(logits[:R]))
             launched = self.readback.start(tokens)
             ended = pending is not None and self._commit_decoded(seqs, pending)
             pending = launched
