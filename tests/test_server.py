@@ -485,3 +485,56 @@ def test_serve_rejects_a_speculative_mode_without_a_drafter():
     r = subprocess.run([sys.executable, "-m", "ddtree.cli", "serve", "--spec", "ddtree"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "--draft" in r.stderr
+
+
+def test_graphed_ar_bursts_behind_the_server_stream_the_same_text(tiny_qwen2, monkeypatch):
+    # The GPU's pipelined AR bursts (CUDA graphs emulated on the CPU) behind the OpenAI API: streamed and
+    # non-streamed requests, running together, with a stop string, give what the eager engine gives;
+    # afterwards every KV page is free.
+    from fastapi.testclient import TestClient
+
+    import ddtree.engine.engine as engine_mod
+    from ddtree.llm import LLM
+    from ddtree.server.app import ServerConfig, create_app
+    from test_adaptive import emulated_pool
+
+    def llm():
+        return LLM(tiny_qwen2, device="cpu", dtype="float32", num_pages=64, page_size=4, max_num_seqs=3)
+
+    bodies = [{"prompt": f"for i in range({n}):", "max_tokens": n, "temperature": 0, "ignore_eos": True}
+              for n in (5, 19, 33)] + [{"prompt": "Hello", "max_tokens": 30, "temperature": 0, "stop": ["e"]}]
+    def ready(c):
+        deadline = time.monotonic() + 30
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        return c
+
+    with TestClient(create_app(llm, ServerConfig("m"))) as c:
+        want = [ready(c).post(COMP, json=b).json()["choices"][0] for b in bodies]
+    monkeypatch.setattr(engine_mod, "GraphPool", emulated_pool())
+    monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)
+    loaded = []
+    with TestClient(create_app(lambda: loaded.append(llm()) or loaded[0], ServerConfig("m"))) as c:
+        ready(c)
+
+        def stream(body):
+            text, finish = "", None
+            with c.stream("POST", COMP, json={**body, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        choice = json.loads(line[6:])["choices"][0]
+                        text += choice["text"]
+                        finish = choice["finish_reason"] or finish
+            return {"text": text, "finish_reason": finish}
+
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(len(bodies)) as pool:  # all at once: they share bursts
+            got = list(pool.map(stream, bodies))
+        engine = loaded[0].engine
+        assert engine.decode_graphs is not None and engine.burst > 1
+        deadline = time.monotonic() + 10
+        while engine.allocator.num_free != engine.allocator.num_pages:
+            assert time.monotonic() < deadline, "KV pages still held"
+            time.sleep(0.02)
+    assert [(g["text"], g["finish_reason"]) for g in got] == [(w["text"], w["finish_reason"]) for w in want]
