@@ -7,7 +7,6 @@ decoding is lossless like every other mode: greedy output equals AR token for to
 drafter (auto stays on AR), an oracle (it speculates), and a scripted policy that switches between AR,
 AR after a wasted draft, and every budget, so the drafter's context must catch up after AR steps.
 """
-import dataclasses
 import itertools
 import math
 
@@ -20,6 +19,7 @@ from ddtree.models.dflash import random_drafter, save_drafter
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import PROBE_EVERY, AdaptivePolicy, CostTable, candidate_budgets
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
+from emulated import emulated_pool
 from test_spec import assert_idle, continuation, hook_draft_logits, noisy_oracle, plant
 from tiny import make_tiny_model
 
@@ -306,32 +306,29 @@ def test_switching_between_ar_and_budgets_every_step_stays_lossless(family, pair
     assert set(script.seen) == set(BUDGETS[1:])
 
 
+def recorder(into: dict):
+    """A `replace` for hook_draft_logits that keeps each request's draft logits, keyed by its tokens."""
+    def record(seqs, out):
+        for seq, row in zip(seqs, out):
+            into[tuple(seq.token_ids)] = row.clone()
+        return out
+    return record
+
+
 def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, ar_out):
     # AR steps queue their target features for the drafter; the next draft must see exactly the
     # context a fresh engine builds by prefilling the same tokens.
     family = "qwen2"
     llm = auto_llm(pairs, family, cost_table=table(roofline))
     seen = {}
-
-    def record(seqs, out):
-        for seq, row in zip(seqs, out):
-            seen[tuple(seq.token_ids)] = row.clone()
-        return out
-
-    hook_draft_logits(llm, record)
+    hook_draft_logits(llm, recorder(seen))
     llm.engine.speculator.policy = Scripted(["ar", "ar", "ar", 4, "ar", "wasted", "ar", 8])
     llm.generate(prompts, [SamplingParams(max_tokens=m) for m in MAX_TOKENS])
     keys = [k for k in seen if list(k[:-1]) not in prompts]
     assert len(keys) > 10
     fresh = auto_llm(pairs, family, cost_table=table(roofline))
     again = {}
-
-    def record_fresh(seqs, out):
-        for seq, row in zip(seqs, out):
-            again[tuple(seq.token_ids)] = row.clone()
-        return out
-
-    hook_draft_logits(fresh, record_fresh)
+    hook_draft_logits(fresh, recorder(again))
     fresh.engine.speculator.policy = Scripted([4])
     out = fresh.generate([list(k[:-1]) for k in keys], SamplingParams(max_tokens=2))
     assert [o.token_ids[0] for o in out] == [k[-1] for k in keys]
@@ -373,39 +370,6 @@ def test_budget_auto_validation_and_mode_switches(pairs):
 
 
 # ----------------------------------------------------------------------------- the graphed path, emulated
-
-class EmulatedGraph:
-    """Stands in for a CUDA graph on CPU: a replay recomputes the captured function on the static
-    inputs and overwrites the static outputs in place, as a real replay does."""
-    def __init__(self, fn, view, out):
-        self.fn, self.view, self.out = fn, view, out
-
-    def replay(self):
-        copy_into(self.out, self.fn(self.view))
-
-
-def copy_into(dst, src):
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)
-    elif isinstance(dst, tuple):
-        for a, b in zip(dst, src):
-            copy_into(a, b)
-    else:
-        for f in dataclasses.fields(dst):
-            copy_into(getattr(dst, f.name), getattr(src, f.name))
-
-
-def emulated_pool():
-    from ddtree.engine.graphs import GraphPool
-
-    class EmulatedPool(GraphPool):
-        def _capture(self, bs):
-            view = self._view(bs)
-            out = self.fn(view)
-            self.graphs[bs] = (EmulatedGraph(self.fn, view, out), out)
-
-    return EmulatedPool
-
 
 def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, monkeypatch):
     # The GPU path's plumbing (static inputs padded to batch buckets, the draft graph's outputs fed to a

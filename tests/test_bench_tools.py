@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tiny import make_tiny_model
+from tiny import make_tiny_pair
 
 STARTUP_S = 120
 MTBENCH = ["--dataset", "mtbench"]
@@ -28,16 +28,8 @@ def read_rows(path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[str, str]:
-    from ddtree.config import ModelConfig
-    from ddtree.models.dflash import random_drafter, save_drafter
-
-    root = tmp_path_factory.mktemp("bench")
     # long context: MT-Bench prompts are several hundred tokens for the tiny tokenizer
-    model = make_tiny_model(str(root / "tiny-qwen3"), "qwen3", num_hidden_layers=4, max_position_embeddings=4096)
-    draft = str(root / "drafter")
-    save_drafter(random_drafter(ModelConfig.from_dir(model), num_layers=1, block_size=8, target_layer_ids=[0, 2]),
-                 draft)
-    return model, draft
+    return make_tiny_pair(str(tmp_path_factory.mktemp("bench")), max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")

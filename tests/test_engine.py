@@ -343,7 +343,7 @@ def test_graphed_ar_decode_bursts_emulated_on_cpu_give_the_alone_outputs(tiny_qw
     # samples, tokens read back one step late, requests finishing mid-burst, preemption) with the CUDA
     # graph replays emulated: every request gets exactly what it gets alone, and no page leaks.
     import ddtree.engine.engine as engine_mod
-    from test_adaptive import emulated_pool
+    from emulated import emulated_pool
     monkeypatch.setattr(engine_mod, "GraphPool", emulated_pool())
     monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)
     llm = LLM(tiny_qwen2, device="cpu", dtype="float32", page_size=4, spec="none", **limits)

@@ -21,7 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tiny import make_tiny_model
+from tiny import make_tiny_pair
 
 STARTUP_S = 120  # per server, loading included
 REQUEST_S = 60
@@ -108,15 +108,7 @@ def wait_healthy(server: Server, deadline: float) -> set[int]:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[str, str]:
-    from ddtree.config import ModelConfig
-    from ddtree.models.dflash import random_drafter, save_drafter
-
-    root = tmp_path_factory.mktemp("serve")
-    model = make_tiny_model(str(root / "tiny-qwen3"), "qwen3", num_hidden_layers=4)
-    draft = str(root / "drafter")
-    save_drafter(random_drafter(ModelConfig.from_dir(model), num_layers=1, block_size=8, target_layer_ids=[0, 2]),
-                 draft)
-    return model, draft
+    return make_tiny_pair(str(tmp_path_factory.mktemp("serve")))
 
 
 @pytest.fixture(scope="module")
@@ -496,7 +488,7 @@ def test_graphed_ar_bursts_behind_the_server_stream_the_same_text(tiny_qwen2, mo
     import ddtree.engine.engine as engine_mod
     from ddtree.llm import LLM
     from ddtree.server.app import ServerConfig, create_app
-    from test_adaptive import emulated_pool
+    from emulated import emulated_pool
 
     def llm():
         return LLM(tiny_qwen2, device="cpu", dtype="float32", num_pages=64, page_size=4, max_num_seqs=3)

@@ -67,3 +67,15 @@ def make_tiny_model(path: str, family: str = "qwen2", seed: int = 0, with_tokeni
     if tok is not None:
         tok.save_pretrained(path)
     return path
+
+
+def make_tiny_pair(root: str, **overrides) -> tuple[str, str]:
+    """A tiny Qwen3 target (4 layers) and a random block-8 DFlash drafter for it, saved under `root`."""
+    from ddtree.config import ModelConfig
+    from ddtree.models.dflash import random_drafter, save_drafter
+
+    model = make_tiny_model(os.path.join(root, "tiny-qwen3"), "qwen3", num_hidden_layers=4, **overrides)
+    draft = os.path.join(root, "drafter")
+    save_drafter(random_drafter(ModelConfig.from_dir(model), num_layers=1, block_size=8, target_layer_ids=[0, 2]),
+                 draft)
+    return model, draft

@@ -67,7 +67,8 @@ class Speculator:
             self.graphs = GraphPool(self._graph_step, max_batch,
                                     pad={"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot},
                                     widths={"block_tables": max_pages})
-        self.readback = TokenReadback(max_batch * (self.depth + 3), runner.device)  # bursts: packed rows
+        # bursts read packed rows back: [R, depth + 3] (also enough for auto's AR rows, [R, 3])
+        self.readback = TokenReadback(max_batch * (self.depth + 3), runner.device)
 
     @property
     def width(self) -> int:
@@ -242,7 +243,6 @@ class AdaptiveSpeculator(Speculator):
         super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
         self.ctx_rows = drafter.block_size + PROBE_EVERY  # the last accepted path plus AR steps until a probe
         self.max_pages, self.draft_graphs, self.verify_graphs = max_pages, None, {}
-        self.readback = TokenReadback(3 * max_batch, runner.device)  # AR bursts: [R, 3] packed outputs
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
             pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
             widths = {"block_tables": max_pages}
