@@ -168,6 +168,7 @@ def main() -> int:
                     llm.generate(seqs_p, SamplingParams(max_tokens=20, ignore_eos=True))
                 kernel_table(one, "ddtree32-eager-gen20", steps=1)
                 spec.graphs = pools
+                del spec, pools  # else the next engine finds this one's KV cache still held
         except Exception as e:  # keep going: the memory check below still matters
             emit("ddtree-error", budget=budget, error=repr(e))
 

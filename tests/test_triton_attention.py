@@ -138,3 +138,56 @@ def test_gemv_kernel_matches_a_linear_layer(n, k, bias):
     bn, bk, _ = gemv_config(n, k)
     torch.testing.assert_close(gemv(x, layer.weight.detach(), layer.bias.detach() if bias else None,
                                     (bn * 2, bk // 2, 4)), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_gemv_is_residual_add_rms_norm_then_linear(dtype, with_residual):
+    from ddtree.ops.fused import add_rms_norm, rms_norm
+    from ddtree.ops.triton_gemv import norm_gemv
+    g = torch.Generator().manual_seed(3)
+    n, k = 40, 300
+    x, res = torch.randn(1, k, generator=g).to(dtype), torch.randn(1, k, generator=g).to(dtype)
+    gamma = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    if with_residual:
+        normed, want_res = add_rms_norm(x, res, gamma, 1e-6)
+    else:
+        normed, want_res = rms_norm(x, gamma, 1e-6), x
+    want = (normed.float() @ w.float().T + b.float()).to(dtype)
+    got, got_res = norm_gemv(x, res if with_residual else None, gamma, 1e-6, w, b, config=(8, 128, 1))
+    # The interpreter truncates fp32 -> bf16 where the GPU rounds to nearest: one bf16 step apart.
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.3, rtol=0.02)
+    torch.testing.assert_close(got_res, want_res, **(tol if dtype == torch.float32 else dict(atol=0, rtol=2**-7)))
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_gemv_is_the_mlp_down_projection(dtype):
+    from ddtree.ops.fused import silu_mul
+    from ddtree.ops.triton_gemv import silu_mul_gemv
+    g = torch.Generator().manual_seed(4)
+    n, k = 24, 200
+    gate_up, w = torch.randn(1, 2 * k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    want = (silu_mul(gate_up).float() @ w.float().T).to(dtype)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.06, rtol=0.02)
+    torch.testing.assert_close(silu_mul_gemv(gate_up, w, config=(4, 64, 1)), want, **tol)
+
+
+def test_one_token_steps_take_the_fused_gemv_layer(tmp_path, monkeypatch):
+    # With the Triton path on, a decode step of one request runs DecoderLayer.one_token (four GEMV
+    # kernels); the tokens equal the torch path's.
+    from tiny import make_tiny_model
+
+    from ddtree import LLM, SamplingParams
+    from ddtree.models import transformer
+    calls = []
+    real = transformer.DecoderLayer.one_token
+    monkeypatch.setattr(transformer.DecoderLayer, "one_token", lambda *a: calls.append(1) or real(*a))
+    llm = LLM(make_tiny_model(str(tmp_path), "qwen2"), device="cpu", dtype="float32", spec="none", num_pages=64)
+    P = SamplingParams(max_tokens=5, ignore_eos=True)
+    want = llm.generate([[5, 9, 11, 40, 2, 7]], P)[0].token_ids
+    assert not calls
+    llm.engine.runner.use_triton = True
+    assert llm.generate([[5, 9, 11, 40, 2, 7]], P)[0].token_ids == want
+    assert len(calls) == 4 * llm.config.num_layers  # every decode step after the prefill

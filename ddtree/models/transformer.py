@@ -16,15 +16,13 @@ from ddtree.ops.attention import AttentionBatch, paged_attention
 from ddtree.ops.fused import add_rms_norm, qkv_rope, rms_norm, rope, silu_mul
 
 
-GEMV = os.environ.get("DDTREE_GEMV", "0") == "1"  # see ddtree/ops/triton_gemv.py (off until tuned)
+# One-token steps on the Triton path run each layer as four fused matrix-vector kernels
+# (ddtree/ops/triton_gemv.py). DDTREE_GEMV=0 keeps cuBLAS and the separate element-wise kernels.
+GEMV = os.environ.get("DDTREE_GEMV", "1") != "0"
 
 
-def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x); a single token on the GPU goes through the Triton GEMV kernel when DDTREE_GEMV=1."""
-    if GEMV and x.shape[0] == 1 and x.is_cuda:
-        from ddtree.ops.triton_gemv import gemv
-        return gemv(x, layer.weight, layer.bias)
-    return layer(x)
+def one_token_path(x: torch.Tensor, batch: AttentionBatch) -> bool:
+    return GEMV and x.shape[0] == 1 and batch.use_triton
 
 
 class RMSNorm(nn.Module):
@@ -115,9 +113,12 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)  # [num_slots, Hkv, D], assigned by the runner
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        return self.attend(self.qkv_proj(x), positions, batch)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Attention output after o_proj, from the packed q|k|v projection."""
         qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         eps = self.q_norm.eps if self.qk_norm else 0.0
-        qkv = project(self.qkv_proj, x)
         if batch.use_triton and self.fused_qkv:  # one kernel: norm, rotary and the K/V written to the cache
             from ddtree.ops.triton_qkv import qkv_rope_store
             q = qkv_rope_store(qkv, positions, self.rotary[0].cos_sin, batch.slot_mapping, self.k_cache,
@@ -127,7 +128,11 @@ class Attention(nn.Module):
             q, k, v = qkv_rope(qkv, positions, self.rotary[0].cos_sin, self.q_size, self.kv_size, self.head_dim,
                                qn, kn, eps)
             o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
-        return project(self.o_proj, o.flatten(1))
+        o = o.flatten(1)
+        if one_token_path(o, batch):
+            from ddtree.ops.triton_gemv import gemv
+            return gemv(o, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -138,7 +143,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.down_proj, silu_mul(project(self.gate_up_proj, x)))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -153,12 +158,24 @@ class DecoderLayer(nn.Module):
                 batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's
         output. Deferring the add lets it fuse with the next layer's norm."""
+        if one_token_path(h, batch):
+            return self.one_token(h, residual, positions, batch)
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm(h, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(x, positions, batch), residual)
         return self.mlp(x), residual
+
+    def one_token(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                  batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() for a single token: norms, residual adds and SiLU run inside the projections."""
+        from ddtree.ops.triton_gemv import norm_gemv, silu_mul_gemv
+        attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = norm_gemv(h, residual, ln1.weight, ln1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        a = attn.attend(qkv, positions, batch)
+        gate_up, residual = norm_gemv(a, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight)
+        return silu_mul_gemv(gate_up, mlp.down_proj.weight), residual
 
 
 class TransformerModel(nn.Module):
