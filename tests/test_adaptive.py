@@ -102,6 +102,26 @@ def test_policy_calibrates_the_drafter_and_probes_while_on_ar():
     assert choose(policy, 1) == 32 and policy.should_draft(1)
 
 
+def test_policy_counts_the_host_time_steps_really_take():
+    # On the table, a budget-32 step (draft 0.1 + verify 1.03 ms for ~2.4 tokens) beats AR (1 ms a
+    # token) by 2x. If speculative steps really take 4 ms on this machine, AR wins, and only for this
+    # batch bucket; if AR steps turn out slow instead, speculation is back.
+    weak = {4: 1.0, 8: 1.2, 16: 1.3, 32: 1.4}
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 + 0.001 * n), BUDGETS)
+    assert policy.choose(1, weak) == 32 and policy.should_draft(1)
+    for _ in range(50):
+        policy.observe_time("spec", 1, 4.0, 1.133)
+    assert policy.spec_extra_ms(1) == pytest.approx(4.0 - 1.133, rel=1e-3)
+    assert policy.spec_extra_ms(2) == 0.0 and policy.choose(2, {b: 2 * e for b, e in weak.items()}) == 32
+    assert policy.choose(1, weak) == 0 and not policy.should_draft(1)
+    policy.observe_time("spec", 1, 100.0, 1.133)  # one stall (or a compile) counts at most 4x the table
+    assert policy.spec_extra_ms(1) < 0.9 * 2.867 + 0.1 * 3.4 + 1e-3
+    for _ in range(50):
+        policy.observe_time("ar", 1, 3.9, 1.001)
+    assert policy.ar_ms(1) > 3.5
+    assert policy.choose(1, weak) == 32 and policy.should_draft(1)
+
+
 def test_cost_table_interpolates_between_batch_sizes_and_extrapolates_the_last_slope():
     t = CostTable([1, 4, 16], [1.0, 1.0, 4.0], [0.1, 0.1, 0.1], {4: [2.0, 3.0, 6.0]})
     assert t.ar_ms(1) == 1.0 and t.ar_ms(0) == 1.0 and t.ar_ms(10) == pytest.approx(2.5)
@@ -231,6 +251,8 @@ class Scripted:
     def __init__(self, plan):
         self.plan, self.now, self.seen = itertools.cycle(plan), None, []
 
+    table = table(lambda n, bs: 1.0)
+
     def should_draft(self, batch):
         self.now = next(self.plan)
         return self.now != "ar"
@@ -249,6 +271,9 @@ class Scripted:
 
     def observe(self, budget, batch, predicted, accepted):
         self.seen.append(budget)
+
+    def observe_time(self, kind, batch, measured_ms, table_ms):
+        assert kind in ("ar", "spec") and measured_ms > 0 and table_ms > 0
 
 
 def check_lossless(llm: LLM, prompts, ref, tokens_per_step_le: int = 8) -> list:

@@ -7,6 +7,12 @@ Gain: the drafter's own probabilities give the expected accepted length E(b) of 
 of each budget b (spec/tree.py `expected_accepts`); the drafter is miscalibrated, so E is scaled by
 a running ratio of observed to predicted accepted lengths. One budget per step for the whole batch.
 
+The table times the device work (graph replays); a real step also pays host work around it: building
+inputs, the read-backs mid-step, committing tokens. `observe_time` keeps, per kind of step (AR or
+speculative) and batch bucket, a running mean of what steps really took beyond the table's figure,
+and every cost the policy compares includes it, so a step kind whose host side is slow on this
+machine loses to one that pipelines.
+
 Choosing AR skips the draft, so it must be decided before drafting: from the running averages of
 past drafts (`should_draft`), with a probe draft every `probe_every` AR steps so the estimate can
 recover. Once drafted, the draft is paid for and the current probabilities pick the budget among
@@ -85,6 +91,24 @@ class AdaptivePolicy:
         self.interval = probe_every  # AR steps before the next probe
         self.max_probe_every = max_probe_every
         self.probing = False  # this draft is a probe: AR looked better on past averages
+        self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
+
+    def observe_time(self, kind: str, batch: int, measured_ms: float, table_ms: float) -> None:
+        """A real step of `kind` ("ar": per step of an AR burst, "spec": a draft plus a verify) took
+        `measured_ms` where the table says `table_ms`. One sample counts at most 4x the table (a
+        stray stall, a first-time compile)."""
+        key = (kind, _bucket(batch))
+        sample = min(measured_ms, 4 * table_ms) - table_ms
+        old = self.extra.get(key)
+        self.extra[key] = sample if old is None else (1 - self.decay) * old + self.decay * sample
+
+    def ar_ms(self, batch: int) -> float:
+        """One AR step as the engine pays it."""
+        return self.table.ar_ms(batch) + self.extra.get(("ar", _bucket(batch)), 0.0)
+
+    def spec_extra_ms(self, batch: int) -> float:
+        """What a speculative step costs beyond its draft and verify on the device."""
+        return self.extra.get(("spec", _bucket(batch)), 0.0)
 
     def calibration(self, budget: int) -> float:
         """Observed over predicted accepted length: for this budget once it was chosen, else overall."""
@@ -99,9 +123,10 @@ class AdaptivePolicy:
         if self.expected is None or not self.budgets:
             return bool(self.budgets)
         t = self.table
-        ar_rate = batch / t.ar_ms(batch)
-        spec = max((batch * (1 + self.calibration(b) * self.expected[b])) / (t.draft_ms(batch) + t.verify_ms(b, batch))
-                   for b in self.budgets)
+        ar_rate = batch / self.ar_ms(batch)
+        extra = self.spec_extra_ms(batch)
+        spec = max((batch * (1 + self.calibration(b) * self.expected[b])) /
+                   (t.draft_ms(batch) + t.verify_ms(b, batch) + extra) for b in self.budgets)
         if spec > ar_rate:
             self.probing, self.ar_streak, self.interval = False, 0, self.probe_every
             return True
@@ -131,9 +156,10 @@ class AdaptivePolicy:
         self.expected = mean if self.expected is None else \
             {b: (1 - a) * self.expected[b] + a * mean[b] for b in self.budgets}
         t = self.table
-        best, best_rate = 0, batch / t.ar_ms(batch)
+        best, best_rate = 0, batch / self.ar_ms(batch)
+        extra = self.spec_extra_ms(batch)  # the draft is paid; its host share is a guess, counted whole
         for b in self.budgets:  # ascending: a larger budget must be strictly better
-            rate = (batch + self.calibration(b) * expected[b]) / t.verify_ms(b, batch)
+            rate = (batch + self.calibration(b) * expected[b]) / (t.verify_ms(b, batch) + extra)
             if rate > best_rate:
                 best, best_rate = b, rate
         if best == 0 and self.probing:
@@ -155,6 +181,11 @@ class AdaptivePolicy:
             self.predicted[budget] = (1 - a) * self.predicted[budget] + a * p
         acc, pred = self.total or (q, p)
         self.total = ((1 - a) * acc + a * q, (1 - a) * pred + a * p)
+
+
+def _bucket(batch: int) -> int:
+    """The power of two at or above `batch`: host costs are kept per bucket, as the CUDA graphs are."""
+    return 1 << (batch - 1).bit_length()
 
 
 def measure_costs(spec, batch_sizes: list[int], context: int, reps: int) -> CostTable:

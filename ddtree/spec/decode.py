@@ -8,6 +8,8 @@ the budget, 0 = AR included, at every step (spec/adaptive.py).
 """
 from __future__ import annotations
 
+import time
+
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
@@ -284,8 +286,10 @@ class AdaptiveSpeculator(Speculator):
         def run(budget: int, inp) -> StepOutputs:
             return self.verify_graphs[budget].run(inp) if graphed else self._budget_step(budget, inp, eager_pred)
 
+        t0 = time.perf_counter()
         if not self.policy.should_draft(R):
-            self._ar_burst(seqs, commit, run, graphed)
+            steps = self._ar_burst(seqs, commit, run, graphed)
+            self.policy.observe_time("ar", R, (time.perf_counter() - t0) * 1e3 / steps, self.policy.table.ar_ms(R))
             return
         # Only the draft depends on the context width: a long one (a new request's prompt) drafts eagerly,
         # the verify stays graphed.
@@ -302,18 +306,23 @@ class AdaptiveSpeculator(Speculator):
         accepted = self._commit(seqs, out, commit, budget)
         if budget:
             self.policy.observe(budget, R, expected[budget], accepted)
+            if draft_graphed or not graphed:  # (an eager draft over a new prompt is a one-off)
+                t = self.policy.table
+                self.policy.observe_time("spec", R, (time.perf_counter() - t0) * 1e3,
+                                         t.draft_ms(R) + t.verify_ms(budget, R))
 
-    def _ar_burst(self, seqs: list[Sequence], commit, run, graphed: bool) -> None:
+    def _ar_burst(self, seqs: list[Sequence], commit, run, graphed: bool) -> int:
         """AR steps until the policy wants a draft, pipelined when graphed (as the engine's AR bursts):
         step i+1 is launched from step i's tokens on the device before step i is read back and
-        committed. Ends one step after a request finishes (that step is wasted for it)."""
+        committed. Ends one step after a request finishes (that step is wasted for it). Returns the
+        number of steps."""
         R = len(seqs)
         rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
                          self.runner.scratch_page, self.runner.device)
         inp = RootInputs(rows[:, 0], rows[:, 1], rows[:, 2:])
         if not graphed:
             self._commit(seqs, run(0, inp), commit, 0)
-            return
+            return 1
         left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
         pending, feats = None, []
         for _ in range(max(1, min(1 + self.policy.ar_steps_ahead(), left, AR_BURST))):
@@ -335,6 +344,7 @@ class AdaptiveSpeculator(Speculator):
         for i, seq in enumerate(seqs):
             if not seq.is_finished:
                 seq.pending_features.append(stacked[i])
+        return len(feats)
 
     def _commit_read(self, seqs: list[Sequence], handle: int, commit) -> bool:
         """Commits one AR step of a burst (its features are queued after the burst); True if a
