@@ -237,3 +237,22 @@ def test_time_budget_schedule_ends_the_run_and_resumes_with_the_time_spent(targe
     assert state["trained_s"] >= 1.5 and state["step"] > steps
     train(net, records, out, small_cfg(10**6, time_budget_s=1.5), resume=True, progress=False)  # spent: no steps
     assert torch.load(os.path.join(out, STATE_FILE), weights_only=True)["step"] == state["step"]
+
+
+def test_packed_dataset_round_trips(tmp_path):
+    from ddtree.train.data import pack_dataset
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for n, start in [(7, 3), (1, 1), (12, 0), (300, 200)]:
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[start:] = True
+        records.append({"input_ids": torch.randint(0, 151936, (n,), generator=g), "loss_mask": mask})
+    path = str(tmp_path / "data.npz")
+    pack_dataset(records, path)
+    back = load_dataset(path)
+    assert len(back) == len(records)
+    for a, b in zip(records, back):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    bad = [{"input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.tensor([False, True, False])}]
+    with pytest.raises(ValueError, match="one run"):
+        pack_dataset(bad, path)

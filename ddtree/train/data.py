@@ -132,8 +132,47 @@ def save_dataset(records: list[dict], path: str, meta: dict | None = None) -> No
 
 
 def load_dataset(path: str) -> list[dict]:
+    """Records from a torch file (`save_dataset`) or a packed `.npz` (`pack_dataset`)."""
+    if path.endswith(".npz"):
+        return unpack_dataset(path)
     data = torch.load(path, weights_only=True)
     return data["records"]
+
+
+def pack_dataset(records: list[dict], path: str) -> None:
+    """A compact copy for moving data between machines (~3 bytes a token instead of 9): every
+    sequence's ids concatenated as 24-bit integers, zlib-compressed, with each sequence's length and
+    where its loss mask starts (the mask must be one response run at the end, as generated here)."""
+    import numpy as np
+    lengths, starts = [], []
+    for r in records:
+        mask = r["loss_mask"]
+        first = int(mask.int().argmax()) if mask.any() else len(mask)
+        if not bool(mask[first:].all()):
+            raise ValueError("pack_dataset needs each loss mask to be one run to the end of its sequence")
+        lengths.append(len(mask))
+        starts.append(first)
+    ids = torch.cat([r["input_ids"] for r in records]).numpy().astype("<u4") if records else np.zeros(0, "<u4")
+    if ids.size and int(ids.max()) >= 1 << 24:
+        raise ValueError("token ids beyond 24 bits")
+    np.savez_compressed(path, ids=ids.view(np.uint8).reshape(-1, 4)[:, :3], lengths=np.array(lengths, np.int64),
+                        starts=np.array(starts, np.int64))
+
+
+def unpack_dataset(path: str) -> list[dict]:
+    import numpy as np
+    with np.load(path) as f:
+        packed, lengths, starts = f["ids"], f["lengths"], f["starts"]
+    ids = np.zeros((len(packed), 4), np.uint8)
+    ids[:, :3] = packed
+    flat = torch.from_numpy(ids.reshape(-1).view("<u4").astype(np.int64))
+    records, off = [], 0
+    for n, start in zip(lengths.tolist(), starts.tolist()):
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[start:] = True
+        records.append({"input_ids": flat[off:off + n].clone(), "loss_mask": mask})
+        off += n
+    return records
 
 
 def write_prompt_file(prompts: Iterable[str], path: str) -> int:
