@@ -341,7 +341,7 @@ def recorder(into: dict):
 
 
 def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, ar_out):
-    # AR steps queue their target features for the drafter; the next draft must see exactly the
+    # AR steps store their target features in the drafter cache; the next draft must see exactly the
     # context a fresh engine builds by prefilling the same tokens.
     family = "qwen2"
     llm = auto_llm(pairs, family, cost_table=table(roofline))

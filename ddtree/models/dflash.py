@@ -128,6 +128,15 @@ class DFlashDrafter(nn.Module):
             h = layer(h, positions, ctx, ctx_positions, ctx_slots, batch)
         return self.norm(h)
 
+    def store_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      use_triton: bool = False) -> None:
+        """Target features of context tokens [Tc, K*D_target] -> every layer's K/V in the drafter cache
+        at `slots`, without drafting a block (what forward() does first)."""
+        ctx = self.hidden_norm(self.fc(features))
+        for layer in self.layers:
+            attn = layer.self_attn
+            store_kv(*attn.kv(ctx, positions), attn.k_cache, attn.v_cache, slots, use_triton)
+
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         logits = lm_head(hidden).float() * self.dcfg.output_multiplier
         cap = self.dcfg.final_logit_softcapping

@@ -22,7 +22,7 @@ from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import sample
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import pack_rows, page_slots
-from ddtree.spec.adaptive import PROBE_EVERY, AdaptivePolicy, CostTable, candidate_budgets, measure_costs
+from ddtree.spec.adaptive import AdaptivePolicy, CostTable, candidate_budgets, measure_costs
 from ddtree.spec.draft import DraftRunner, StepInputs
 from ddtree.spec.tree import Candidates, Tree, build_tree, candidates, cut_tree, expected_accepts
 from ddtree.spec.verify import walk
@@ -186,8 +186,11 @@ class Speculator:
         accepted = 0
         for i, seq in enumerate(seqs):
             L, bonus, path_tokens = rows[i][0], rows[i][1], rows[i][2:]
-            seq.pending_features.append(feats[2 * i])
             seq.num_cached += L + 1
+            if budget:
+                seq.pending_features.append(feats[2 * i])
+            else:  # an AR step of auto: it stored its row in the drafter cache itself
+                seq.draft_len = seq.num_cached
             kept = commit(seq, path_tokens[1:L + 1] + [bonus])
             accepted += L
             if budget:
@@ -237,13 +240,14 @@ class AdaptiveSpeculator(Speculator):
     budget, expected accepted lengths of every budget), one read-back, then the tree of the chosen
     budget cut from the candidates, verified and accepted. On GPU each half is a CUDA graph (the draft,
     and one verify graph per budget). An AR step skips the draft: the target alone, its features
-    queued for the drafter's next context, which may then hold up to `ctx_rows` rows."""
+    written straight into the drafter's cache inside the step, so a later draft finds its context up
+    to date and stays graphed (at most `ctx_rows` pending rows: a verified path's)."""
 
     def __init__(self, runner: ModelRunner, drafter: DraftRunner, topk: int, use_graphs: bool = False,
                  max_batch: int = 64, max_pages: int = 0, table: CostTable | None = None):
         self.budgets = candidate_budgets(drafter.block_size - 1, topk)
         super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
-        self.ctx_rows = drafter.block_size + PROBE_EVERY  # the last accepted path plus AR steps until a probe
+        self.ctx_rows = drafter.block_size  # the last accepted path (AR steps store their own rows)
         self.max_pages, self.draft_graphs, self.verify_graphs = max_pages, None, {}
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
             pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
@@ -265,14 +269,15 @@ class AdaptiveSpeculator(Speculator):
         return c, expected_accepts(c, self.budgets[1:])
 
     def _budget_step(self, budget: int, inp: RootInputs | TreeInputs, pred_fn) -> StepOutputs:
-        """Verify the tree of `budget` nodes; device ops only. Budget 0: one AR step that also returns
-        the target features of the root (the drafter's context)."""
+        """Verify the tree of `budget` nodes; device ops only. Budget 0: one AR step that also stores
+        the root's target features in the drafter cache (its context)."""
         if budget:
             return self._verify(inp, cut_tree(inp.candidates, inp.roots, budget), pred_fn)
         R = inp.roots.shape[0]
         ids = inp.roots[:, None]
         logits, feats = self.runner.verify(inp.block_tables, inp.starts, ids, torch.zeros_like(ids), None,
                                            self.drafter.layer_ids)
+        self.drafter.store_step(feats[:, 0], inp.starts, inp.block_tables)
         packed = torch.cat([torch.zeros_like(ids), pred_fn(logits).long(), ids], 1)
         return StepOutputs(packed.view(R, 3), feats)
 
@@ -288,6 +293,7 @@ class AdaptiveSpeculator(Speculator):
 
         t0 = time.perf_counter()
         if not self.policy.should_draft(R):
+            self.drafter.store_pending(seqs)  # AR steps append to the drafter cache: no gap before them
             steps = self._ar_burst(seqs, commit, run, graphed)
             self.policy.observe_time("ar", R, (time.perf_counter() - t0) * 1e3 / steps, self.policy.table.ar_ms(R))
             return
@@ -298,7 +304,7 @@ class AdaptiveSpeculator(Speculator):
         c, expected = self.draft_graphs.run(inp) if draft_graphed else self._draft(inp)
         expected = dict(zip(self.budgets[1:], expected[:R].sum(0).tolist()))  # read back mid-step to choose
         budget = self.policy.choose(R, expected)
-        if budget == 0:
+        if budget == 0:  # (the draft consumed the pending rows: the AR step's row follows them)
             out = run(0, RootInputs(inp.roots, inp.starts, inp.block_tables))
         else:
             out = run(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, c.score[:R], c.parent[:R],
@@ -324,12 +330,12 @@ class AdaptiveSpeculator(Speculator):
             self._commit(seqs, run(0, inp), commit, 0)
             return 1
         left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
-        pending, feats = None, []
+        pending, steps = None, 0
         for _ in range(max(1, min(1 + self.policy.ar_steps_ahead(), left, AR_BURST))):
             out = run(0, inp)
-            # graph outputs are static buffers: keep this step's before the next replay overwrites them
+            steps += 1
+            # graph outputs are static buffers: keep this step's tokens before the next replay overwrites them
             packed = out.packed[:R].clone()
-            feats.append(out.feats[:R, 0].clone())
             inp = RootInputs(packed[:, 1], inp.starts + 1, inp.block_tables)
             launched = self.readback.start(packed.flatten())
             ended = pending is not None and self._commit_read(seqs, pending, commit)
@@ -337,22 +343,16 @@ class AdaptiveSpeculator(Speculator):
             if ended:
                 break
         self._commit_read(seqs, pending, commit)
-        self.policy.skip_ar(len(feats) - 1)
-        # The drafter's context: one [steps, F] block per request still running (every step was
-        # committed to it), not one row per request per step.
-        stacked = torch.stack(feats, dim=1)
-        for i, seq in enumerate(seqs):
-            if not seq.is_finished:
-                seq.pending_features.append(stacked[i])
-        return len(feats)
+        self.policy.skip_ar(steps - 1)
+        return steps
 
     def _commit_read(self, seqs: list[Sequence], handle: int, commit) -> bool:
-        """Commits one AR step of a burst (its features are queued after the burst); True if a
-        request finished."""
+        """Commits one AR step of a burst; True if a request finished."""
         flat = self.readback.result(handle, 3 * len(seqs))
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
         for i in live:
             seqs[i].num_cached += 1
+            seqs[i].draft_len = seqs[i].num_cached  # the step stored its drafter context row
             commit(seqs[i], [flat[3 * i + 1]])
         self.stats.budget_hist[0] += len(live)
         return any(seqs[i].is_finished for i in live)

@@ -13,7 +13,7 @@ import torch
 from ddtree.engine.sequence import Sequence
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
-from ddtree.ops.attention import pack_rows, uniform_batch
+from ddtree.ops.attention import pack_rows, page_slots, uniform_batch
 
 
 @dataclass(slots=True)
@@ -72,6 +72,32 @@ class DraftRunner:
         req = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
                         self.scratch_slot // self.page_size, self.device)
         return StepInputs(req[:, 0], req[:, 1], req[:, 2:], feats.view(R, C, -1), pos_slots[0], pos_slots[1])
+
+    def store_pending(self, seqs: list[Sequence]) -> None:
+        """Moves every request's pending target features into the drafter cache now, outside a draft
+        (before AR steps, which then add their own rows: `store_step`). Positions and slots are
+        computed on the device: after a prefill a request may have thousands of rows."""
+        counts = [s.num_cached - s.draft_len for s in seqs]
+        total = sum(counts)
+        if not total:
+            return
+        dev = self.device
+        req = pack_rows([s.block_table for s in seqs], [[s.draft_len for s in seqs], counts],
+                        self.scratch_slot // self.page_size, dev)
+        firsts, n = req[:, 0], req[:, 1]
+        row = torch.repeat_interleave(torch.arange(len(seqs), device=dev), n, output_size=total)
+        pos = torch.arange(total, device=dev) - (n.cumsum(0) - n)[row] + firsts[row]
+        slots = page_slots(req[:, 2:][row], pos[:, None], self.page_size).flatten()
+        feats = torch.cat([f for s in seqs for f in s.pending_features])
+        self.drafter.store_context(feats, pos, slots, self.use_triton)
+        for seq in seqs:
+            seq.draft_len, seq.pending_features = seq.num_cached, []
+
+    def store_step(self, feats: torch.Tensor, starts: torch.Tensor, block_tables: torch.Tensor) -> None:
+        """An AR step's root features [R, K*D] into the drafter cache at positions `starts`; device
+        ops only (inside the AR step's CUDA graph)."""
+        slots = page_slots(block_tables, starts[:, None], self.page_size).flatten()
+        self.drafter.store_context(feats, starts, slots, self.use_triton)
 
     def logits(self, inp: StepInputs) -> torch.Tensor:
         """Draft logits [R, B-1, V] (fp32) for depths 1..B-1; device ops only.
