@@ -191,3 +191,18 @@ def test_one_token_steps_take_the_fused_gemv_layer(tmp_path, monkeypatch):
     llm.engine.runner.use_triton = True
     assert llm.generate([[5, 9, 11, 40, 2, 7]], P)[0].token_ids == want
     assert len(calls) == 4 * llm.config.num_layers  # every decode step after the prefill
+
+
+def test_training_features_on_the_triton_path_equal_the_torch_path(tmp_path):
+    # train-drafter's target pass on the GPU uses the engine's Triton prefill over 16-token pages.
+    from tiny import make_tiny_model
+
+    from ddtree import LLM
+    from ddtree.train.drafter import target_features
+    llm = LLM(make_tiny_model(str(tmp_path), "qwen3"), device="cpu", dtype="float32", spec="none", num_pages=8)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, llm.config.vocab_size, (n,), generator=g) for n in (5, 37, 16, 1)]
+    want = target_features(llm.net, seqs, [0, 1], use_triton=False)
+    got = target_features(llm.net, seqs, [0, 1], use_triton=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
