@@ -13,6 +13,7 @@ Writes to OUT_DIR (and prints):
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import sys
@@ -99,7 +100,11 @@ def busy_share(llm: LLM, prompts, max_tokens: int, label: str) -> None:
     emit(f"busy-{label}", wall_ms=round(wall * 1e3, 2), kernel_ms=round(busy / 1e3, 2),
          busy_share=round(busy / 1e3 / (wall * 1e3), 3), tokens=len(prompts) * max_tokens,
          cpu_top_ms=[(k[:80], round(v / 1e3, 2)) for k, v in top])
-    prof.export_chrome_trace(os.path.join(OUT, f"trace_{label}.json"))
+    path = os.path.join(OUT, f"trace_{label}.json")
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:  # small enough to come back from $OUT
+        z.write(f.read())
+    os.remove(path)
 
 
 def end_to_end(llm: LLM, prompts, max_tokens: int) -> float:
