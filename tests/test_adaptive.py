@@ -116,6 +116,8 @@ def test_policy_counts_the_host_time_steps_really_take():
     assert policy.choose(1, weak) == 0 and not policy.should_draft(1)
     policy.observe_time("spec", 1, 100.0, 1.133)  # one stall (or a compile) counts at most 4x the table
     assert policy.spec_extra_ms(1) < 0.9 * 2.867 + 0.1 * 3.4 + 1e-3
+    policy.observe_time("ar", 4, 0.2, 1.0)  # faster than the table: no negative extra
+    assert policy.ar_ms(4) == policy.table.ar_ms(4)
     for _ in range(50):
         policy.observe_time("ar", 1, 3.9, 1.001)
     assert policy.ar_ms(1) > 3.5
@@ -359,6 +361,33 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
     assert [o.token_ids[0] for o in out] == [k[-1] for k in keys]
     for k in keys:
         torch.testing.assert_close(again[k], seen[k], atol=1e-3, rtol=1e-3)
+
+
+def test_store_pending_puts_each_row_at_its_position_and_slot(pairs):
+    # Before AR steps, auto moves pending features into the drafter cache; positions and slots are
+    # computed on the device from the page tables (rows spanning pages, a request with none pending).
+    from ddtree.engine.sequence import Sequence
+    llm = auto_llm(pairs, "qwen2", cost_table=table(roofline))
+    dr = llm.engine.speculator.drafter
+    got = {}
+    dr.drafter.store_context = lambda f, pos, slots, use_triton=False: got.update(f=f, pos=pos.tolist(),
+                                                                                   slots=slots.tolist())
+    ps, want_pos, want_slots, want_feats, seqs = dr.page_size, [], [], [], []
+    for cached, drafted, first in [(2 * ps + 5, 3, 7), (5, 5, 4), (ps + 4, 0, 1)]:
+        pages = [(first + 5 * j) % 23 for j in range(-(-cached // ps))]  # scattered pages
+        seq = Sequence(list(range(cached)), SamplingParams(), None)
+        seq.block_table, seq.num_cached, seq.draft_len = pages, cached, drafted
+        n = cached - drafted
+        f = torch.randn(n, dr.feat_dim)
+        seq.pending_features = [f[:n // 2], f[n // 2:]] if n else []
+        want_pos += range(drafted, cached)
+        want_slots += [pages[q // ps] * ps + q % ps for q in range(drafted, cached)]
+        want_feats.append(f)
+        seqs.append(seq)
+    dr.store_pending(seqs)
+    assert got["pos"] == want_pos and got["slots"] == want_slots
+    assert torch.equal(got["f"], torch.cat(want_feats))
+    assert all(s.draft_len == s.num_cached and not s.pending_features for s in seqs)
 
 
 def test_sampled_and_greedy_requests_in_one_auto_batch(pairs, prompts, ar_out):

@@ -137,6 +137,8 @@ class LLMEngine:
             return self._forward_and_sample(step.prefill + [(seq, 1) for seq in step.decode])
         touched = self._forward_and_sample(step.prefill, self.speculator.drafter.layer_ids) if step.prefill else []
         if step.decode:
+            # a prefill chunk still running on the device would count in the step times auto measures
+            self.speculator.timed = not step.prefill
             self.speculator.step(step.decode, self.commit)
         return touched + step.decode
 

@@ -9,7 +9,9 @@ weights once, accumulating in fp32 (11.9 us for the four, `benchmarks/gemv_tune.
 A one-token layer then needs no separate element-wise kernels: the input RMSNorm (with the residual
 add) runs inside the q|k|v and gate|up products, and SiLU-and-mul inside the down product. Each
 program recomputes the norm of the one input row, which costs a re-read of a few KB from L2. Casts
-follow `ddtree/ops/fused.py` (the batched path) step by step, so both paths round alike.
+follow the eager ops of `ddtree/ops/fused.py` step by step; the batched path on the GPU runs those
+through torch.compile, which may skip intermediate bf16 roundings, so batch-1 and batched logits can
+differ in the last bits (a greedy near-tie may then break differently).
 """
 from __future__ import annotations
 

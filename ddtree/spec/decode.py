@@ -181,8 +181,9 @@ class Speculator:
         # Target features of the root and accepted nodes become the drafter's next context: each
         # request's first L + 1 path rows, cut out of the batch by one split (not one slice per request).
         R, N = len(seqs), out.feats.shape[1]
-        sizes = [n for row in rows[:R] for n in (row[0] + 1, N - row[0] - 1)]
-        feats = out.feats[:R].clone().flatten(0, 1).split_with_sizes(sizes)
+        if budget:
+            sizes = [n for row in rows[:R] for n in (row[0] + 1, N - row[0] - 1)]
+            feats = out.feats[:R].clone().flatten(0, 1).split_with_sizes(sizes)
         accepted = 0
         for i, seq in enumerate(seqs):
             L, bonus, path_tokens = rows[i][0], rows[i][1], rows[i][2:]
@@ -190,6 +191,7 @@ class Speculator:
             if budget:
                 seq.pending_features.append(feats[2 * i])
             else:  # an AR step of auto: it stored its row in the drafter cache itself
+                assert not seq.pending_features, "drafter context rows left behind an AR step"
                 seq.draft_len = seq.num_cached
             kept = commit(seq, path_tokens[1:L + 1] + [bonus])
             accepted += L
@@ -249,6 +251,7 @@ class AdaptiveSpeculator(Speculator):
         super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
         self.ctx_rows = drafter.block_size  # the last accepted path (AR steps store their own rows)
         self.max_pages, self.draft_graphs, self.verify_graphs = max_pages, None, {}
+        self.timed = True  # the engine clears it for a step that also ran a prefill chunk
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
             pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
             widths = {"block_tables": max_pages}
@@ -291,15 +294,18 @@ class AdaptiveSpeculator(Speculator):
         def run(budget: int, inp) -> StepOutputs:
             return self.verify_graphs[budget].run(inp) if graphed else self._budget_step(budget, inp, eager_pred)
 
-        t0 = time.perf_counter()
         if not self.policy.should_draft(R):
             self.drafter.store_pending(seqs)  # AR steps append to the drafter cache: no gap before them
+            t0 = time.perf_counter()
             steps = self._ar_burst(seqs, commit, run, graphed)
-            self.policy.observe_time("ar", R, (time.perf_counter() - t0) * 1e3 / steps, self.policy.table.ar_ms(R))
+            if self.timed and (graphed or self.draft_graphs is None):  # timed as the table was
+                self.policy.observe_time("ar", R, (time.perf_counter() - t0) * 1e3 / steps, self.policy.table.ar_ms(R))
             return
         # Only the draft depends on the context width: a long one (a new request's prompt) drafts eagerly,
         # the verify stays graphed.
-        draft_graphed = graphed and all(s.num_cached - s.draft_len <= self.ctx_rows for s in seqs)
+        t0 = time.perf_counter()
+        short = all(s.num_cached - s.draft_len <= self.ctx_rows for s in seqs)  # (not a new prompt's context)
+        draft_graphed = graphed and short
         inp = self.drafter.prepare(seqs, ctx_rows=self.ctx_rows if draft_graphed else None)
         c, expected = self.draft_graphs.run(inp) if draft_graphed else self._draft(inp)
         expected = dict(zip(self.budgets[1:], expected[:R].sum(0).tolist()))  # read back mid-step to choose
@@ -312,7 +318,9 @@ class AdaptiveSpeculator(Speculator):
         accepted = self._commit(seqs, out, commit, budget)
         if budget:
             self.policy.observe(budget, R, expected[budget], accepted)
-            if draft_graphed or not graphed:  # (an eager draft over a new prompt is a one-off)
+            # Timed as the table was (graph replays on GPU, eager on CPU), and not a one-off: an eager
+            # draft over a new prompt, or a step behind a prefill chunk.
+            if self.timed and short and (graphed or self.draft_graphs is None):
                 t = self.policy.table
                 self.policy.observe_time("spec", R, (time.perf_counter() - t0) * 1e3,
                                          t.draft_ms(R) + t.verify_ms(budget, R))

@@ -79,6 +79,7 @@ class DraftRunner:
         computed on the device: after a prefill a request may have thousands of rows."""
         counts = [s.num_cached - s.draft_len for s in seqs]
         total = sum(counts)
+        assert total == sum(f.shape[0] for s in seqs for f in s.pending_features), "drafter context out of sync"
         if not total:
             return
         dev = self.device
@@ -87,7 +88,8 @@ class DraftRunner:
         firsts, n = req[:, 0], req[:, 1]
         row = torch.repeat_interleave(torch.arange(len(seqs), device=dev), n, output_size=total)
         pos = torch.arange(total, device=dev) - (n.cumsum(0) - n)[row] + firsts[row]
-        slots = page_slots(req[:, 2:][row], pos[:, None], self.page_size).flatten()
+        ps = self.page_size
+        slots = req[:, 2:][row, pos // ps] * ps + pos % ps  # (one page-table entry per row, not a table copy)
         feats = torch.cat([f for s in seqs for f in s.pending_features])
         self.drafter.store_context(feats, pos, slots, self.use_triton)
         for seq in seqs:

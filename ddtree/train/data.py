@@ -144,6 +144,8 @@ def pack_dataset(records: list[dict], path: str) -> None:
     sequence's ids concatenated as 24-bit integers, zlib-compressed, with each sequence's length and
     where its loss mask starts (the mask must be one response run at the end, as generated here)."""
     import numpy as np
+    if not path.endswith(".npz"):
+        raise ValueError(f"a packed dataset's path must end in .npz (load_dataset goes by it), got {path!r}")
     lengths, starts = [], []
     for r in records:
         mask = r["loss_mask"]
