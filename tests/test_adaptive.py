@@ -459,6 +459,7 @@ def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out,
     family = "qwen2"
     ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)  # AR before graphs are faked
     monkeypatch.setattr(decode, "GraphPool", emulated_pool())
+    monkeypatch.setattr(engine_mod, "GraphPool", emulated_pool())  # (prefill graphs)
     monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)
     path, d = pairs(family)
     budgets = candidate_budgets(7, topk)[1:]
@@ -512,6 +513,7 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
     family = "qwen2"
     ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)  # AR before graphs are faked
     monkeypatch.setattr(decode, "GraphPool", emulated_pool())
+    monkeypatch.setattr(engine_mod, "GraphPool", emulated_pool())  # (prefill graphs)
     monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)
     path, d = pairs(family)
     llm = LLM(path, draft=d, spec="ddtree", budget=budget, topk=topk, **ENGINE)

@@ -365,6 +365,31 @@ def test_graphed_ar_decode_bursts_emulated_on_cpu_give_the_alone_outputs(tiny_qw
     assert_engine_idle(llm)
 
 
+def test_single_prompt_prefills_replay_graphs_and_give_the_eager_outputs(tiny_qwen2, alone, corpus_ids,
+                                                                        monkeypatch):
+    # A step that prefills one prompt chunk replays the graph of the next width up (padding tokens
+    # after the real ones); chunked prompts continue at an offset. Graphs emulated on the CPU.
+    import ddtree.engine.engine as engine_mod
+    from emulated import emulated_pool
+    monkeypatch.setattr(engine_mod, "GraphPool", emulated_pool())
+    monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)
+    llm = LLM(tiny_qwen2, device="cpu", dtype="float32", page_size=4, spec="none", num_pages=96, max_num_seqs=1,
+              max_num_batched_tokens=32)
+    eng = llm.engine
+    assert list(eng.prefill_graphs) == [16, 32]  # up to the step's token limit
+    widths = []
+    real = eng._prefill_graphed
+    monkeypatch.setattr(eng, "_prefill_graphed", lambda chunks: (widths.append(chunks[0][1]), real(chunks))[1])
+    prompts = prompts_of(corpus_ids, [3, 16, 17, 45])  # 45 tokens: chunks of 32 and 13
+    params = [greedy(6), greedy(5), sampled(7, 4), greedy(3)]
+    for prompt, p in zip(prompts, params):
+        (out,) = llm.generate([prompt], p)
+        want = alone(prompt, p)
+        assert (out.token_ids, out.text) == (want.token_ids, want.text)
+    assert widths == [3, 16, 17, 32, 13]
+    assert_engine_idle(llm)
+
+
 def test_a_kv_cache_too_small_for_one_decode_step_is_a_clear_error(tiny_qwen2):
     with pytest.raises(ValueError, match="KV cache holds 1 tokens"):
         LLM(tiny_qwen2, device="cpu", dtype="float32", page_size=1, num_pages=1, spec="none")

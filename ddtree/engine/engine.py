@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -24,6 +25,9 @@ from ddtree.spec.draft import DraftRunner
 
 
 DECODE_BURST = 16  # graphed AR decode steps per engine step, pipelined (see LLMEngine._decode_graphed)
+# A step that prefills one prompt chunk of at most the last of these tokens replays a CUDA graph of
+# the next width up (an eager prefill at batch 1 is host-bound: ~24 layers x ~10 launches).
+PREFILL_WIDTHS = (16, 32, 64, 128, 256, 512)
 
 
 @dataclass(slots=True)
@@ -31,6 +35,14 @@ class DecodeInputs:
     ids: torch.Tensor  # [R] last token of each request
     starts: torch.Tensor  # [R] its position
     block_tables: torch.Tensor  # [R, P] page ids
+
+
+@dataclass(slots=True)
+class PrefillInputs:
+    ids: torch.Tensor  # [R, T] a prompt chunk per request (padded to the graph's width)
+    starts: torch.Tensor  # [R] the chunk's first position
+    block_tables: torch.Tensor  # [R, P] page ids
+    last: torch.Tensor  # [R] the chunk's last real row
 
 
 class LLMEngine:
@@ -78,6 +90,21 @@ class LLMEngine:
             self.decode_graphs = GraphPool(self._graph_decode, engine_cfg.max_num_seqs,
                                            pad={"block_tables": self.runner.scratch_page},
                                            widths={"block_tables": max_pages})
+        self.prefill_graphs: dict[int, GraphPool] = {}
+        if self.use_graphs:
+            taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
+            self.max_pages = max_pages
+            pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # (CPU: tests)
+            for T in PREFILL_WIDTHS:
+                if T > engine_cfg.max_num_batched_tokens or T > max_pages * engine_cfg.page_size:
+                    break
+                graphs = GraphPool(partial(self._graph_prefill, taps), 1, pad={"block_tables": self.runner.scratch_page},
+                                   widths={"block_tables": max_pages, "ids": T}, mempool=pool)
+                # captured now (on padding: its K/V go to the scratch page), not in the middle of serving
+                zero = torch.zeros(1, dtype=torch.long, device=device)
+                scratch = torch.full((1, 1), self.runner.scratch_page, dtype=torch.long, device=device)
+                graphs.run(PrefillInputs(zero[:, None].expand(1, T), zero, scratch, zero))
+                self.prefill_graphs[T], pool = graphs, graphs.mempool
         self.scheduler = Scheduler(self.allocator, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens,
                                    decode_width=width, decode_tokens=budget + 1 if speculative else 1)
         self.readback = TokenReadback(engine_cfg.max_num_seqs, device)
@@ -143,7 +170,8 @@ class LLMEngine:
         return touched + step.decode
 
     def _forward_and_sample(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
-        logits, feats = self.runner.run(chunks, taps)
+        graphed = self._prefill_graphed(chunks)
+        logits, feats = graphed if graphed is not None else self.runner.run(chunks, taps)
         if feats is not None:  # target features for the drafter's context
             for (seq, _), f in zip(chunks, feats.split([n for _, n in chunks])):
                 seq.pending_features.append(f)
@@ -155,6 +183,27 @@ class LLMEngine:
         for seq, tok in zip(seqs, tokens):
             self.commit(seq, [tok])
         return seqs
+
+    def _graph_prefill(self, taps: list[int] | None, inp: PrefillInputs):
+        return self.runner.prefill_rows(inp.ids, inp.starts, inp.block_tables, inp.last, taps)
+
+    def _prefill_graphed(self, chunks: list[tuple[Sequence, int]]):
+        """`runner.run` for a step of one prompt chunk, on the CUDA graph of the next width up; None
+        when none fits (several chunks, a long one, or positions past the graphs' page-table width)."""
+        if len(chunks) != 1 or not self.prefill_graphs:
+            return None
+        seq, n = chunks[0]
+        start = seq.num_cached
+        T = next((w for w in self.prefill_graphs if w >= n), None)
+        if T is None or start + T > min(self.max_pages * self.runner.page_size, self.cfg.max_position):
+            return None
+        columns = [[start], [n - 1]] + [[t] for t in seq.tokens(start, start + n)]
+        rows = pack_rows([seq.block_table], columns, self.runner.scratch_page, self.device)  # one copy
+        logits, feats = self.prefill_graphs[T].run(PrefillInputs(rows[:, 2:2 + n], rows[:, 0], rows[:, 2 + n:],
+                                                                 rows[:, 1]))
+        seq.num_cached += n
+        # static outputs: the logits are sampled before the next replay; the features are kept
+        return logits[:1], (feats[0, :n].clone() if feats.numel() else None)
 
     def _graph_decode(self, inp: "DecodeInputs") -> torch.Tensor:
         logits = self.runner.decode_logits(inp.ids, inp.block_tables, inp.starts)

@@ -97,6 +97,22 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden).view(R, N, -1)
         return logits, torch.cat(tapped, dim=-1).view(R, N, -1) if taps else None
 
+    def prefill_rows(self, ids: torch.Tensor, starts: torch.Tensor, block_tables: torch.Tensor, last: torch.Tensor,
+                     taps: list[int] | None):
+        """A prompt chunk per request, padded to the width of `ids` [R, T] (causal, at positions starts ..
+        starts + T - 1; padding tokens come after the real ones, so no real token attends to them, and
+        their K/V land in the request's last page past its real tokens or in the scratch page); device
+        ops only. Returns the logits (fp32) at row `last` of each request [R, V] and the features of
+        every row [R, T, len(taps) * D] (an empty tensor without taps)."""
+        R, T = ids.shape
+        batch = uniform_batch(block_tables, starts, T, None, self.page_size, self.use_triton, self.heads_per_kv,
+                              self.cfg.num_kv_heads)
+        positions = (starts[:, None] + torch.arange(T, device=ids.device)).flatten()
+        hidden, tapped = self.model(ids.flatten(), positions, batch, taps)
+        at = hidden.view(R, T, -1).gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+        feats = torch.cat(tapped, dim=-1).view(R, T, -1) if taps else hidden.new_zeros(0)
+        return self.model.compute_logits(at).float(), feats
+
     @torch.inference_mode()
     def decode_logits(self, ids: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """AR decode, device ops only: one token per request at position `starts`. Returns [R, V] fp32."""
