@@ -1,6 +1,8 @@
 """The engine loop: schedule -> run -> sample -> commit tokens (stops, detokenization) -> finished."""
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from functools import partial
 
@@ -28,6 +30,7 @@ DECODE_BURST = 16  # graphed AR decode steps per engine step, pipelined (see LLM
 # A step that prefills one prompt chunk of at most the last of these tokens replays a CUDA graph of
 # the next width up (an eager prefill at batch 1 is host-bound: ~24 layers x ~10 launches).
 PREFILL_WIDTHS = (16, 32, 64, 128, 256, 512)
+PREFILL_GRAPHS = os.environ.get("DDTREE_PREFILL_GRAPHS", "1") != "0"  # =0: eager prefill (to compare)
 
 
 @dataclass(slots=True)
@@ -91,7 +94,7 @@ class LLMEngine:
                                            pad={"block_tables": self.runner.scratch_page},
                                            widths={"block_tables": max_pages})
         self.prefill_graphs: dict[int, GraphPool] = {}
-        if self.use_graphs:
+        if self.use_graphs and PREFILL_GRAPHS:
             taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
             self.max_pages = max_pages
             pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # (CPU: tests)
