@@ -519,6 +519,10 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
     llm = LLM(path, draft=d, spec="ddtree", budget=budget, topk=topk, **ENGINE)
     spec = llm.engine.speculator
     assert spec.graphs is not None and llm.engine.scheduler.decode_width > budget + 1
+    prefills = []  # single-prompt prefills replay graphs that also return the drafter's features
+    real = llm.engine._prefill_graphed
+    monkeypatch.setattr(llm.engine, "_prefill_graphed",
+                        lambda chunks, taps=None: (lambda r: prefills.append(r is not None) or r)(real(chunks, taps)))
     plant_by_position(llm, noisy_oracle(continuation(prompts, longer)))
     calls = {"bursts": 0, "steps": 0}
     burst, read = spec._burst, spec._commit_burst_step
@@ -529,6 +533,7 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
     assert calls["steps"] > 2 * calls["bursts"] > 0, calls
     accepted = [a for o in outs for a in o.accept_lengths]
     assert sum(accepted) / len(accepted) > min_tau, accepted  # the oracle's drafts were accepted inside bursts
+    assert any(prefills), prefills
 
 
 def test_policy_recovers_from_a_hard_stretch():

@@ -379,7 +379,8 @@ def test_single_prompt_prefills_replay_graphs_and_give_the_eager_outputs(tiny_qw
     assert list(eng.prefill_graphs) == [16, 32]  # up to the step's token limit
     widths = []
     real = eng._prefill_graphed
-    monkeypatch.setattr(eng, "_prefill_graphed", lambda chunks: (widths.append(chunks[0][1]), real(chunks))[1])
+    monkeypatch.setattr(eng, "_prefill_graphed", lambda chunks, taps=None: (widths.append(chunks[0][1]),
+                                                                             real(chunks, taps))[1])
     prompts = prompts_of(corpus_ids, [3, 16, 17, 45])  # 45 tokens: chunks of 32 and 13
     params = [greedy(6), greedy(5), sampled(7, 4), greedy(3)]
     for prompt, p in zip(prompts, params):

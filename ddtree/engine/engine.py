@@ -98,15 +98,17 @@ class LLMEngine:
             taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
             self.max_pages = max_pages
             pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # (CPU: tests)
+            self.prefill_taps = taps
             for T in PREFILL_WIDTHS:
-                if T > engine_cfg.max_num_batched_tokens or T > max_pages * engine_cfg.page_size:
+                if T > min(engine_cfg.max_num_batched_tokens, max_pages * engine_cfg.page_size, cfg.max_position):
                     break
                 graphs = GraphPool(partial(self._graph_prefill, taps), 1, pad={"block_tables": self.runner.scratch_page},
                                    widths={"block_tables": max_pages, "ids": T}, mempool=pool)
                 # captured now (on padding: its K/V go to the scratch page), not in the middle of serving
                 zero = torch.zeros(1, dtype=torch.long, device=device)
                 scratch = torch.full((1, 1), self.runner.scratch_page, dtype=torch.long, device=device)
-                graphs.run(PrefillInputs(zero[:, None].expand(1, T), zero, scratch, zero))
+                with torch.inference_mode():
+                    graphs.run(PrefillInputs(zero[:, None].expand(1, T), zero, scratch, zero))
                 self.prefill_graphs[T], pool = graphs, graphs.mempool
         self.scheduler = Scheduler(self.allocator, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens,
                                    decode_width=width, decode_tokens=budget + 1 if speculative else 1)
@@ -173,7 +175,7 @@ class LLMEngine:
         return touched + step.decode
 
     def _forward_and_sample(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
-        graphed = self._prefill_graphed(chunks)
+        graphed = self._prefill_graphed(chunks, taps)
         logits, feats = graphed if graphed is not None else self.runner.run(chunks, taps)
         if feats is not None:  # target features for the drafter's context
             for (seq, _), f in zip(chunks, feats.split([n for _, n in chunks])):
@@ -190,13 +192,15 @@ class LLMEngine:
     def _graph_prefill(self, taps: list[int] | None, inp: PrefillInputs):
         return self.runner.prefill_rows(inp.ids, inp.starts, inp.block_tables, inp.last, taps)
 
-    def _prefill_graphed(self, chunks: list[tuple[Sequence, int]]):
+    def _prefill_graphed(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
         """`runner.run` for a step of one prompt chunk, on the CUDA graph of the next width up; None
         when none fits (several chunks, a long one, or positions past the graphs' page-table width)."""
         if len(chunks) != 1 or not self.prefill_graphs:
             return None
+        assert taps == self.prefill_taps, "the prefill graphs were captured with other taps"
         seq, n = chunks[0]
         start = seq.num_cached
+        assert len(seq.block_table) * self.runner.page_size >= start + n, "pages must be allocated first"
         T = next((w for w in self.prefill_graphs if w >= n), None)
         if T is None or start + T > min(self.max_pages * self.runner.page_size, self.cfg.max_position):
             return None
