@@ -5,7 +5,8 @@
 #   bash benchmarks/train_default_drafter.sh 1 T0   # data (2 min of greedy answers) + training until T0+DEADLINE
 #   bash benchmarks/train_default_drafter.sh 2 T0   # resume until the time budget is spent
 #
-# Optional environment: INIT (warm start), GEN_MINUTES, LR, GEN_BATCH, MAX_NUM_SEQS, TIME_BUDGET, DEADLINE.
+# Optional environment: INIT (warm start), DATA (answers made earlier, e.g. a packed .npz: no generation),
+# GEN_MINUTES, LR, GEN_BATCH, MAX_NUM_SEQS, TIME_BUDGET (minutes of cosine schedule), DEADLINE.
 # T0: the call's start (date +%s), so training checkpoints and stops before the call's time limit.
 # Prompts: .xfer/sharegpt_prompts.jsonl.gz, the first human turns of ShareGPT conversations with
 # index < 15000 (made on the CPU machine by `python -m ddtree.train.data .xfer/sharegpt_prompts.jsonl.gz`; the GPU
@@ -16,7 +17,7 @@ t0=$2
 out=${DRAFT_OUT:-/tmp/drafter}
 common=(--out "$out" --num-layers 2 --intermediate-size 1024 --num-features 4 --block-size 16
         --steps 1000000 --warmup 200 --lr "${LR:-1e-3}" --batch-size 16 --blocks-per-seq 32 --gamma 7
-        --max-len 1024 --save-every 1000 --time-budget "${TIME_BUDGET:-9}")
+        --max-len 1024 --save-every 1000 --time-budget "${TIME_BUDGET:-9}" ${DATA:+--data "$DATA"})
 if [ "$phase" = 1 ]; then
   # INIT=ddtree/models/default_drafter: warm start from the shipped drafter (its shape wins)
   python3 -m ddtree.cli train-drafter "${common[@]}" ${INIT:+--init "$INIT"} --prompt-file .xfer/sharegpt_prompts.jsonl.gz \
