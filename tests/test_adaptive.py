@@ -474,6 +474,8 @@ def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out,
     burst, read = spec._ar_burst, spec._commit_read
     monkeypatch.setattr(spec, "_ar_burst", lambda *a: calls.__setitem__("bursts", calls["bursts"] + 1) or burst(*a))
     monkeypatch.setattr(spec, "_commit_read", lambda *a: calls.__setitem__("steps", calls["steps"] + 1) or read(*a))
+    monkeypatch.setattr(spec, "_draft", lambda inp: pytest.fail("an eager draft: a new prompt's context must be "
+                                                                 "stored first so the draft stays graphed"))
     outs, hist = check_lossless(llm, prompts, ref)
     assert hist.get(0, 0) > 3 * sum(n for b, n in hist.items() if b), hist  # mostly AR ...
     assert len(set(hist)) > 1, hist  # ... with probes
@@ -519,6 +521,8 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
     llm = LLM(path, draft=d, spec="ddtree", budget=budget, topk=topk, **ENGINE)
     spec = llm.engine.speculator
     assert spec.graphs is not None and llm.engine.scheduler.decode_width > budget + 1
+    monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed, "
+                                                                 "a new prompt's context stored first"))
     prefills = []  # single-prompt prefills replay graphs that also return the drafter's features
     real = llm.engine._prefill_graphed
     monkeypatch.setattr(llm.engine, "_prefill_graphed",

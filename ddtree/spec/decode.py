@@ -112,11 +112,13 @@ class Speculator:
     def step(self, seqs: list[Sequence], commit) -> None:
         """`commit(seq, tokens) -> kept` appends tokens to a request, stopping at a stop condition."""
         greedy = all(s.params.greedy for s in seqs)
-        fits = all(s.num_cached - s.draft_len <= self.drafter.block_size for s in seqs)
-        if self.graphs is not None and greedy and fits and len(seqs) <= self.graphs.max_batch:
+        if self.graphs is not None and greedy and len(seqs) <= self.graphs.max_batch:
+            if any(s.num_cached - s.draft_len > self.drafter.block_size for s in seqs):
+                # a new prompt's context is wider than the graph's: into the drafter cache first
+                self.drafter.store_pending(seqs)
             self._burst(seqs, commit)
             return
-        # eager: sampled requests, or a first step whose context is a whole prompt
+        # eager: sampled requests (on the CPU: every step)
         inp = self.drafter.prepare(seqs)
         out = self.device_step(inp, lambda logits: self._sample(seqs, logits))
         self._commit(seqs, out, commit, self.budget)
@@ -301,13 +303,14 @@ class AdaptiveSpeculator(Speculator):
             if self.timed and (graphed or self.draft_graphs is None):  # timed as the table was
                 self.policy.observe_time("ar", R, (time.perf_counter() - t0) * 1e3 / steps, self.policy.table.ar_ms(R))
             return
-        # Only the draft depends on the context width: a long one (a new request's prompt) drafts eagerly,
-        # the verify stays graphed.
+        # Only the draft depends on the context width: a new prompt's context, wider than the draft
+        # graph's, goes into the drafter cache first (eagerly, one pass) so the step stays graphed.
+        short = all(s.num_cached - s.draft_len <= self.ctx_rows for s in seqs)
+        if graphed and not short:
+            self.drafter.store_pending(seqs)
         t0 = time.perf_counter()
-        short = all(s.num_cached - s.draft_len <= self.ctx_rows for s in seqs)  # (not a new prompt's context)
-        draft_graphed = graphed and short
-        inp = self.drafter.prepare(seqs, ctx_rows=self.ctx_rows if draft_graphed else None)
-        c, expected = self.draft_graphs.run(inp) if draft_graphed else self._draft(inp)
+        inp = self.drafter.prepare(seqs, ctx_rows=self.ctx_rows if graphed else None)
+        c, expected = self.draft_graphs.run(inp) if graphed else self._draft(inp)
         expected = dict(zip(self.budgets[1:], expected[:R].sum(0).tolist()))  # read back mid-step to choose
         budget = self.policy.choose(R, expected)
         if budget == 0:  # (the draft consumed the pending rows: the AR step's row follows them)
@@ -319,8 +322,8 @@ class AdaptiveSpeculator(Speculator):
         if budget:
             self.policy.observe(budget, R, expected[budget], accepted)
             # Timed as the table was (graph replays on GPU, eager on CPU), and not a one-off: an eager
-            # draft over a new prompt, or a step behind a prefill chunk.
-            if self.timed and short and (graphed or self.draft_graphs is None):
+            # draft over a new prompt (CPU), or a step behind a prefill chunk.
+            if self.timed and (graphed or (self.draft_graphs is None and short)):
                 t = self.policy.table
                 self.policy.observe_time("spec", R, (time.perf_counter() - t0) * 1e3,
                                          t.draft_ms(R) + t.verify_ms(budget, R))
