@@ -504,9 +504,10 @@ def plant_by_position(llm: LLM, choose) -> None:
     spec.step, spec.drafter.logits = step, logits
 
 
-@pytest.mark.parametrize("budget,topk,min_tau", [(8, 4, 2.0), (7, 1, 1.5)], ids=["ddtree", "dflash"])
+@pytest.mark.parametrize("budget,topk,min_tau,admitting", [(8, 4, 2.0, False), (7, 1, 1.5, False), (8, 4, 2.0, True)],
+                         ids=["ddtree", "dflash", "ddtree-admitting"])
 def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out, monkeypatch, budget, topk,
-                                                             min_tau):
+                                                             min_tau, admitting):
     # Fixed-budget speculation on the graphed path: bursts of pipelined steps whose inputs (root, positions,
     # drafter context = the accepted path's features) are built on the device from the previous step,
     # requests finishing mid-burst; the output is AR's exactly and no page leaks.
@@ -533,8 +534,12 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
     monkeypatch.setattr(spec, "_burst", lambda *a: calls.__setitem__("bursts", calls["bursts"] + 1) or burst(*a))
     monkeypatch.setattr(spec, "_commit_burst_step",
                         lambda *a: calls.__setitem__("steps", calls["steps"] + 1) or read(*a))
+    # steps per burst: at most SPEC_BURST, or SHORT_BURST while a request waits for a slot
+    if admitting:
+        monkeypatch.setattr(llm.engine, "_admitting", lambda: True)
     outs, hist = check_lossless(llm, prompts, ref)
-    assert calls["steps"] > 2 * calls["bursts"] > 0, calls
+    assert calls["steps"] > (1 if admitting else 2) * calls["bursts"] > 0, calls
+    assert calls["steps"] <= (decode.SHORT_BURST if admitting else decode.SPEC_BURST) * calls["bursts"], calls
     accepted = [a for o in outs for a in o.accept_lengths]
     assert sum(accepted) / len(accepted) > min_tau, accepted  # the oracle's drafts were accepted inside bursts
     assert any(prefills), prefills

@@ -22,7 +22,7 @@ from ddtree.models.transformer import CausalLM
 from ddtree.ops.attention import pack_rows
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import CostTable, candidate_budgets
-from ddtree.spec.decode import AR_BURST, SPEC_BURST, AdaptiveSpeculator, Speculator
+from ddtree.spec.decode import AR_BURST, SHORT_BURST, SPEC_BURST, AdaptiveSpeculator, Speculator
 from ddtree.spec.draft import DraftRunner
 
 
@@ -171,6 +171,7 @@ class LLMEngine:
         if step.decode:
             # a prefill chunk still running on the device would count in the step times auto measures
             self.speculator.timed = not step.prefill
+            self.speculator.max_burst = SHORT_BURST if self._admitting() else SPEC_BURST * AR_BURST
             self.speculator.step(step.decode, self.commit)
         return touched + step.decode
 
@@ -251,10 +252,14 @@ class LLMEngine:
 
     def _burst_length(self, seqs: list[Sequence]) -> int:
         # Short bursts while a request waits for a free slot, so its prefill is not held back.
-        sched = self.scheduler
-        n = min(self.burst, 2) if sched.waiting and len(sched.running) < sched.max_num_seqs else self.burst
+        n = min(self.burst, SHORT_BURST) if self._admitting() else self.burst
         left = max(min(s.params.max_tokens, self.max_model_len - len(s.prompt_ids)) - len(s.output_ids) for s in seqs)
         return max(1, min(n, left))
+
+    def _admitting(self) -> bool:
+        """A request waits and a slot is free: short bursts, so its prefill is not held back."""
+        sched = self.scheduler
+        return bool(sched.waiting) and len(sched.running) < sched.max_num_seqs
 
     def _commit_decoded(self, seqs: list[Sequence], handle: int) -> bool:
         """Commits one decode step's tokens to the requests still running; True if one finished."""

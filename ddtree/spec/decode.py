@@ -28,7 +28,10 @@ from ddtree.spec.tree import Candidates, Tree, build_tree, candidates, cut_tree,
 from ddtree.spec.verify import walk
 
 AR_BURST = 16  # AR steps of `auto` per engine step at most, pipelined (the engine holds new requests meanwhile)
-SPEC_BURST = 4  # graphed speculative steps per engine step at most, pipelined
+# Graphed speculative steps per engine step at most, pipelined: each burst pays one drain and one
+# unhidden graph launch, so longer is faster; 8 steps take about as long as 16 AR steps.
+SPEC_BURST = 8
+SHORT_BURST = 2  # while a request waits for a free slot (the engine sets `max_burst`), as its AR bursts
 
 
 @dataclass(slots=True)
@@ -69,6 +72,7 @@ class Speculator:
             self.graphs = GraphPool(self._graph_step, max_batch,
                                     pad={"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot},
                                     widths={"block_tables": max_pages})
+        self.max_burst = SPEC_BURST * AR_BURST  # no cap; the engine lowers it while requests wait
         # bursts read packed rows back: [R, depth + 3] (also enough for auto's AR rows, [R, 3])
         self.readback = TokenReadback(max_batch * (self.depth + 3), runner.device)
 
@@ -133,7 +137,7 @@ class Speculator:
         R = len(seqs)
         inp = self.drafter.prepare(seqs, ctx_rows=self.drafter.block_size)
         left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
-        pending, steps = None, max(1, min(SPEC_BURST, left))
+        pending, steps = None, max(1, min(SPEC_BURST, self.max_burst, left))
         for i in range(steps):
             out = self.graphs.run(inp)
             # graph outputs are static buffers: keep this step's before the next replay overwrites them
@@ -342,7 +346,7 @@ class AdaptiveSpeculator(Speculator):
             return 1
         left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
         pending, steps = None, 0
-        for _ in range(max(1, min(1 + self.policy.ar_steps_ahead(), left, AR_BURST))):
+        for _ in range(max(1, min(1 + self.policy.ar_steps_ahead(), left, AR_BURST, self.max_burst))):
             out = run(0, inp)
             steps += 1
             # graph outputs are static buffers: keep this step's tokens before the next replay overwrites them
