@@ -19,7 +19,7 @@ from ddtree.models.dflash import random_drafter, save_drafter
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import PROBE_EVERY, AdaptivePolicy, CostTable, candidate_budgets
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
-from emulated import emulated_pool
+from emulated import emulated_pool, fake_gpu_graphs
 from test_spec import assert_idle, continuation, hook_draft_logits, noisy_oracle, plant
 from tiny import make_tiny_model
 
@@ -454,13 +454,10 @@ def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out,
     # requests finish mid-burst, probes draft and verify in between; the output is AR's exactly. The
     # engine is built as on a GPU, so its page reservation must cover a whole AR burst even when the
     # trees are narrower (DFlash with a block-8 drafter: budgets 4 and 7).
-    import ddtree.engine.engine as engine_mod
     import ddtree.spec.decode as decode
     family = "qwen2"
     ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)  # AR before graphs are faked
-    monkeypatch.setattr(decode, "GraphPool", emulated_pool())
-    monkeypatch.setattr(engine_mod, "GraphPool", emulated_pool())  # (prefill graphs)
-    monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)
+    fake_gpu_graphs(monkeypatch)
     path, d = pairs(family)
     budgets = candidate_budgets(7, topk)[1:]
     cost = CostTable(BATCHES, [1.0 * bs for bs in BATCHES], [0.1] * len(BATCHES),
@@ -511,13 +508,10 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
     # Fixed-budget speculation on the graphed path: bursts of pipelined steps whose inputs (root, positions,
     # drafter context = the accepted path's features) are built on the device from the previous step,
     # requests finishing mid-burst; the output is AR's exactly and no page leaks.
-    import ddtree.engine.engine as engine_mod
     import ddtree.spec.decode as decode
     family = "qwen2"
     ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)  # AR before graphs are faked
-    monkeypatch.setattr(decode, "GraphPool", emulated_pool())
-    monkeypatch.setattr(engine_mod, "GraphPool", emulated_pool())  # (prefill graphs)
-    monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)
+    fake_gpu_graphs(monkeypatch)
     path, d = pairs(family)
     llm = LLM(path, draft=d, spec="ddtree", budget=budget, topk=topk, **ENGINE)
     spec = llm.engine.speculator

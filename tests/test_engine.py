@@ -343,9 +343,8 @@ def test_graphed_ar_decode_bursts_emulated_on_cpu_give_the_alone_outputs(tiny_qw
     # samples, tokens read back one step late, requests finishing mid-burst, preemption) with the CUDA
     # graph replays emulated: every request gets exactly what it gets alone, and no page leaks.
     import ddtree.engine.engine as engine_mod
-    from emulated import emulated_pool
-    monkeypatch.setattr(engine_mod, "GraphPool", emulated_pool())
-    monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)
+    from emulated import fake_gpu_graphs
+    fake_gpu_graphs(monkeypatch)
     llm = LLM(tiny_qwen2, device="cpu", dtype="float32", page_size=4, spec="none", **limits)
     eng = llm.engine
     assert eng.decode_graphs is not None and eng.burst == engine_mod.DECODE_BURST > 1
@@ -369,10 +368,8 @@ def test_single_prompt_prefills_replay_graphs_and_give_the_eager_outputs(tiny_qw
                                                                         monkeypatch):
     # A step that prefills one prompt chunk replays the graph of the next width up (padding tokens
     # after the real ones); chunked prompts continue at an offset. Graphs emulated on the CPU.
-    import ddtree.engine.engine as engine_mod
-    from emulated import emulated_pool
-    monkeypatch.setattr(engine_mod, "GraphPool", emulated_pool())
-    monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)
+    from emulated import fake_gpu_graphs
+    fake_gpu_graphs(monkeypatch)
     llm = LLM(tiny_qwen2, device="cpu", dtype="float32", page_size=4, spec="none", num_pages=96, max_num_seqs=1,
               max_num_batched_tokens=32)
     eng = llm.engine

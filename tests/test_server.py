@@ -485,10 +485,9 @@ def test_graphed_ar_bursts_behind_the_server_stream_the_same_text(tiny_qwen2, mo
     # afterwards every KV page is free.
     from fastapi.testclient import TestClient
 
-    import ddtree.engine.engine as engine_mod
     from ddtree.llm import LLM
     from ddtree.server.app import ServerConfig, create_app
-    from emulated import emulated_pool
+    from emulated import fake_gpu_graphs
 
     def llm():
         return LLM(tiny_qwen2, device="cpu", dtype="float32", num_pages=64, page_size=4, max_num_seqs=3)
@@ -504,8 +503,7 @@ def test_graphed_ar_bursts_behind_the_server_stream_the_same_text(tiny_qwen2, mo
 
     with TestClient(create_app(llm, ServerConfig("m"))) as c:
         want = [ready(c).post(COMP, json=b).json()["choices"][0] for b in bodies]
-    monkeypatch.setattr(engine_mod, "GraphPool", emulated_pool())
-    monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)
+    fake_gpu_graphs(monkeypatch)
     loaded = []
     with TestClient(create_app(lambda: loaded.append(llm()) or loaded[0], ServerConfig("m"))) as c:
         ready(c)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 from functools import partial
 
@@ -171,7 +170,7 @@ class LLMEngine:
         if step.decode:
             # a prefill chunk still running on the device would count in the step times auto measures
             self.speculator.timed = not step.prefill
-            self.speculator.max_burst = SHORT_BURST if self._admitting() else SPEC_BURST * AR_BURST
+            self.speculator.short_bursts = self._admitting()
             self.speculator.step(step.decode, self.commit)
         return touched + step.decode
 

@@ -31,7 +31,7 @@ AR_BURST = 16  # AR steps of `auto` per engine step at most, pipelined (the engi
 # Graphed speculative steps per engine step at most, pipelined: each burst pays one drain and one
 # unhidden graph launch, so longer is faster; 8 steps take about as long as 16 AR steps.
 SPEC_BURST = 8
-SHORT_BURST = 2  # while a request waits for a free slot (the engine sets `max_burst`), as its AR bursts
+SHORT_BURST = 2  # while a request waits for a free slot (`short_bursts`), as the engine's AR bursts
 
 
 @dataclass(slots=True)
@@ -72,7 +72,9 @@ class Speculator:
             self.graphs = GraphPool(self._graph_step, max_batch,
                                     pad={"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot},
                                     widths={"block_tables": max_pages})
-        self.max_burst = SPEC_BURST * AR_BURST  # no cap; the engine lowers it while requests wait
+        # Set by the engine before each step: short bursts while a request waits for a free slot, and
+        # whether the step's time is worth learning from (auto: not with a prefill chunk in flight).
+        self.short_bursts, self.timed = False, True
         # bursts read packed rows back: [R, depth + 3] (also enough for auto's AR rows, [R, 3])
         self.readback = TokenReadback(max_batch * (self.depth + 3), runner.device)
 
@@ -137,7 +139,7 @@ class Speculator:
         R = len(seqs)
         inp = self.drafter.prepare(seqs, ctx_rows=self.drafter.block_size)
         left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
-        pending, steps = None, max(1, min(SPEC_BURST, self.max_burst, left))
+        pending, steps = None, max(1, min(SHORT_BURST if self.short_bursts else SPEC_BURST, left))
         for i in range(steps):
             out = self.graphs.run(inp)
             # graph outputs are static buffers: keep this step's before the next replay overwrites them
@@ -257,7 +259,6 @@ class AdaptiveSpeculator(Speculator):
         super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
         self.ctx_rows = drafter.block_size  # the last accepted path (AR steps store their own rows)
         self.max_pages, self.draft_graphs, self.verify_graphs = max_pages, None, {}
-        self.timed = True  # the engine clears it for a step that also ran a prefill chunk
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
             pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
             widths = {"block_tables": max_pages}
@@ -346,7 +347,8 @@ class AdaptiveSpeculator(Speculator):
             return 1
         left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
         pending, steps = None, 0
-        for _ in range(max(1, min(1 + self.policy.ar_steps_ahead(), left, AR_BURST, self.max_burst))):
+        most = SHORT_BURST if self.short_bursts else AR_BURST
+        for _ in range(max(1, min(1 + self.policy.ar_steps_ahead(), left, most))):
             out = run(0, inp)
             steps += 1
             # graph outputs are static buffers: keep this step's tokens before the next replay overwrites them

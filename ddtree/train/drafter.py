@@ -201,7 +201,6 @@ def draft_logits(drafter: DFlashDrafter, target: CausalLM, ids: torch.Tensor, fe
 def sample_anchors(loss_mask: torch.Tensor, n: int, B: int, g: torch.Generator) -> torch.Tensor:
     """Up to n distinct anchor positions a (as a LongTensor) with a inside the response and at least
     one response label after it; positions a >= 1 so every block has some context."""
-    T = loss_mask.shape[0]
     nxt = torch.zeros_like(loss_mask)
     nxt[:-1] = loss_mask[1:]
     ok = loss_mask & nxt
