@@ -84,9 +84,15 @@ def main() -> int:
     engine_mod.PREFILL_GRAPHS = False
     llm = LLM(d, draft=DEFAULT_DRAFT_DIR, spec="none", max_num_seqs=16, dtype="bfloat16")
     request_overhead(llm, prompt, "ar-prefill-graphs-0")
+    if len(sys.argv) > 2:  # modes to skip
+        skip = set(sys.argv[2].split(","))
+    else:
+        skip = set()
     engine_mod.PREFILL_GRAPHS = True
     P = SamplingParams(max_tokens=256, ignore_eos=True)
     for mode, budget, topk in (("none", None, None), ("dflash", None, None), ("ddtree", 32, 4)):
+        if mode in skip:
+            continue
         llm.set_mode(mode, budget, topk)
         request_overhead(llm, prompt, mode)
         llm.generate([prompt], P)
@@ -117,6 +123,7 @@ def main() -> int:
         busy_share(llm, [prompt], 128, f"c1-{mode}")
         os.system(f"python3 {os.path.dirname(__file__)}/trace_gaps.py {OUT}/trace_c1-{mode}.json.gz --top 25 "
                   f"> {OUT}/gaps_{mode}.json 2>&1")
+        del eng, spec  # else the next engine finds this one's KV cache still held
     return 0
 
 
