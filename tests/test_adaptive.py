@@ -21,6 +21,7 @@ from ddtree.spec.adaptive import PROBE_EVERY, AdaptivePolicy, CostTable, candida
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
 from emulated import emulated_pool, fake_gpu_graphs
 from test_spec import assert_idle, continuation, hook_draft_logits, noisy_oracle, plant
+from test_tree import worked_example_logprobs
 from tiny import make_tiny_model
 
 ENGINE = dict(device="cpu", dtype="float32", page_size=4, num_pages=512)
@@ -141,16 +142,8 @@ def test_candidate_budgets_are_capped_by_what_a_tree_can_hold():
 
 # ----------------------------------------------------------------------------- expected accepted length
 
-def worked_example() -> torch.Tensor:
-    """tree.py's worked example: best 4 paths .6, .3, .3, .27."""
-    lp = torch.full((1, 3, 32), float("-inf"))
-    for d, (toks, probs) in enumerate([([10, 11], [.6, .3]), ([20, 21], [.5, .4]), ([30, 31], [.9, .05])]):
-        lp[0, d, toks] = torch.tensor(probs).log()
-    return lp
-
-
 def test_expected_accepted_length_is_the_prefix_sum_of_the_best_path_probabilities():
-    c = candidates(worked_example(), 4, 2)
+    c = candidates(worked_example_logprobs(), 4, 2)  # tree.py's worked example: best paths .6, .3, .3, .27
     e = expected_accepts(c, [1, 2, 3, 4])
     torch.testing.assert_close(e, torch.tensor([[.6, .9, 1.2, 1.47]]))
 

@@ -122,32 +122,34 @@ def test_model_with_triton_kernels_generates_like_the_torch_path(family, tmp_pat
     assert got == want
 
 
-@pytest.mark.parametrize("n,k,bias", [(24, 40, False), (37, 300, True), (8, 1024, False)])
-def test_gemv_kernel_matches_a_linear_layer(n, k, bias):
-    from ddtree.ops.triton_gemv import gemv, gemv_config
-    g = torch.Generator().manual_seed(n)
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+@pytest.mark.parametrize("n,k,bias", [(24, 40, False), (37, 300, True)])
+def test_few_rows_linear_matches_a_linear_layer(m, n, k, bias):
+    # One row: the matrix-vector loop; more: tensor-core tiles (fp32 in IEEE precision here).
+    from ddtree.ops.triton_linear import Config, linear
+    g = torch.Generator().manual_seed(n + m)
     layer = torch.nn.Linear(k, n, bias=bias)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(n, k, generator=g))
         if bias:
             layer.bias.copy_(torch.randn(n, generator=g))
-    x = torch.randn(1, k, generator=g)
+    x = torch.randn(m, k, generator=g)
     want = layer(x).detach()
-    torch.testing.assert_close(gemv(x, layer.weight.detach(), layer.bias.detach() if bias else None), want,
-                               atol=1e-4, rtol=1e-4)
-    bn, bk, _ = gemv_config(n, k)
-    torch.testing.assert_close(gemv(x, layer.weight.detach(), layer.bias.detach() if bias else None,
-                                    (bn * 2, bk // 2, 4)), want, atol=1e-4, rtol=1e-4)
+    w, b = layer.weight.detach(), layer.bias.detach() if bias else None
+    torch.testing.assert_close(linear(x, w, b), want, atol=1e-4, rtol=1e-4)
+    other = Config(4, 64, 2) if m == 1 else Config(32, 32, 2)  # block sizes that do not divide the shapes
+    torch.testing.assert_close(linear(x, w, b, other), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_norm_gemv_is_residual_add_rms_norm_then_linear(dtype, with_residual):
+@pytest.mark.parametrize("m", [1, 5])
+def test_norm_linear_is_residual_add_rms_norm_then_linear(dtype, with_residual, m):
     from ddtree.ops.fused import add_rms_norm, rms_norm
-    from ddtree.ops.triton_gemv import norm_gemv
+    from ddtree.ops.triton_linear import norm_linear
     g = torch.Generator().manual_seed(3)
     n, k = 40, 300
-    x, res = torch.randn(1, k, generator=g).to(dtype), torch.randn(1, k, generator=g).to(dtype)
+    x, res = torch.randn(m, k, generator=g).to(dtype), torch.randn(m, k, generator=g).to(dtype)
     gamma = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
     w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
     if with_residual:
@@ -155,42 +157,52 @@ def test_norm_gemv_is_residual_add_rms_norm_then_linear(dtype, with_residual):
     else:
         normed, want_res = rms_norm(x, gamma, 1e-6), x
     want = (normed.float() @ w.float().T + b.float()).to(dtype)
-    got, got_res = norm_gemv(x, res if with_residual else None, gamma, 1e-6, w, b, config=(8, 128, 1))
-    # The interpreter truncates fp32 -> bf16 where the GPU rounds to nearest: one bf16 step apart.
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.3, rtol=0.02)
+    got, got_res = norm_linear(x, res if with_residual else None, gamma, 1e-6, w, b)
+    # The norm's scale is applied after the product (and the interpreter truncates fp32 -> bf16 where
+    # the GPU rounds to nearest): a few bf16 steps apart.
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.3, rtol=0.03)
     torch.testing.assert_close(got_res, want_res, **(tol if dtype == torch.float32 else dict(atol=0, rtol=2**-7)))
     torch.testing.assert_close(got, want, **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_gemv_is_the_mlp_down_projection(dtype):
-    from ddtree.ops.fused import silu_mul
-    from ddtree.ops.triton_gemv import silu_mul_gemv
+@pytest.mark.parametrize("m", [1, 7])
+def test_glu_norm_linear_is_the_mlp_activation(dtype, m):
+    # gate|up stacked: the product's epilogue gives silu(gate) * up, what the down projection reads.
+    from ddtree.ops.fused import add_rms_norm, silu_mul
+    from ddtree.ops.triton_linear import norm_linear
     g = torch.Generator().manual_seed(4)
     n, k = 24, 200
-    gate_up, w = torch.randn(1, 2 * k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
-    want = (silu_mul(gate_up).float() @ w.float().T).to(dtype)
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.06, rtol=0.02)
-    torch.testing.assert_close(silu_mul_gemv(gate_up, w, config=(4, 64, 1)), want, **tol)
+    x, res = torch.randn(m, k, generator=g).to(dtype), torch.randn(m, k, generator=g).to(dtype)
+    gamma = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    w = (torch.randn(2 * n, k, generator=g) / 8).to(dtype)
+    normed, _ = add_rms_norm(x, res, gamma, 1e-6)
+    want = silu_mul((normed.float() @ w.float().T).to(dtype))
+    got, _ = norm_linear(x, res, gamma, 1e-6, w, glu=True)
+    assert got.shape == (m, n)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.06, rtol=0.03)
+    torch.testing.assert_close(got, want, **tol)
 
 
-def test_one_token_steps_take_the_fused_gemv_layer(tmp_path, monkeypatch):
-    # With the Triton path on, a decode step of one request runs DecoderLayer.one_token (four GEMV
-    # kernels); the tokens equal the torch path's.
+def test_few_token_steps_take_the_fused_layer(tmp_path, monkeypatch):
+    # With the Triton path on, steps of at most MAX_ROWS tokens (these prefills, and decode steps of
+    # two requests) run DecoderLayer.few_rows (three fused products); the tokens equal the torch path's.
     from tiny import make_tiny_model
 
     from ddtree import LLM, SamplingParams
     from ddtree.models import transformer
     calls = []
-    real = transformer.DecoderLayer.one_token
-    monkeypatch.setattr(transformer.DecoderLayer, "one_token", lambda *a: calls.append(1) or real(*a))
+    real = transformer.DecoderLayer.few_rows
+    monkeypatch.setattr(transformer.DecoderLayer, "few_rows", lambda self, h, *a: calls.append(h.shape[0]) or
+                        real(self, h, *a))
     llm = LLM(make_tiny_model(str(tmp_path), "qwen2"), device="cpu", dtype="float32", spec="none", num_pages=64)
     P = SamplingParams(max_tokens=5, ignore_eos=True)
-    want = llm.generate([[5, 9, 11, 40, 2, 7]], P)[0].token_ids
+    prompts = [[5, 9, 11, 40, 2, 7], [100, 3, 8]]
+    want = [o.token_ids for o in llm.generate(prompts, P)]
     assert not calls
     llm.engine.runner.use_triton = True
-    assert llm.generate([[5, 9, 11, 40, 2, 7]], P)[0].token_ids == want
-    assert len(calls) == 4 * llm.config.num_layers  # every decode step after the prefill
+    assert [o.token_ids for o in llm.generate(prompts, P)] == want
+    assert 2 in calls and len(calls) >= 4 * llm.config.num_layers  # decode steps of both requests
 
 
 def test_training_features_on_the_triton_path_equal_the_torch_path(tmp_path):

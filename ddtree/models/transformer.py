@@ -16,13 +16,15 @@ from ddtree.ops.attention import AttentionBatch, paged_attention
 from ddtree.ops.fused import add_rms_norm, qkv_rope, rms_norm, rope, silu_mul
 
 
-# One-token steps on the Triton path run each layer as four fused matrix-vector kernels
-# (ddtree/ops/triton_gemv.py). DDTREE_GEMV=0 keeps cuBLAS and the separate element-wise kernels.
+# Steps of at most MAX_ROWS tokens on the Triton path (decode at small batch, verification, the
+# drafter's block) run each layer as three fused Triton products (ddtree/ops/triton_linear.py).
+# DDTREE_GEMV=0 keeps cuBLAS and the separate element-wise kernels.
 GEMV = os.environ.get("DDTREE_GEMV", "1") != "0"
 
 
-def one_token_path(x: torch.Tensor, batch: AttentionBatch) -> bool:
-    return GEMV and x.shape[0] == 1 and batch.use_triton
+def few_rows_path(x: torch.Tensor, batch: AttentionBatch) -> bool:
+    from ddtree.ops.triton_linear import MAX_ROWS
+    return GEMV and x.shape[0] <= MAX_ROWS and batch.use_triton
 
 
 class RMSNorm(nn.Module):
@@ -129,9 +131,9 @@ class Attention(nn.Module):
                                qn, kn, eps)
             o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
         o = o.flatten(1)
-        if one_token_path(o, batch):
-            from ddtree.ops.triton_gemv import gemv
-            return gemv(o, self.o_proj.weight, self.o_proj.bias)
+        if few_rows_path(o, batch):
+            from ddtree.ops.triton_linear import linear
+            return linear(o, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(o)
 
 
@@ -158,8 +160,8 @@ class DecoderLayer(nn.Module):
                 batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's
         output. Deferring the add lets it fuse with the next layer's norm."""
-        if one_token_path(h, batch):
-            return self.one_token(h, residual, positions, batch)
+        if few_rows_path(h, batch):
+            return self.few_rows(h, residual, positions, batch)
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
@@ -167,15 +169,15 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(self.self_attn(x, positions, batch), residual)
         return self.mlp(x), residual
 
-    def one_token(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                  batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward() for a single token: norms, residual adds and SiLU run inside the projections."""
-        from ddtree.ops.triton_gemv import norm_gemv, silu_mul_gemv
+    def few_rows(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                 batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() for a few tokens: norms, residual adds and SiLU run inside the projections."""
+        from ddtree.ops.triton_linear import linear, norm_linear
         attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = norm_gemv(h, residual, ln1.weight, ln1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv, residual = norm_linear(h, residual, ln1.weight, ln1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
         a = attn.attend(qkv, positions, batch)
-        gate_up, residual = norm_gemv(a, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight)
-        return silu_mul_gemv(gate_up, mlp.down_proj.weight), residual
+        act, residual = norm_linear(a, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight, glu=True)
+        return linear(act, mlp.down_proj.weight), residual
 
 
 class TransformerModel(nn.Module):

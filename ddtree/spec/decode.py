@@ -87,7 +87,7 @@ class Speculator:
         """Draft, build the tree, verify it, accept, and compact the accepted K/V; device ops only.
         `pred_fn(logits [R, N, V]) -> [R, N]` gives the target's token at every node."""
         draft_logits = self.drafter.logits(inp)
-        tree = build_tree(draft_logits.log_softmax(dim=-1), inp.roots, self.budget, self.topk)
+        tree = build_tree(draft_logits, inp.roots, self.budget, self.topk)
         return self._verify(inp, tree, pred_fn)
 
     def _verify(self, inp, tree: Tree, pred_fn) -> StepOutputs:
@@ -275,7 +275,7 @@ class AdaptiveSpeculator(Speculator):
 
     def _draft(self, inp: StepInputs) -> tuple[Candidates, torch.Tensor]:
         """Drafter block -> candidates for the largest budget and E(b) [R, budgets] for each b > 0."""
-        c = candidates(self.drafter.logits(inp).log_softmax(dim=-1), self.budget, self.topk)
+        c = candidates(self.drafter.logits(inp), self.budget, self.topk)
         return c, expected_accepts(c, self.budgets[1:])
 
     def _budget_step(self, budget: int, inp: RootInputs | TreeInputs, pred_fn) -> StepOutputs:

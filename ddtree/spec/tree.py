@@ -64,17 +64,40 @@ class Candidates:
         return self.order.shape[1]
 
 
-def build_tree(logprobs: torch.Tensor, roots: torch.Tensor, budget: int, topk: int) -> Tree:
-    """logprobs: [R, D, V] drafter log-probs for depths 1..D; roots: [R] root tokens.
+def build_tree(logits: torch.Tensor, roots: torch.Tensor, budget: int, topk: int) -> Tree:
+    """logits: [R, D, V] drafter logits (or log-probs) for depths 1..D; roots: [R] root tokens.
     Returns a tree of budget + 1 nodes per request."""
-    return cut_tree(candidates(logprobs, budget, topk), roots, budget)
+    if topk == 1 and budget <= logits.shape[1]:
+        return chain_tree(logits, roots, budget)
+    return cut_tree(candidates(logits, budget, topk), roots, budget)
 
 
-def candidates(logprobs: torch.Tensor, width: int, topk: int) -> Candidates:
-    """The `width` best nodes per depth and overall (see the module docstring)."""
-    assert width >= 1 and topk >= 1 and logprobs.shape[1] >= 1
-    top_lp, top_tok = logprobs.topk(topk, dim=-1)  # [R, D, K], sorted best first
+def candidates(logits: torch.Tensor, width: int, topk: int) -> Candidates:
+    """The `width` best nodes per depth and overall (see the module docstring). The top-k are taken
+    from the logits and turned into log-probs by one logsumexp: no [R, D, V] log-softmax written."""
+    assert width >= 1 and topk >= 1 and logits.shape[1] >= 1
+    top, top_tok = logits.topk(topk, dim=-1)  # [R, D, K], sorted best first
+    top_lp = top - logits.logsumexp(dim=-1, keepdim=True)
     return Candidates(*_levels(top_lp, width, topk), top_tok)
+
+
+def chain_tree(logits: torch.Tensor, roots: torch.Tensor, budget: int) -> Tree:
+    """DFlash linear: the tree of topk 1 is the chain of the drafter's argmax tokens (each depth has
+    one candidate, and scores fall along the chain), so it needs no candidate levels or sorts."""
+    D = budget
+    best, tokens = logits[:, :D].max(dim=-1)
+    return Tree(*_chain(tokens, best - logits[:, :D].logsumexp(dim=-1), roots), logits.shape[1])
+
+
+@compiled_on_cuda
+def _chain(tokens: torch.Tensor, lp: torch.Tensor, roots: torch.Tensor):
+    R, D = tokens.shape
+    N, dev = D + 1, tokens.device
+    node = torch.arange(N, device=dev)
+    return (torch.cat([roots.view(R, 1).long(), tokens], 1), (node - 1).expand(R, N).contiguous(),
+            node.expand(R, N).contiguous(), torch.ones(R, N, dtype=torch.bool, device=dev),
+            torch.ones(N, N, dtype=torch.bool, device=dev).tril().expand(R, N, N).contiguous(),
+            torch.cat([torch.zeros(R, 1, device=dev), lp.cumsum(dim=1)], 1))
 
 
 @compiled_on_cuda

@@ -1,0 +1,150 @@
+"""Matrix products for steps of a few tokens (AR decode at small batch, tree verification, the drafter),
+with the ops around them fused in.
+
+With few rows the model's projections are memory-bound: reading the weights is the whole cost. A
+cuBLAS call of the default target at 1-33 rows reads 1.6-17 MB in 4-7 us plus a split-K reduction
+(measured on the H200), because a handful of thread blocks cannot fill the machine. Here every
+program owns BLOCK_N output columns for all rows and streams their weights once, accumulating in
+fp32: a matrix-vector loop for one row, tensor-core dots for up to 64.
+
+A layer then needs no separate element-wise kernels:
+- the input RMSNorm (with the residual add before it) runs inside the q|k|v and gate|up products:
+  the product takes norm weight * x, and each row's 1/rms, summed in the same pass over x, scales
+  the accumulator at the end (so no program waits for a norm before its first weight load);
+- SiLU-and-mul runs in the gate|up product's epilogue: a program owns the same columns of the gate
+  and up halves, so its output is the activation the down product reads.
+
+Roundings differ from the eager ops (the norm scale is applied after the product): the logits can
+differ from the cuBLAS path in the last bits, so a greedy near-tie may break differently.
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# The interpreter (CI on the CPU) gets bf16 dots wrong (triton 3.x): there, dots run on fp32 operands.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_ROWS = 64  # rows (tokens) one call takes: a tensor-core tile of up to 64 rows
+
+
+class Config(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+@triton.jit
+def _rounded(x, dtype):
+    """x (fp32) rounded to `dtype` as a store would, kept in fp32 (a no-op for fp32)."""
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _mac(acc, a, w, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc [BM, BN] += a [BM, BK] @ w[BN, BK]^T; without DOT, BM is 1 (a matrix-vector product)."""
+    if DOT:
+        if IEEE:  # fp32 products in fp32 (the same values as bf16 operands would give)
+            return tl.dot(a, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        return tl.dot(a.to(w.dtype), tl.trans(w), acc)
+    return acc + tl.sum(w.to(tl.float32) * a, axis=1)[None, :]
+
+
+@triton.jit
+def _linear_kernel(X, R, G, ROut, W, Bias, Y, M, N, K, stride_x, stride_r, stride_wn, eps,
+                   NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
+                   DOT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    dtype = X.dtype.element_ty
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns (GLU: of the gate half, and of the up half)
+    col_ok = cols < N
+    w_rows = W + cols.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        a = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
+        if NORM:
+            if HAS_RES:  # the residual stream x + r, stored once (by program 0)
+                a = _rounded(a + tl.load(R + rows[:, None] * stride_r + ks[None, :], mask=x_ok,
+                                         other=0.0).to(tl.float32), dtype)
+                tl.store(ROut + rows[:, None] * K + ks[None, :], a,
+                         mask=x_ok & (ks[None, :] < K - pid * K))  # program 0 only
+            sq += tl.sum(a * a, axis=1)
+            a = _rounded(a * tl.load(G + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :], dtype)
+        w_ok = col_ok[:, None] & k_ok[None, :]
+        acc = _mac(acc, a, tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0), DOT, IEEE)
+        if GLU:
+            acc_up = _mac(acc_up, a, tl.load(w_rows + N * stride_wn + ks[None, :], mask=w_ok, other=0.0), DOT, IEEE)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(sq / K + eps)
+        acc = acc * rstd[:, None]
+        acc_up = acc_up * rstd[:, None]
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            acc_up += tl.load(Bias + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GLU:  # silu(gate) * up, rounded as the eager ops round
+        gate = _rounded(acc, dtype)
+        acc = _rounded(gate / (1.0 + tl.exp(-gate)), dtype) * _rounded(acc_up, dtype)
+    tl.store(Y + rows[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def linear_config(m: int, n: int, k: int) -> Config:
+    """Block sizes for `m` rows, `n` output columns (GLU: per half) and depth `k`. One row: from
+    `benchmarks/gemv_tune.py` on the H200 at the default target's shapes (one warp per program, many
+    programs, a whole 896-wide row per load where it fits). More rows: tensor-core tiles of 16 columns."""
+    if m == 1:
+        block_k = min(1024, triton.next_power_of_2(k))
+        if n >= 4096:
+            return Config(4, min(block_k, 512), 1)
+        return Config(2 if k <= 1024 else 1, block_k, 1)
+    return Config(16, 128, max(1, _block_m(m) // 16))
+
+
+def _block_m(m: int) -> int:
+    return 1 if m == 1 else max(16, triton.next_power_of_2(m))
+
+
+def _launch(x, weight, bias, residual=None, norm_weight=None, eps=0.0, glu=False, config=None):
+    m, k = x.shape
+    assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    r_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else x
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(1) == 1
+    cfg = config or linear_config(m, n, k)
+    _linear_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, r_out,
+        weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
+        residual.stride(0) if residual is not None else 0, weight.stride(0), eps,
+        NORM=norm_weight is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None, GLU=glu,
+        DOT=m > 1, IEEE=x.dtype == torch.float32 or INTERPRETED, BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+    return y, r_out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: Config | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS), weight [N, K] (rows contiguous) -> x @ weight^T (+ bias): [M, N]."""
+    return _launch(x, weight, bias, config=config)[0]
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
+                config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual): the RMSNorm before a projection and
+    the residual add before it, in one kernel. `residual` None: the norm of x alone, and x back.
+    `glu`: weight is [gate | up] stacked (2N rows), and the result is silu(gate) * up, [M, N]."""
+    return _launch(x, weight, bias, residual, norm_weight, eps, glu, config)
