@@ -2,7 +2,8 @@
 # The H200 measurements for issues 4 and 7 on the default pair, in device calls of < 10 minutes
 # (machine set-up: benchmarks/README.md; `source benchmarks/gpu_setup.sh` first). Everything goes to $OUT.
 #
-#   bash benchmarks/h200_suite.sh latency   # GPU sanity (fp32), bench latency at C=1 with step times and peers
+#   bash benchmarks/h200_suite.sh tune      # few-row product block sizes; GPU sanity (fp32); no model needed
+#   bash benchmarks/h200_suite.sh latency   # bench latency at C=1 with step times and peers
 #   bash benchmarks/h200_suite.sh low       # DDTree/DFlash vs AR on all HumanEval prompts; sweep at C=1,2,4
 #   bash benchmarks/h200_suite.sh high      # sweep at C=8..128
 #   bash benchmarks/h200_suite.sh auto      # AR vs auto vs DDTree 16/4 at C=1..128 (a shorter sweep)
@@ -12,8 +13,10 @@ cli=(python3 -m ddtree.cli)
 sweep=("${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4
        --with-auto --repeats 1 --out "$OUT/sweep_h200.jsonl")
 case $1 in
+  tune)
+    python3 benchmarks/linear_tune.py "$OUT/linear_tune.jsonl" > "$OUT/linear_tune.log" 2>&1
+    timeout 240 python3 benchmarks/gpu_sanity.py float32 > "$OUT/sanity.log" 2>&1 ;;
   latency)
-    timeout 150 python3 benchmarks/gpu_sanity.py float32 > "$OUT/sanity.log" 2>&1
     "${cli[@]}" bench latency --dataset humaneval --num-prompts 40 --concurrency 1 --budget 32,auto --topk 4 \
       --repeats 1 --step-times --peers --peer-prompts 4 --out "$OUT/latency_h200.jsonl" > "$OUT/latency.log" 2>&1 ;;
   low)

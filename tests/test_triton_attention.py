@@ -218,3 +218,28 @@ def test_training_features_on_the_triton_path_equal_the_torch_path(tmp_path):
     got = target_features(llm.net, seqs, [0, 1], use_triton=True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("spec,budget,topk", [("ddtree", 6, 2), ("dflash", None, None)])
+def test_speculative_steps_on_the_triton_path_equal_ar(spec, budget, topk, tmp_path, monkeypatch):
+    # Verification and the drafter's block on the Triton path (few-row products, tree attention), by
+    # the interpreter: the same greedy tokens as plain AR on the torch path.
+    from tiny import make_tiny_model
+
+    from ddtree import LLM, SamplingParams
+    from ddtree.config import ModelConfig
+    from ddtree.models.dflash import random_drafter, save_drafter
+    from ddtree.ops import triton_linear
+    target, d = make_tiny_model(str(tmp_path / "t"), "qwen3"), str(tmp_path / "d")
+    save_drafter(random_drafter(ModelConfig.from_dir(target), num_layers=1, block_size=4, target_layer_ids=[0, 1]), d)
+    prompts = [[5, 9, 11, 40, 2, 7], [100, 3, 8]]
+    P = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in LLM(target, device="cpu", dtype="float32", spec="none", num_pages=64)
+            .generate(prompts, P)]
+    llm = LLM(target, draft=d, device="cpu", dtype="float32", spec=spec, budget=budget, topk=topk, num_pages=64)
+    llm.engine.runner.use_triton = llm.engine.speculator.drafter.use_triton = True
+    rows, real = [], triton_linear.norm_linear
+    monkeypatch.setattr(triton_linear, "norm_linear", lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k))
+    assert [o.token_ids for o in llm.generate(prompts, P)] == want
+    width = 2 * (budget + 1 if budget else 4)  # both requests' trees (or drafter blocks) in one step
+    assert width in rows or 2 * 4 in rows

@@ -139,6 +139,7 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
     requests with `context` cached tokens (fake requests; their pages are returned afterwards)."""
     from ddtree.engine.engine import DecodeInputs
     from ddtree.engine.sequence import Sequence
+    from ddtree.spec.decode import AdaptiveSpeculator
     from ddtree.spec.draft import StepInputs
 
     eng = llm.engine
@@ -163,6 +164,9 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
                              (starts[:, None] - C + torch.arange(C, device=dev)),
                              torch.full((bs, C), dr.scratch_slot, device=dev))
             row["draft_step_ms"] = time_graph(dr.logits, inp)
+            if not isinstance(eng.speculator, AdaptiveSpeculator):  # a fixed budget: the whole step (draft, tree, verify,
+                # accept, K/V compaction), as the engine replays it
+                row["spec_step_ms"] = time_graph(eng.speculator._graph_step, inp)
             taps = dr.layer_ids
             for n in widths:
                 depth = torch.arange(n, device=dev).expand(bs, n).contiguous()

@@ -100,16 +100,22 @@ def _linear_kernel(X, R, G, ROut, W, Bias, Y, M, N, K, stride_x, stride_r, strid
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+# Block sizes by tile height (1, 16, 32 or 64 rows) and shape kind: "small" (q|k|v, o: 896 deep,
+# about 1,000 wide), "wide" (gate|up: 4,864 per half), "deep" (down: 4,864 deep). From
+# `benchmarks/linear_tune.py` on the H200 at the default target's shapes.
+CONFIGS = {
+    1: {"small": Config(2, 1024, 1), "wide": Config(4, 512, 1), "deep": Config(1, 1024, 1)},
+    16: {"small": Config(16, 128, 1), "wide": Config(16, 128, 1), "deep": Config(16, 128, 1)},
+    32: {"small": Config(16, 128, 2), "wide": Config(16, 128, 2), "deep": Config(16, 128, 2)},
+    64: {"small": Config(16, 128, 4), "wide": Config(16, 128, 4), "deep": Config(16, 128, 4)},
+}
+
+
 def linear_config(m: int, n: int, k: int) -> Config:
-    """Block sizes for `m` rows, `n` output columns (GLU: per half) and depth `k`. One row: from
-    `benchmarks/gemv_tune.py` on the H200 at the default target's shapes (one warp per program, many
-    programs, a whole 896-wide row per load where it fits). More rows: tensor-core tiles of 16 columns."""
-    if m == 1:
-        block_k = min(1024, triton.next_power_of_2(k))
-        if n >= 4096:
-            return Config(4, min(block_k, 512), 1)
-        return Config(2 if k <= 1024 else 1, block_k, 1)
-    return Config(16, 128, max(1, _block_m(m) // 16))
+    """Block sizes for `m` rows, `n` output columns (GLU: per half) and depth `k`."""
+    kind = "wide" if n >= 4096 else "deep" if k > 1024 else "small"
+    c = CONFIGS[_block_m(m)][kind]
+    return c._replace(block_k=min(c.block_k, max(16, triton.next_power_of_2(k))))
 
 
 def _block_m(m: int) -> int:
