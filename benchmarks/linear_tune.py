@@ -60,7 +60,7 @@ def calls(name: str, m: int, dev):
         h, _ = add_rms_norm(x, res, gamma, 1e-6)
         y = F.linear(h, w, bias)
         return silu_mul(y) if glu else y
-    return (lambda c: norm_linear(x, res, gamma, 1e-6, w, bias, glu, c)), base
+    return (lambda c: norm_linear(x, res, gamma, 1e-6, w, bias, glu, c)[0]), base
 
 
 def main() -> int:

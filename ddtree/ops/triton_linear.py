@@ -46,11 +46,14 @@ def _rounded(x, dtype):
 @triton.jit
 def _mac(acc, a, w, DOT: tl.constexpr, IEEE: tl.constexpr):
     """acc [BM, BN] += a [BM, BK] @ w[BN, BK]^T; without DOT, BM is 1 (a matrix-vector product)."""
-    if DOT:
+    if DOT:  # (one return at the end: the compiler also walks what follows an early return)
         if IEEE:  # fp32 products in fp32 (the same values as bf16 operands would give)
-            return tl.dot(a, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        return tl.dot(a.to(w.dtype), tl.trans(w), acc)
-    return acc + tl.sum(w.to(tl.float32) * a, axis=1)[None, :]
+            acc = tl.dot(a, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
+    else:
+        acc = acc + tl.sum(w.to(tl.float32) * a, axis=1)[None, :]
+    return acc
 
 
 @triton.jit
