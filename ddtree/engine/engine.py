@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -21,7 +22,7 @@ from ddtree.models.transformer import CausalLM
 from ddtree.ops.attention import pack_rows
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import CostTable, candidate_budgets
-from ddtree.spec.decode import AR_BURST, SHORT_BURST, SPEC_BURST, AdaptiveSpeculator, Speculator
+from ddtree.spec.decode import SHORT_BURST, SPEC_BURST, AdaptiveSpeculator, Speculator
 from ddtree.spec.draft import DraftRunner
 
 
@@ -37,6 +38,7 @@ class DecodeInputs:
     ids: torch.Tensor  # [R] last token of each request
     starts: torch.Tensor  # [R] its position
     block_tables: torch.Tensor  # [R, P] page ids
+    step: torch.Tensor  # [R] the step's index in its burst (auto: where its target features go)
 
 
 @dataclass(slots=True)
@@ -65,8 +67,8 @@ class LLMEngine:
         capacity = self.runner.num_pages * engine_cfg.page_size
         self.use_graphs = engine_cfg.cuda_graphs and self._graphs_supported()
         self.speculator = None
-        # Graphed AR decodes run in bursts of up to `burst` steps (see _decode_graphed).
-        self.burst = DECODE_BURST if self.use_graphs and not speculative else 1
+        # Graphed AR decodes (also auto's AR steps) run in bursts of up to `burst` steps (_decode_graphed).
+        self.burst = DECODE_BURST if self.use_graphs and (auto or not speculative) else 1
         # K/V slots a decode step writes past a request's cached tokens: the tree or the draft block,
         # or one per step of an AR burst; a burst of speculative steps advances up to a block per
         # step before its last tree.
@@ -75,7 +77,7 @@ class LLMEngine:
             block = drafter.dcfg.block_size
             width = max(budget + 1, block)
             if self.use_graphs:  # graphed bursts: speculative steps (fixed budget) or AR steps (auto)
-                width = max(width, AR_BURST) if auto else width + (SPEC_BURST - 1) * block
+                width = max(width, self.burst) if auto else width + (SPEC_BURST - 1) * block
         max_pages = -(-(min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position) + width)
                       // engine_cfg.page_size)
         if speculative:
@@ -88,9 +90,15 @@ class LLMEngine:
                 self.speculator = Speculator(self.runner, draft_runner, budget, topk, self.use_graphs,
                                              engine_cfg.max_num_seqs, max_pages)
         self.decode_graphs = None
-        if self.use_graphs and self.speculator is None:
-            self.decode_graphs = GraphPool(self._graph_decode, engine_cfg.max_num_seqs,
-                                           pad={"block_tables": self.runner.scratch_page},
+        if self.use_graphs and (self.speculator is None or auto):
+            # auto's AR steps are the engine's, plus each step's target features kept for the drafter
+            # (stored into its cache once per burst), so choosing AR costs about what plain AR does.
+            fn = self._graph_decode
+            if auto:
+                fn = self._graph_decode_taps
+                self.tap_ring = torch.zeros(engine_cfg.max_num_seqs, self.burst, draft_runner.feat_dim,
+                                            dtype=dtype, device=device)
+            self.decode_graphs = GraphPool(fn, engine_cfg.max_num_seqs, pad={"block_tables": self.runner.scratch_page},
                                            widths={"block_tables": max_pages})
         self.prefill_graphs: dict[int, GraphPool] = {}
         if self.use_graphs and PREFILL_GRAPHS:
@@ -163,15 +171,23 @@ class LLMEngine:
         if self.speculator is None:
             if self.decode_graphs is not None and step.decode and len(step.decode) <= self.decode_graphs.max_batch:
                 touched = self._forward_and_sample(step.prefill) if step.prefill else []
-                return touched + self._decode_graphed(step.decode)
+                self._decode_graphed(step.decode)
+                return touched + step.decode
             # AR: prompt chunks and single-token decodes share one forward
             return self._forward_and_sample(step.prefill + [(seq, 1) for seq in step.decode])
-        touched = self._forward_and_sample(step.prefill, self.speculator.drafter.layer_ids) if step.prefill else []
+        spec = self.speculator
+        touched = self._forward_and_sample(step.prefill, spec.drafter.layer_ids) if step.prefill else []
         if step.decode:
             # a prefill chunk still running on the device would count in the step times auto measures
-            self.speculator.timed = not step.prefill
-            self.speculator.short_bursts = self._admitting()
-            self.speculator.step(step.decode, self.commit)
+            spec.timed = not step.prefill
+            spec.short_bursts = self._admitting()
+            ar = spec.ar_steps(len(step.decode)) if isinstance(spec, AdaptiveSpeculator) else 0
+            if ar and self.decode_graphs is not None and len(step.decode) <= self.decode_graphs.max_batch:
+                self._auto_ar_burst(step.decode, ar)
+            elif ar:
+                spec.ar_step(step.decode, self.commit)
+            else:
+                spec.step(step.decode, self.commit)
         return touched + step.decode
 
     def _forward_and_sample(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
@@ -220,22 +236,49 @@ class LLMEngine:
         inp.starts.add_(1)
         return logits
 
-    def _decode_graphed(self, seqs: list[Sequence]) -> list[Sequence]:
+    def _graph_decode_taps(self, inp: "DecodeInputs") -> torch.Tensor:
+        """`_graph_decode` for auto: also the step's target features into row `step` of the ring."""
+        logits, feats = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts,
+                                                    self.speculator.drafter.layer_ids)
+        self.tap_ring[torch.arange(feats.shape[0], device=feats.device), inp.step] = feats
+        inp.step.add_(1)
+        inp.ids.copy_(logits.argmax(dim=-1))
+        inp.starts.add_(1)
+        return logits
+
+    def _auto_ar_burst(self, seqs: list[Sequence], most: int) -> None:
+        """AR steps chosen by auto (at most `most`): a graphed AR burst whose target features are kept
+        per step and then stored into the drafter's cache in one pass, so a later draft finds its
+        context up to date."""
+        spec = self.speculator
+        spec.drafter.store_pending(seqs)  # rows still pending (a prompt's, a verified path's) go first
+        firsts, outs = [s.num_cached for s in seqs], [len(s.output_ids) for s in seqs]
+        t0 = time.perf_counter()
+        steps = self._decode_graphed(seqs, most)
+        spec.drafter.store_rows(self.tap_ring, seqs, firsts,
+                                [0 if s.is_finished else s.num_cached - f for s, f in zip(seqs, firsts)])
+        for s in seqs:
+            s.draft_len = s.num_cached
+        spec.after_ar_burst(len(seqs), steps, sum(len(s.output_ids) - n for s, n in zip(seqs, outs)),
+                            (time.perf_counter() - t0) * 1e3)
+
+    def _decode_graphed(self, seqs: list[Sequence], most: int | None = None) -> int:
         """AR decode steps for a fixed batch, pipelined: step i+1 is launched (its input tokens are step
         i's samples, still on the device) before step i's tokens are read back and committed, so the
         GPU never waits for the host's graph launch, read-back and bookkeeping. The burst ends after
         `_burst_length` steps or one step after a request finishes (that request's last step is wasted;
-        its K/V land in pages it held, which nobody reuses before the next schedule)."""
+        its K/V land in pages it held, which nobody reuses before the next schedule). Returns the number
+        of steps run."""
         R, pool = len(seqs), self.decode_graphs
         rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
                          self.runner.scratch_page, self.device)
         params = [s.params for s in seqs]
         sampler = None if all(p.greedy for p in params) else \
             RowSampler(params, [s.generator for s in seqs], self.device)  # built once for the burst
-        pending = None
-        for i in range(self._burst_length(seqs)):
+        pending, steps = None, min(self._burst_length(seqs), most or self.burst)
+        for i in range(steps):
             if i == 0:
-                logits = pool.run(DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2:]))
+                logits = pool.run(DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2:], torch.zeros_like(rows[:, 0])))
             else:  # the graph already wrote this step's inputs
                 logits = pool.replay(R)
             tokens = pool.static["ids"][:R]  # the greedy tokens, also the next step's inputs
@@ -245,9 +288,10 @@ class LLMEngine:
             ended = pending is not None and self._commit_decoded(seqs, pending)
             pending = launched
             if ended:
+                steps = i + 1
                 break
         self._commit_decoded(seqs, pending)
-        return seqs
+        return steps
 
     def _burst_length(self, seqs: list[Sequence]) -> int:
         # Short bursts while a request waits for a free slot, so its prefill is not held back.

@@ -27,7 +27,6 @@ from ddtree.spec.draft import DraftRunner, StepInputs
 from ddtree.spec.tree import Candidates, Tree, build_tree, candidates, cut_tree, expected_accepts
 from ddtree.spec.verify import walk
 
-AR_BURST = 16  # AR steps of `auto` per engine step at most, pipelined (the engine holds new requests meanwhile)
 # Graphed speculative steps per engine step at most, pipelined: each burst pays one drain and one
 # unhidden graph launch, so longer is faster; 8 steps take about as long as 16 AR steps.
 SPEC_BURST = 8
@@ -249,9 +248,11 @@ class AdaptiveSpeculator(Speculator):
     A step is split in two at the budget choice: draft (drafter block, candidate nodes for the largest
     budget, expected accepted lengths of every budget), one read-back, then the tree of the chosen
     budget cut from the candidates, verified and accepted. On GPU each half is a CUDA graph (the draft,
-    and one verify graph per budget). An AR step skips the draft: the target alone, its features
-    written straight into the drafter's cache inside the step, so a later draft finds its context up
-    to date and stays graphed (at most `ctx_rows` pending rows: a verified path's)."""
+    and one verify graph per budget). AR steps skip the draft: before each decode step the engine asks
+    `ar_steps`, and runs AR steps as its own graphed bursts, keeping each step's target features and
+    storing them into the drafter's cache after the burst; so a later draft finds its context up to
+    date and stays graphed (at most `ctx_rows` pending rows: a verified path's). Without graphs (the
+    CPU) `ar_step` runs one AR step that stores its own row."""
 
     def __init__(self, runner: ModelRunner, drafter: DraftRunner, topk: int, use_graphs: bool = False,
                  max_batch: int = 64, max_pages: int = 0, table: CostTable | None = None):
@@ -291,8 +292,36 @@ class AdaptiveSpeculator(Speculator):
         packed = torch.cat([torch.zeros_like(ids), pred_fn(logits).long(), ids], 1)
         return StepOutputs(packed.view(R, 3), feats)
 
+    def ar_steps(self, batch: int) -> int:
+        """Asked by the engine before each decode step: 0 to draft now (`step`), else how many AR steps
+        to take first (the engine runs them as a graphed AR burst, `ar_step` on the CPU)."""
+        return 0 if self.policy.should_draft(batch) else 1 + self.policy.ar_steps_ahead()
+
+    def after_ar_burst(self, batch: int, steps: int, request_steps: int, elapsed_ms: float) -> None:
+        """The engine ran `steps` AR steps for `batch` requests (`request_steps` tokens committed) in
+        `elapsed_ms`."""
+        self.policy.skip_ar(steps - 1)
+        self.stats.budget_hist[0] += request_steps
+        if self.timed:
+            self.policy.observe_time("ar", batch, elapsed_ms / steps, self.policy.table.ar_ms(batch))
+
+    @torch.inference_mode()
+    def ar_step(self, seqs: list[Sequence], commit) -> None:
+        """One eager AR step that stores its drafter context row itself (no CUDA graphs: the CPU)."""
+        self.drafter.store_pending(seqs)  # AR steps append to the drafter cache: no gap before them
+        rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
+                         self.runner.scratch_page, self.runner.device)
+        t0 = time.perf_counter()
+        out = self._budget_step(0, RootInputs(rows[:, 0], rows[:, 1], rows[:, 2:]),
+                                lambda logits: self._sample(seqs, logits))
+        self._commit(seqs, out, commit, 0)
+        if self.timed and self.draft_graphs is None:  # timed as the table was (eager)
+            self.policy.observe_time("ar", len(seqs), (time.perf_counter() - t0) * 1e3,
+                                     self.policy.table.ar_ms(len(seqs)))
+
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], commit) -> None:
+        """A speculative step (the engine asked `ar_steps` first): draft, choose the budget, verify."""
         R = len(seqs)
         graphed = self.draft_graphs is not None and R <= self.draft_graphs.max_batch and \
             all(s.params.greedy for s in seqs)
@@ -301,13 +330,6 @@ class AdaptiveSpeculator(Speculator):
         def run(budget: int, inp) -> StepOutputs:
             return self.verify_graphs[budget].run(inp) if graphed else self._budget_step(budget, inp, eager_pred)
 
-        if not self.policy.should_draft(R):
-            self.drafter.store_pending(seqs)  # AR steps append to the drafter cache: no gap before them
-            t0 = time.perf_counter()
-            steps = self._ar_burst(seqs, commit, run, graphed)
-            if self.timed and (graphed or self.draft_graphs is None):  # timed as the table was
-                self.policy.observe_time("ar", R, (time.perf_counter() - t0) * 1e3 / steps, self.policy.table.ar_ms(R))
-            return
         # Only the draft depends on the context width: a new prompt's context, wider than the draft
         # graph's, goes into the drafter cache first (eagerly, one pass) so the step stays graphed.
         short = all(s.num_cached - s.draft_len <= self.ctx_rows for s in seqs)
@@ -332,47 +354,6 @@ class AdaptiveSpeculator(Speculator):
                 t = self.policy.table
                 self.policy.observe_time("spec", R, (time.perf_counter() - t0) * 1e3,
                                          t.draft_ms(R) + t.verify_ms(budget, R))
-
-    def _ar_burst(self, seqs: list[Sequence], commit, run, graphed: bool) -> int:
-        """AR steps until the policy wants a draft, pipelined when graphed (as the engine's AR bursts):
-        step i+1 is launched from step i's tokens on the device before step i is read back and
-        committed. Ends one step after a request finishes (that step is wasted for it). Returns the
-        number of steps."""
-        R = len(seqs)
-        rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
-                         self.runner.scratch_page, self.runner.device)
-        inp = RootInputs(rows[:, 0], rows[:, 1], rows[:, 2:])
-        if not graphed:
-            self._commit(seqs, run(0, inp), commit, 0)
-            return 1
-        left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
-        pending, steps = None, 0
-        most = SHORT_BURST if self.short_bursts else AR_BURST
-        for _ in range(max(1, min(1 + self.policy.ar_steps_ahead(), left, most))):
-            out = run(0, inp)
-            steps += 1
-            # graph outputs are static buffers: keep this step's tokens before the next replay overwrites them
-            packed = out.packed[:R].clone()
-            inp = RootInputs(packed[:, 1], inp.starts + 1, inp.block_tables)
-            launched = self.readback.start(packed.flatten())
-            ended = pending is not None and self._commit_read(seqs, pending, commit)
-            pending = launched
-            if ended:
-                break
-        self._commit_read(seqs, pending, commit)
-        self.policy.skip_ar(steps - 1)
-        return steps
-
-    def _commit_read(self, seqs: list[Sequence], handle: int, commit) -> bool:
-        """Commits one AR step of a burst; True if a request finished."""
-        flat = self.readback.result(handle, 3 * len(seqs))
-        live = [i for i, s in enumerate(seqs) if not s.is_finished]
-        for i in live:
-            seqs[i].num_cached += 1
-            seqs[i].draft_len = seqs[i].num_cached  # the step stored its drafter context row
-            commit(seqs[i], [flat[3 * i + 1]])
-        self.stats.budget_hist[0] += len(live)
-        return any(seqs[i].is_finished for i in live)
 
     def _fake_context(self) -> int:
         ps = self.runner.page_size

@@ -75,25 +75,36 @@ class DraftRunner:
 
     def store_pending(self, seqs: list[Sequence]) -> None:
         """Moves every request's pending target features into the drafter cache now, outside a draft
-        (before AR steps, which then add their own rows: `store_step`). Positions and slots are
+        (before AR steps: auto's AR bursts add theirs with `store_rows`). Positions and slots are
         computed on the device: after a prefill a request may have thousands of rows."""
         counts = [s.num_cached - s.draft_len for s in seqs]
-        total = sum(counts)
-        assert total == sum(f.shape[0] for s in seqs for f in s.pending_features), "drafter context out of sync"
-        if not total:
+        assert sum(counts) == sum(f.shape[0] for s in seqs for f in s.pending_features), "drafter context out of sync"
+        if not sum(counts):
             return
-        dev = self.device
-        req = pack_rows([s.block_table for s in seqs], [[s.draft_len for s in seqs], counts],
-                        self.scratch_slot // self.page_size, dev)
-        firsts, n = req[:, 0], req[:, 1]
-        row = torch.repeat_interleave(torch.arange(len(seqs), device=dev), n, output_size=total)
-        pos = torch.arange(total, device=dev) - (n.cumsum(0) - n)[row] + firsts[row]
-        ps = self.page_size
-        slots = req[:, 2:][row, pos // ps] * ps + pos % ps  # (one page-table entry per row, not a table copy)
+        _, _, pos, slots = self._rows(seqs, [s.draft_len for s in seqs], counts)
         feats = torch.cat([f for s in seqs for f in s.pending_features])
         self.drafter.store_context(feats, pos, slots, self.use_triton)
         for seq in seqs:
             seq.draft_len, seq.pending_features = seq.num_cached, []
+
+    def store_rows(self, feats: torch.Tensor, seqs: list[Sequence], firsts: list[int], counts: list[int]) -> None:
+        """Features of an AR burst into the drafter cache: request i's first counts[i] rows of
+        feats [R, S, K*D] (one per step, on the device), for positions firsts[i] onwards."""
+        if not sum(counts):
+            return
+        row, j, pos, slots = self._rows(seqs, firsts, counts)
+        self.drafter.store_context(feats[row, j], pos, slots, self.use_triton)
+
+    def _rows(self, seqs: list[Sequence], firsts: list[int], counts: list[int]):
+        """(request, index within its rows, position, cache slot) of counts[i] rows per request from
+        position firsts[i], flattened, on the device (one host->device copy)."""
+        total, dev, ps = sum(counts), self.device, self.page_size
+        req = pack_rows([s.block_table for s in seqs], [firsts, counts], self.scratch_slot // ps, dev)
+        first, n = req[:, 0], req[:, 1]
+        row = torch.repeat_interleave(torch.arange(len(seqs), device=dev), n, output_size=total)
+        j = torch.arange(total, device=dev) - (n.cumsum(0) - n)[row]
+        pos = first[row] + j
+        return row, j, pos, req[:, 2:][row, pos // ps] * ps + pos % ps  # (a page-table entry per row, no copies)
 
     def store_step(self, feats: torch.Tensor, starts: torch.Tensor, block_tables: torch.Tensor) -> None:
         """An AR step's root features [R, K*D] into the drafter cache at positions `starts`; device
