@@ -2,7 +2,7 @@
 ops they replace, at the default target's layer shapes, for every candidate block configuration and
 for 1..64 rows; run on the H200.
 
-    python benchmarks/linear_tune.py [OUT.jsonl]
+    python benchmarks/linear_tune.py [OUT.jsonl [ROWS,...]]   (rows: default 1,16,33,64)
 
 Each timing is a CUDA graph of 50 back-to-back calls (launch cost excluded, as in the engine's
 graphs), median of 20 replays, in microseconds per call. Prints per row count the best configuration
@@ -31,7 +31,7 @@ ROWS = [1, 16, 33, 64]  # one per tile height (1, 16, 32 and 64 rows share compi
 def configs(m: int) -> list[Config]:
     if m == 1:
         return [Config(*c) for c in product((1, 2, 4, 8), (512, 1024), (1, 2))]
-    return [Config(*c) for c in product((16, 32), (64, 128, 256), (1, 2, 4))]
+    return [Config(*c) for c in product((16, 32), (64, 128), (2, 4), (1, 4, 8))]  # (split-K: more programs)
 
 
 def time_us(fn, calls: int = 50, reps: int = 20) -> float:
@@ -66,7 +66,7 @@ def calls(name: str, m: int, dev):
 def main() -> int:
     out = open(sys.argv[1], "w") if len(sys.argv) > 1 else None
     dev = torch.device("cuda")
-    for m in ROWS:
+    for m in [int(r) for r in sys.argv[2].split(",")] if len(sys.argv) > 2 else ROWS:
         best: dict[str, dict] = {}
         base_total = default_total = 0.0
         per_kind: dict[str, dict[Config, float]] = {}

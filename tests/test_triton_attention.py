@@ -139,14 +139,16 @@ def test_few_rows_linear_matches_a_linear_layer(m, n, k, bias):
     torch.testing.assert_close(linear(x, w, b), want, atol=1e-4, rtol=1e-4)
     other = Config(4, 64, 2) if m == 1 else Config(32, 32, 2)  # block sizes that do not divide the shapes
     torch.testing.assert_close(linear(x, w, b, other), want, atol=1e-4, rtol=1e-4)
+    split = other._replace(split_k=3)  # depth slices summed by the epilogue kernel
+    torch.testing.assert_close(linear(x, w, b, split), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("m", [1, 5])
-def test_norm_linear_is_residual_add_rms_norm_then_linear(dtype, with_residual, m):
+@pytest.mark.parametrize("m,split", [(1, 1), (5, 1), (1, 4), (5, 4)])
+def test_norm_linear_is_residual_add_rms_norm_then_linear(dtype, with_residual, m, split):
     from ddtree.ops.fused import add_rms_norm, rms_norm
-    from ddtree.ops.triton_linear import norm_linear
+    from ddtree.ops.triton_linear import linear_config, norm_linear
     g = torch.Generator().manual_seed(3)
     n, k = 40, 300
     x, res = torch.randn(m, k, generator=g).to(dtype), torch.randn(m, k, generator=g).to(dtype)
@@ -157,7 +159,8 @@ def test_norm_linear_is_residual_add_rms_norm_then_linear(dtype, with_residual, 
     else:
         normed, want_res = rms_norm(x, gamma, 1e-6), x
     want = (normed.float() @ w.float().T + b.float()).to(dtype)
-    got, got_res = norm_linear(x, res if with_residual else None, gamma, 1e-6, w, b)
+    cfg = linear_config(m, n, k)._replace(block_k=64, split_k=split)  # 300 deep: 4 slices of 64 and 128
+    got, got_res = norm_linear(x, res if with_residual else None, gamma, 1e-6, w, b, config=cfg)
     # The norm's scale is applied after the product (and the interpreter truncates fp32 -> bf16 where
     # the GPU rounds to nearest): a few bf16 steps apart.
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.3, rtol=0.03)
@@ -166,11 +169,11 @@ def test_norm_linear_is_residual_add_rms_norm_then_linear(dtype, with_residual, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 7])
-def test_glu_norm_linear_is_the_mlp_activation(dtype, m):
+@pytest.mark.parametrize("m,split", [(1, 1), (7, 1), (7, 2)])
+def test_glu_norm_linear_is_the_mlp_activation(dtype, m, split):
     # gate|up stacked: the product's epilogue gives silu(gate) * up, what the down projection reads.
     from ddtree.ops.fused import add_rms_norm, silu_mul
-    from ddtree.ops.triton_linear import norm_linear
+    from ddtree.ops.triton_linear import linear_config, norm_linear
     g = torch.Generator().manual_seed(4)
     n, k = 24, 200
     x, res = torch.randn(m, k, generator=g).to(dtype), torch.randn(m, k, generator=g).to(dtype)
@@ -178,7 +181,7 @@ def test_glu_norm_linear_is_the_mlp_activation(dtype, m):
     w = (torch.randn(2 * n, k, generator=g) / 8).to(dtype)
     normed, _ = add_rms_norm(x, res, gamma, 1e-6)
     want = silu_mul((normed.float() @ w.float().T).to(dtype))
-    got, _ = norm_linear(x, res, gamma, 1e-6, w, glu=True)
+    got, _ = norm_linear(x, res, gamma, 1e-6, w, glu=True, config=linear_config(m, n, k)._replace(split_k=split))
     assert got.shape == (m, n)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.06, rtol=0.03)
     torch.testing.assert_close(got, want, **tol)

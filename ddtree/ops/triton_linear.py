@@ -35,6 +35,7 @@ class Config(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
+    split_k: int = 1  # depth slices, each its own program (more programs for few columns), summed after
 
 
 @triton.jit
@@ -57,11 +58,33 @@ def _mac(acc, a, w, DOT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _linear_kernel(X, R, G, ROut, W, Bias, Y, M, N, K, stride_x, stride_r, stride_wn, eps,
+def _finish(acc, acc_up, sq, Bias, cols, col_ok, N, K, eps, dtype, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+            GLU: tl.constexpr):
+    """The product's epilogue: the norm's 1/rms per row, the bias, silu(gate) * up (rounded as the
+    eager ops round)."""
+    if NORM:
+        rstd = 1.0 / tl.sqrt(sq / K + eps)
+        acc = acc * rstd[:, None]
+        acc_up = acc_up * rstd[:, None]
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            acc_up += tl.load(Bias + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GLU:
+        gate = _rounded(acc, dtype)
+        acc = _rounded(gate / (1.0 + tl.exp(-gate)), dtype) * _rounded(acc_up, dtype)
+    return acc
+
+
+@triton.jit
+def _linear_kernel(X, R, G, ROut, W, Bias, Y, Part, SqPart, M, N, K, K_PER, stride_x, stride_r, stride_wn, eps,
                    NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
-                   DOT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
+                   DOT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (n, s): output columns n * BLOCK_N.. of every row, over depth slice s (K_PER wide). One
+    slice: the finished product into Y. Several: fp32 partial sums (and the rows' partial sums of
+    squares) into Part / SqPart, finished by `_split_epilogue_kernel`."""
+    pid, split = tl.program_id(0), tl.program_id(1)
     dtype = X.dtype.element_ty
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -71,46 +94,72 @@ def _linear_kernel(X, R, G, ROut, W, Bias, Y, M, N, K, stride_x, stride_r, strid
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = split * K_PER
+    k_hi = tl.minimum(K, k_lo + K_PER)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
+        k_ok = ks < k_hi
         x_ok = row_ok[:, None] & k_ok[None, :]
         a = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=x_ok, other=0.0).to(tl.float32)
         if NORM:
-            if HAS_RES:  # the residual stream x + r, stored once (by program 0)
+            if HAS_RES:  # the residual stream x + r, stored once (by the programs of columns 0..)
                 a = _rounded(a + tl.load(R + rows[:, None] * stride_r + ks[None, :], mask=x_ok,
                                          other=0.0).to(tl.float32), dtype)
                 tl.store(ROut + rows[:, None] * K + ks[None, :], a,
-                         mask=x_ok & (ks[None, :] < K - pid * K))  # program 0 only
+                         mask=x_ok & (ks[None, :] < K - pid * K))  # pid 0 only
             sq += tl.sum(a * a, axis=1)
             a = _rounded(a * tl.load(G + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :], dtype)
         w_ok = col_ok[:, None] & k_ok[None, :]
         acc = _mac(acc, a, tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0), DOT, IEEE)
         if GLU:
             acc_up = _mac(acc_up, a, tl.load(w_rows + N * stride_wn + ks[None, :], mask=w_ok, other=0.0), DOT, IEEE)
-    if NORM:
-        rstd = 1.0 / tl.sqrt(sq / K + eps)
-        acc = acc * rstd[:, None]
-        acc_up = acc_up * rstd[:, None]
-    if HAS_BIAS:
-        acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT == 1:
+        acc = _finish(acc, acc_up, sq, Bias, cols, col_ok, N, K, eps, dtype, NORM, HAS_BIAS, GLU)
+        tl.store(Y + rows[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty), mask=out_ok)
+    else:  # partials [SPLIT, 2 (gate, up), M, N] and [SPLIT, M]
+        part = Part + split * 2 * M * N + rows[:, None] * N + cols[None, :]
+        tl.store(part, acc, mask=out_ok)
         if GLU:
-            acc_up += tl.load(Bias + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if GLU:  # silu(gate) * up, rounded as the eager ops round
-        gate = _rounded(acc, dtype)
-        acc = _rounded(gate / (1.0 + tl.exp(-gate)), dtype) * _rounded(acc_up, dtype)
-    tl.store(Y + rows[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+            tl.store(part + M * N, acc_up, mask=out_ok)
+        if NORM:
+            tl.store(SqPart + split * M + rows, sq, mask=row_ok & (rows < M - pid * M))  # pid 0 only
+
+
+@triton.jit
+def _split_epilogue_kernel(Part, SqPart, Bias, Y, M, N, K, eps, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           GLU: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sums a split product's partials in a fixed order (deterministic) and finishes it."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        part = Part + s * 2 * M * N + rows[:, None] * N + cols[None, :]
+        acc += tl.load(part, mask=out_ok, other=0.0)
+        if GLU:
+            acc_up += tl.load(part + M * N, mask=out_ok, other=0.0)
+        if NORM:
+            sq += tl.load(SqPart + s * M + rows, mask=row_ok, other=0.0)
+    acc = _finish(acc, acc_up, sq, Bias, cols, col_ok, N, K, eps, Y.dtype.element_ty, NORM, HAS_BIAS, GLU)
+    tl.store(Y + rows[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty), mask=out_ok)
 
 
 # Block sizes by tile height (1, 16, 32 or 64 rows) and shape kind: "small" (q|k|v, o: 896 deep,
-# about 1,000 wide), "wide" (gate|up: 4,864 per half), "deep" (down: 4,864 deep). From
-# `benchmarks/linear_tune.py` on the H200 at the default target's shapes.
+# about 1,000 wide), "wide" (gate|up: 4,864 per half), "deep" (down: 4,864 deep). One row: from
+# `benchmarks/linear_tune.py` on the H200 at the default target's shapes. More rows: guesses with
+# split-K (the unsplit tiles measured 1.3-2.9x slower than cuBLAS: too few programs), not yet tuned;
+# the model uses this path for one row only (transformer.FUSED_ROWS).
 CONFIGS = {
     1: {"small": Config(2, 1024, 1), "wide": Config(4, 512, 1), "deep": Config(1, 1024, 1)},
-    16: {"small": Config(16, 128, 1), "wide": Config(16, 128, 1), "deep": Config(16, 128, 1)},
-    32: {"small": Config(16, 128, 2), "wide": Config(16, 128, 2), "deep": Config(16, 128, 2)},
-    64: {"small": Config(16, 128, 4), "wide": Config(16, 128, 4), "deep": Config(16, 128, 4)},
+    16: {"small": Config(16, 128, 2, 4), "wide": Config(16, 128, 2, 2), "deep": Config(16, 128, 2, 8)},
+    32: {"small": Config(16, 128, 2, 4), "wide": Config(16, 128, 2, 2), "deep": Config(16, 128, 2, 8)},
+    64: {"small": Config(16, 128, 4, 4), "wide": Config(16, 128, 4, 2), "deep": Config(16, 128, 4, 8)},
 }
 
 
@@ -134,13 +183,24 @@ def _launch(x, weight, bias, residual=None, norm_weight=None, eps=0.0, glu=False
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(1) == 1
     cfg = config or linear_config(m, n, k)
-    _linear_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, r_out,
-        weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
+    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    k_per = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k  # each slice whole blocks
+    split = triton.cdiv(k, k_per)
+    part = torch.empty(split, 2, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    sq_part = torch.empty(split, m, dtype=torch.float32, device=x.device) if split > 1 else y
+    norm, has_bias = norm_weight is not None, bias is not None
+    _linear_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x, residual if residual is not None else x, norm_weight if norm else x, r_out,
+        weight, bias if has_bias else weight, y, part, sq_part, m, n, k, k_per, x.stride(0),
         residual.stride(0) if residual is not None else 0, weight.stride(0), eps,
-        NORM=norm_weight is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None, GLU=glu,
-        DOT=m > 1, IEEE=x.dtype == torch.float32 or INTERPRETED, BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+        NORM=norm, HAS_RES=residual is not None, HAS_BIAS=has_bias, GLU=glu,
+        DOT=m > 1, IEEE=x.dtype == torch.float32 or INTERPRETED, SPLIT=split, BLOCK_M=_block_m(m),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+    if split > 1:
+        block = 64
+        _split_epilogue_kernel[(triton.cdiv(n, block),)](
+            part, sq_part, bias if has_bias else weight, y, m, n, k, eps, NORM=norm, HAS_BIAS=has_bias, GLU=glu,
+            SPLIT=split, BLOCK_M=_block_m(m), BLOCK_N=block)
     return y, r_out
 
 
