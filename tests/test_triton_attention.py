@@ -187,9 +187,11 @@ def test_glu_norm_linear_is_the_mlp_activation(dtype, m, split):
     torch.testing.assert_close(got, want, **tol)
 
 
-def test_few_token_steps_take_the_fused_layer(tmp_path, monkeypatch):
-    # With the Triton path on, steps of at most MAX_ROWS tokens (these prefills, and decode steps of
-    # two requests) run DecoderLayer.few_rows (three fused products); the tokens equal the torch path's.
+@pytest.mark.parametrize("fused_rows", [1, 64])
+def test_few_token_steps_take_the_fused_layer(tmp_path, monkeypatch, fused_rows):
+    # With the Triton path on, steps of at most FUSED_ROWS tokens run DecoderLayer.few_rows (three fused
+    # products): by default one-token decode steps; with 64, also these prefills and decode steps of two
+    # requests. The tokens equal the torch path's.
     from tiny import make_tiny_model
 
     from ddtree import LLM, SamplingParams
@@ -198,14 +200,18 @@ def test_few_token_steps_take_the_fused_layer(tmp_path, monkeypatch):
     real = transformer.DecoderLayer.few_rows
     monkeypatch.setattr(transformer.DecoderLayer, "few_rows", lambda self, h, *a: calls.append(h.shape[0]) or
                         real(self, h, *a))
+    monkeypatch.setattr(transformer, "FUSED_ROWS", fused_rows)
     llm = LLM(make_tiny_model(str(tmp_path), "qwen2"), device="cpu", dtype="float32", spec="none", num_pages=64)
     P = SamplingParams(max_tokens=5, ignore_eos=True)
-    prompts = [[5, 9, 11, 40, 2, 7], [100, 3, 8]]
+    prompts = [[5, 9, 11, 40, 2, 7], [100, 3, 8]][:1 if fused_rows == 1 else 2]
     want = [o.token_ids for o in llm.generate(prompts, P)]
     assert not calls
     llm.engine.runner.use_triton = True
     assert [o.token_ids for o in llm.generate(prompts, P)] == want
-    assert 2 in calls and len(calls) >= 4 * llm.config.num_layers  # decode steps of both requests
+    if fused_rows == 1:  # every decode step after the prefill
+        assert calls == [1] * 4 * llm.config.num_layers
+    else:
+        assert 2 in calls and 6 + 3 in calls  # decode steps of both requests, and the two prompts in one step
 
 
 def test_training_features_on_the_triton_path_equal_the_torch_path(tmp_path):
@@ -231,6 +237,7 @@ def test_speculative_steps_on_the_triton_path_equal_ar(spec, budget, topk, tmp_p
 
     from ddtree import LLM, SamplingParams
     from ddtree.config import ModelConfig
+    from ddtree.models import transformer
     from ddtree.models.dflash import random_drafter, save_drafter
     from ddtree.ops import triton_linear
     target, d = make_tiny_model(str(tmp_path / "t"), "qwen3"), str(tmp_path / "d")
@@ -241,6 +248,7 @@ def test_speculative_steps_on_the_triton_path_equal_ar(spec, budget, topk, tmp_p
             .generate(prompts, P)]
     llm = LLM(target, draft=d, device="cpu", dtype="float32", spec=spec, budget=budget, topk=topk, num_pages=64)
     llm.engine.runner.use_triton = llm.engine.speculator.drafter.use_triton = True
+    monkeypatch.setattr(transformer, "FUSED_ROWS", 64)  # (the default: one row; here verification's too)
     rows, real = [], triton_linear.norm_linear
     monkeypatch.setattr(triton_linear, "norm_linear", lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k))
     assert [o.token_ids for o in llm.generate(prompts, P)] == want
