@@ -94,7 +94,7 @@ class LLMEngine:
             # auto's AR steps are the engine's, plus each step's target features kept for the drafter
             # (stored into its cache once per burst), so choosing AR costs about what plain AR does.
             fn = self._graph_decode
-            if auto:
+            if self.speculator is not None:
                 fn = self._graph_decode_taps
                 self.tap_ring = torch.zeros(engine_cfg.max_num_seqs, self.burst, draft_runner.feat_dim,
                                             dtype=dtype, device=device)
@@ -253,6 +253,9 @@ class LLMEngine:
         spec = self.speculator
         spec.drafter.store_pending(seqs)  # rows still pending (a prompt's, a verified path's) go first
         firsts, outs = [s.num_cached for s in seqs], [len(s.output_ids) for s in seqs]
+        pool = self.decode_graphs
+        if next(b for b in pool.buckets if b >= len(seqs)) not in pool.graphs:
+            spec.timed = False  # this burst captures its graph first: not a time to learn from
         t0 = time.perf_counter()
         steps = self._decode_graphed(seqs, most)
         spec.drafter.store_rows(self.tap_ring, seqs, firsts,

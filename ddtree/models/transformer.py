@@ -25,7 +25,8 @@ FUSED_ROWS = 1
 
 
 def few_rows_path(x: torch.Tensor, batch: AttentionBatch) -> bool:
-    return GEMV and x.shape[0] <= FUSED_ROWS and batch.use_triton
+    from ddtree.ops.triton_linear import MAX_ROWS
+    return GEMV and x.shape[0] <= min(FUSED_ROWS, MAX_ROWS) and batch.use_triton
 
 
 class RMSNorm(nn.Module):

@@ -180,8 +180,8 @@ def _launch(x, weight, bias, residual=None, norm_weight=None, eps=0.0, glu=False
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     r_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else x
-    if residual is not None:
-        assert residual.shape == x.shape and residual.stride(1) == 1
+    if residual is not None:  # (the residual add lives in the norm's pass)
+        assert norm_weight is not None and residual.shape == x.shape and residual.stride(1) == 1
     cfg = config or linear_config(m, n, k)
     split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
     k_per = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k  # each slice whole blocks

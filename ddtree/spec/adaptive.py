@@ -96,10 +96,13 @@ class AdaptivePolicy:
     def observe_time(self, kind: str, batch: int, measured_ms: float, table_ms: float) -> None:
         """A real step of `kind` ("ar": per step of an AR burst, "spec": a draft plus a verify) took
         `measured_ms` where the table says `table_ms`. One sample counts at most 4x the table (a
-        stray stall, a first-time compile), and never below it: the extra is added to every budget's
-        cost, so a negative one could turn a cost negative."""
+        stray stall, a first-time compile). A speculative step is never counted below its table (the
+        extra is added to every budget's cost, so a negative one could turn a cost negative); an AR
+        step may be, down to half: the table times auto's own AR step, which stores the drafter's
+        context each step, and the engine's AR bursts store it once per burst."""
         key = (kind, _bucket(batch))
-        sample = max(0.0, min(measured_ms, 4 * table_ms) - table_ms)
+        low = -0.5 * table_ms if kind == "ar" else 0.0
+        sample = max(low, min(measured_ms, 4 * table_ms) - table_ms)
         old = self.extra.get(key)
         self.extra[key] = sample if old is None else (1 - self.decay) * old + self.decay * sample
 
