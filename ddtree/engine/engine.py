@@ -93,12 +93,12 @@ class LLMEngine:
         if self.use_graphs and (self.speculator is None or auto):
             # auto's AR steps are the engine's, plus each step's target features kept for the drafter
             # (stored into its cache once per burst), so choosing AR costs about what plain AR does.
-            fn = self._graph_decode
-            if self.speculator is not None:
-                fn = self._graph_decode_taps
+            self.decode_taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
+            if self.decode_taps:
                 self.tap_ring = torch.zeros(engine_cfg.max_num_seqs, self.burst, draft_runner.feat_dim,
                                             dtype=dtype, device=device)
-            self.decode_graphs = GraphPool(fn, engine_cfg.max_num_seqs, pad={"block_tables": self.runner.scratch_page},
+            self.decode_graphs = GraphPool(self._graph_decode, engine_cfg.max_num_seqs,
+                                           pad={"block_tables": self.runner.scratch_page},
                                            widths={"block_tables": max_pages})
         self.prefill_graphs: dict[int, GraphPool] = {}
         if self.use_graphs and PREFILL_GRAPHS:
@@ -229,19 +229,12 @@ class LLMEngine:
         return logits[:1], (feats[0, :n].clone() if feats.numel() else None)
 
     def _graph_decode(self, inp: "DecodeInputs") -> torch.Tensor:
-        logits = self.runner.decode_logits(inp.ids, inp.block_tables, inp.starts)
+        logits, feats = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts, self.decode_taps)
+        if feats is not None:  # auto: the step's target features into row `step` of the ring
+            self.tap_ring[torch.arange(feats.shape[0], device=feats.device), inp.step] = feats
+            inp.step.add_(1)
         # The next step's inputs, written by this one: its greedy tokens (sampled rows are overwritten
         # by the host's sampler before the next replay) one position further on.
-        inp.ids.copy_(logits.argmax(dim=-1))
-        inp.starts.add_(1)
-        return logits
-
-    def _graph_decode_taps(self, inp: "DecodeInputs") -> torch.Tensor:
-        """`_graph_decode` for auto: also the step's target features into row `step` of the ring."""
-        logits, feats = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts,
-                                                    self.speculator.drafter.layer_ids)
-        self.tap_ring[torch.arange(feats.shape[0], device=feats.device), inp.step] = feats
-        inp.step.add_(1)
         inp.ids.copy_(logits.argmax(dim=-1))
         inp.starts.add_(1)
         return logits

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ddtree.config import ModelConfig
-from ddtree.models.transformer import MLP, RMSNorm, Rotary, few_rows_path
+from ddtree.models.transformer import MLP, RMSNorm, Rotary, few_rows_path, project
 from ddtree.ops.attention import AttentionBatch, paged_attention, store_kv
 
 
@@ -88,11 +88,8 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
         (q,) = self.rotary[0](positions, q)
         k, v = self.kv(x, positions)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale).flatten(1)
-        if few_rows_path(o, batch):
-            from ddtree.ops.triton_linear import linear
-            return linear(o, self.o_proj.weight, self.o_proj.bias)
-        return self.o_proj(o)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
+        return project(self.o_proj, o.flatten(1), batch)
 
 
 class DraftLayer(nn.Module):
@@ -105,11 +102,9 @@ class DraftLayer(nn.Module):
 
     def forward(self, h, positions, ctx, ctx_positions, ctx_slots, batch):
         a = self.self_attn(self.input_layernorm(h), positions, ctx, ctx_positions, ctx_slots, batch)
-        if few_rows_path(h, batch):  # the residual add, norm and SiLU inside the MLP's products
-            from ddtree.ops.triton_linear import linear, norm_linear
-            ln2 = self.post_attention_layernorm
-            act, h = norm_linear(a, h, ln2.weight, ln2.eps, self.mlp.gate_up_proj.weight, glu=True)
-            return h + linear(act, self.mlp.down_proj.weight)
+        if few_rows_path(h, batch):
+            out, h = self.mlp.after_norm(a, h, self.post_attention_layernorm, batch)
+            return h + out
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h))
 

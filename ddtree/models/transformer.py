@@ -29,6 +29,14 @@ def few_rows_path(x: torch.Tensor, batch: AttentionBatch) -> bool:
     return GEMV and x.shape[0] <= min(FUSED_ROWS, MAX_ROWS) and batch.use_triton
 
 
+def project(layer: nn.Linear, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """layer(x): a few rows on the Triton path through the fused products' kernel, else cuBLAS."""
+    if few_rows_path(x, batch):
+        from ddtree.ops.triton_linear import linear
+        return linear(x, layer.weight, layer.bias)
+    return layer(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -132,11 +140,7 @@ class Attention(nn.Module):
             q, k, v = qkv_rope(qkv, positions, self.rotary[0].cos_sin, self.q_size, self.kv_size, self.head_dim,
                                qn, kn, eps)
             o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
-        o = o.flatten(1)
-        if few_rows_path(o, batch):
-            from ddtree.ops.triton_linear import linear
-            return linear(o, self.o_proj.weight, self.o_proj.bias)
-        return self.o_proj(o)
+        return project(self.o_proj, o.flatten(1), batch)
 
 
 class MLP(nn.Module):
@@ -148,6 +152,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+    def after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: "RMSNorm",
+                   batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual) for a few rows: the residual add, the norm and
+        SiLU-and-mul inside the products (ddtree/ops/triton_linear.py)."""
+        from ddtree.ops.triton_linear import norm_linear
+        act, residual = norm_linear(x, residual, norm.weight, norm.eps, self.gate_up_proj.weight, glu=True)
+        return project(self.down_proj, act, batch), residual
 
 
 class DecoderLayer(nn.Module):
@@ -174,12 +186,11 @@ class DecoderLayer(nn.Module):
     def few_rows(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                  batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() for a few tokens: norms, residual adds and SiLU run inside the projections."""
-        from ddtree.ops.triton_linear import linear, norm_linear
-        attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        from ddtree.ops.triton_linear import norm_linear
+        attn, ln1 = self.self_attn, self.input_layernorm
         qkv, residual = norm_linear(h, residual, ln1.weight, ln1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        a = attn.attend(qkv, positions, batch)
-        act, residual = norm_linear(a, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight, glu=True)
-        return linear(act, mlp.down_proj.weight), residual
+        return self.mlp.after_norm(attn.attend(qkv, positions, batch), residual, self.post_attention_layernorm,
+                                   batch)
 
 
 class TransformerModel(nn.Module):

@@ -74,7 +74,7 @@ class Speculator:
         # Set by the engine before each step: short bursts while a request waits for a free slot, and
         # whether the step's time is worth learning from (auto: not with a prefill chunk in flight).
         self.short_bursts, self.timed = False, True
-        # bursts read packed rows back: [R, depth + 3] (also enough for auto's AR rows, [R, 3])
+        # bursts read packed rows back: [R, depth + 3]
         self.readback = TokenReadback(max_batch * (self.depth + 3), runner.device)
 
     @property
