@@ -76,8 +76,8 @@ class LLMEngine:
         if speculative:
             block = drafter.dcfg.block_size
             width = max(budget + 1, block)
-            if self.use_graphs:  # graphed bursts: speculative steps (fixed budget) or AR steps (auto)
-                width = max(width, self.burst) if auto else width + (SPEC_BURST - 1) * block
+            if self.use_graphs:  # graphed bursts of speculative steps, and (auto) of AR steps
+                width = max(width + (SPEC_BURST - 1) * block, self.burst)
         max_pages = -(-(min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position) + width)
                       // engine_cfg.page_size)
         if speculative:

@@ -16,12 +16,14 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
 from ddtree.config import ModelConfig
-from ddtree.models.transformer import MLP, RMSNorm, Rotary, few_rows_path, project
+from ddtree.models.transformer import MLP, PackedLinear, RMSNorm, Rotary, few_rows_path, project
 from ddtree.ops.attention import AttentionBatch, paged_attention, store_kv
+from ddtree.ops.fused import qkv_rope
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -62,33 +64,62 @@ class DrafterConfig:
 
 
 class DraftAttention(nn.Module):
+    """The target's attention shapes with q/k norms (Qwen3), q|k|v packed into one projection. A
+    block's queries attend to the drafter's cached context plus the whole block (non-causal)."""
+
     def __init__(self, cfg: ModelConfig, rotary: Rotary):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = cfg.qkv_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.qkv_proj = PackedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+                                     bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = [rotary]
         self.scale = self.head_dim ** -0.5
+        half = self.head_dim // 2
+        self.fused_qkv = self.head_dim % 2 == 0 and half & (half - 1) == 0  # the Triton kernel's tile shape
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.k_norm(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
-        (k,) = self.rotary[0](positions, k)
-        return k, self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+    def _rows(self, x: torch.Tensor, start: int, size: int) -> torch.Tensor:
+        """x times one shard of the packed projection (training computes q and k|v of different rows)."""
+        w = self.qkv_proj.weight[start:start + size]
+        b = self.qkv_proj.bias[start:start + size] if self.qkv_proj.bias is not None else None
+        return F.linear(x, w, b)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor, ctx_positions: torch.Tensor,
-                ctx_slots: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        if ctx.shape[0]:  # new context tokens: K/V into the drafter cache at their positions
-            store_kv(*self.kv(ctx, ctx_positions), self.k_cache, self.v_cache, ctx_slots, batch.use_triton)
-        q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
-        (q,) = self.rotary[0](positions, q)
-        k, v = self.kv(x, positions)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
+    def q(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q = self.q_norm(self._rows(x, 0, self.q_size).view(-1, self.num_heads, self.head_dim))
+        return self.rotary[0](positions, q)[0]
+
+    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self._rows(x, self.q_size, 2 * self.kv_size).view(-1, 2, self.num_kv_heads, self.head_dim)
+        (k,) = self.rotary[0](positions, self.k_norm(kv[:, 0]))
+        return k, kv[:, 1]
+
+    def project_store(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      use_triton: bool) -> torch.Tensor:
+        """One packed projection of every row; K/V of row t into cache slot slots[t]. Returns the rows'
+        rotated q [T, H, D]. On the GPU: one GEMM and one kernel (norms, rotary, the cache writes)."""
+        qkv = self.qkv_proj(x)
+        qn, kn, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        if use_triton and self.fused_qkv:
+            from ddtree.ops.triton_qkv import qkv_rope_store
+            return qkv_rope_store(qkv, positions, self.rotary[0].cos_sin, slots, self.k_cache, self.v_cache,
+                                  self.num_heads, self.num_kv_heads, self.head_dim, qn, kn, eps)
+        q, k, v = qkv_rope(qkv, positions, self.rotary[0].cos_sin, self.q_size, self.kv_size, self.head_dim,
+                           qn, kn, eps)
+        store_kv(k, v, self.k_cache, self.v_cache, slots, use_triton)
+        return q
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                batch: AttentionBatch) -> torch.Tensor:
+        """x: the block's rows; ctx: new context rows (their K/V go into the drafter cache first);
+        positions and slots: of [ctx; block]. The block's K/V go to its slots past the context."""
+        n = ctx.shape[0]
+        q = self.project_store(torch.cat([ctx, x]) if n else x, positions, slots, batch.use_triton)[n:]
+        o = paged_attention(q, None, None, self.k_cache, self.v_cache, batch, self.scale)
         return project(self.o_proj, o.flatten(1), batch)
 
 
@@ -100,8 +131,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, positions, ctx, ctx_positions, ctx_slots, batch):
-        a = self.self_attn(self.input_layernorm(h), positions, ctx, ctx_positions, ctx_slots, batch)
+    def forward(self, h, ctx, positions, slots, batch):
+        a = self.self_attn(self.input_layernorm(h), ctx, positions, slots, batch)
         if few_rows_path(h, batch):
             out, h = self.mlp.after_norm(a, h, self.post_attention_layernorm, batch)
             return h + out
@@ -110,7 +141,8 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    packed = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+    packed = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+              "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
     def __init__(self, dcfg: DrafterConfig, target_hidden: int):
         super().__init__()
@@ -127,9 +159,12 @@ class DFlashDrafter(nn.Module):
         """block_embeds: [Tb, D] embedded block tokens; features: [Tc, K*D_target] target features of
         context tokens not yet in the drafter cache. Returns the normed block hidden states [Tb, D]."""
         ctx = self.hidden_norm(self.fc(features))
+        n = ctx.shape[0]
+        rows_pos = torch.cat([ctx_positions, positions]) if n else positions  # the layers project [ctx; block]
+        rows_slots = torch.cat([ctx_slots, batch.slot_mapping]) if n else batch.slot_mapping
         h = block_embeds
         for layer in self.layers:
-            h = layer(h, positions, ctx, ctx_positions, ctx_slots, batch)
+            h = layer(h, ctx, rows_pos, rows_slots, batch)
         return self.norm(h)
 
     def store_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -138,8 +173,7 @@ class DFlashDrafter(nn.Module):
         at `slots`, without drafting a block (what forward() does first)."""
         ctx = self.hidden_norm(self.fc(features))
         for layer in self.layers:
-            attn = layer.self_attn
-            store_kv(*attn.kv(ctx, positions), attn.k_cache, attn.v_cache, slots, use_triton)
+            layer.self_attn.project_store(ctx, positions, slots, use_triton)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         logits = lm_head(hidden).float() * self.dcfg.output_multiplier
@@ -167,13 +201,18 @@ def load_drafter(path: str, target_cfg: ModelConfig, device, dtype) -> DFlashDra
 
 
 def drafter_state_dict(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
-    """Weights under z-lab names (gate/up unpacked)."""
+    """Weights under z-lab names (q/k/v and gate/up unpacked)."""
     out = {}
+    unpack = {packed: [(leaf, shard) for leaf, (p, shard) in DFlashDrafter.packed.items() if p == packed]
+              for packed, _ in DFlashDrafter.packed.values()}
+    modules = dict(drafter.named_modules())
     for name, p in drafter.state_dict().items():
-        if "gate_up_proj" in name:
-            gate, up = p.chunk(2, dim=0)
-            out[name.replace("gate_up_proj", "gate_proj")] = gate
-            out[name.replace("gate_up_proj", "up_proj")] = up
+        module, leaf = name.rsplit(".", 1)
+        packed = module.rsplit(".", 1)[-1]
+        if packed in unpack:
+            for ckpt_name, shard in unpack[packed]:
+                off, size = modules[module].shard_offsets[shard]
+                out[f"{module[:-len(packed)]}{ckpt_name}.{leaf}"] = p[off:off + size]
         else:
             out[name] = p
     return {k: v.detach().contiguous().cpu() for k, v in out.items()}

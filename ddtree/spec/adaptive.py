@@ -13,10 +13,13 @@ speculative) and batch bucket, a running mean of what steps really took beyond t
 and every cost the policy compares includes it, so a step kind whose host side is slow on this
 machine loses to one that pipelines.
 
-Choosing AR skips the draft, so it must be decided before drafting: from the running averages of
-past drafts (`should_draft`), with a probe draft every `probe_every` AR steps so the estimate can
-recover. Once drafted, the draft is paid for and the current probabilities pick the budget among
-the remaining costs: verify(b) for b > 0, or the AR step for 0 (`choose`).
+Choosing AR skips the draft, so the budget is planned before drafting, on the running averages of
+past drafts (`plan`), with a probe (a step of the smallest budget) every `probe_every` AR steps so
+the estimate can recover. On the GPU the planned budget runs as a pipelined burst of whole-step
+graphs (spec/decode.py), each step reading back its drafter's E(b) for every budget, which keeps the
+averages current. Without graphs (the CPU, sampled requests) a step drafts first and then picks the
+budget on the current draft's probabilities among the remaining costs: verify(b) for b > 0, or the
+AR step for 0 (`choose`).
 """
 from __future__ import annotations
 
@@ -94,14 +97,14 @@ class AdaptivePolicy:
         self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
 
     def observe_time(self, kind: str, batch: int, measured_ms: float, table_ms: float) -> None:
-        """A real step of `kind` ("ar": per step of an AR burst, "spec": a draft plus a verify) took
-        `measured_ms` where the table says `table_ms`. One sample counts at most 4x the table (a
-        stray stall, a first-time compile). A speculative step is never counted below its table (the
-        extra is added to every budget's cost, so a negative one could turn a cost negative); an AR
-        step may be, down to half: the table times auto's own AR step, which stores the drafter's
-        context each step, and the engine's AR bursts store it once per burst."""
+        """A real step of `kind` ("ar": per step of an AR burst, "spec": per step of a speculative burst,
+        draft and verify) took `measured_ms` where the table says `table_ms`. One sample counts at most
+        4x the table (a stray stall, a first-time compile). Steps may also come out cheaper than the
+        table, which times each replay to a synchronize where bursts pipeline: an AR step down to half
+        (the table's AR step also stores the drafter's context each step, a burst once), a speculative
+        one down to three quarters (the extra is added to every budget's cost, small ones included)."""
         key = (kind, _bucket(batch))
-        low = -0.5 * table_ms if kind == "ar" else 0.0
+        low = (-0.5 if kind == "ar" else -0.25) * table_ms
         sample = max(low, min(measured_ms, 4 * table_ms) - table_ms)
         old = self.extra.get(key)
         self.extra[key] = sample if old is None else (1 - self.decay) * old + self.decay * sample
@@ -122,26 +125,41 @@ class AdaptivePolicy:
             acc, pred = self.total or (1.0, 1.0)
         return acc / pred if pred > 0 else 1.0
 
-    def should_draft(self, batch: int) -> bool:
-        """Before drafting: does some budget beat AR on past drafts' averages (or is a probe due)?"""
-        if self.expected is None or not self.budgets:
-            return bool(self.budgets)
+    def spec_rate(self, budget: int, batch: int) -> float:
+        """Expected committed tokens per ms of a whole speculative step of `budget` (draft included),
+        on past drafts' averages."""
         t = self.table
-        ar_rate = batch / self.ar_ms(batch)
-        extra = self.spec_extra_ms(batch)
-        spec = max((batch * (1 + self.calibration(b) * self.expected[b])) /
-                   (t.draft_ms(batch) + t.verify_ms(b, batch) + extra) for b in self.budgets)
-        if spec > ar_rate:
+        gain = batch * (1 + self.calibration(budget) * self.expected[budget])
+        device = t.draft_ms(batch) + t.verify_ms(budget, batch)
+        return gain / max(device + self.spec_extra_ms(batch), 0.5 * device)
+
+    def plan(self, batch: int) -> int:
+        """Before drafting: the budget to speculate with next (0: AR) on past drafts' averages; a probe
+        (the smallest budget, `probing` set) when one is due. Nothing known yet: the smallest budget."""
+        if not self.budgets:
+            return 0
+        if self.expected is None:
+            return self.budgets[0]
+        best, best_rate = 0, batch / self.ar_ms(batch)
+        for b in self.budgets:  # ascending: a larger budget must be strictly better
+            rate = self.spec_rate(b, batch)
+            if rate > best_rate:
+                best, best_rate = b, rate
+        if best:
             self.probing, self.ar_streak, self.interval = False, 0, self.probe_every
-            return True
+            return best
         if self.ar_streak >= self.interval:
             # A probe. A drafter that keeps losing is probed less and less often (a probe costs a
             # draft and a verify): every probe doubles the wait for the next, until one pays again.
             self.probing, self.ar_streak = True, 0
             self.interval = min(2 * self.interval, self.max_probe_every)
-            return True
+            return self.budgets[0]
         self.ar_streak += 1
-        return False
+        return 0
+
+    def should_draft(self, batch: int) -> bool:
+        """`plan`, as a yes or no: the budget itself is then chosen on the draft's own E(b) (`choose`)."""
+        return self.plan(batch) > 0
 
     def ar_steps_ahead(self) -> int:
         """After `should_draft` said no: how many more steps it will say no (until a probe is due;
@@ -152,16 +170,20 @@ class AdaptivePolicy:
         """Count AR steps taken without asking `should_draft` (an AR burst)."""
         self.ar_streak += steps
 
-    def choose(self, batch: int, expected: dict[int, float]) -> int:
-        """After drafting: `expected[b]`, the drafter's E(b) summed over the batch. Returns the budget
-        with the most expected tokens per remaining millisecond (0: AR, the draft thrown away)."""
+    def record_draft(self, batch: int, expected: dict[int, float]) -> None:
+        """A draft's E(b) summed over the batch, into the running means `plan` compares."""
         a = self.decay
         mean = {b: e / batch for b, e in expected.items()}
         self.expected = mean if self.expected is None else \
             {b: (1 - a) * self.expected[b] + a * mean[b] for b in self.budgets}
+
+    def choose(self, batch: int, expected: dict[int, float]) -> int:
+        """After drafting: `expected[b]`, the drafter's E(b) summed over the batch. Returns the budget
+        with the most expected tokens per remaining millisecond (0: AR, the draft thrown away)."""
+        self.record_draft(batch, expected)
         t = self.table
         best, best_rate = 0, batch / self.ar_ms(batch)
-        extra = self.spec_extra_ms(batch)  # the draft is paid; its host share is a guess, counted whole
+        extra = max(0.0, self.spec_extra_ms(batch))  # the draft is paid; its host share is a guess, counted whole
         for b in self.budgets:  # ascending: a larger budget must be strictly better
             rate = (batch + self.calibration(b) * expected[b]) / (t.verify_ms(b, batch) + extra)
             if rate > best_rate:
@@ -195,10 +217,10 @@ def _bucket(batch: int) -> int:
 def measure_costs(spec, batch_sizes: list[int], context: int, reps: int) -> CostTable:
     """Times the speculator's own steps on fake requests (`spec.fake_steps`): on GPU replays of its
     CUDA graphs (captured here, ahead of serving), on CPU eager calls. Wall-clock milliseconds as the
-    engine pays them, host launch included: a draft or a verify ends in a read-back, so it is timed
-    to a synchronize; AR steps run in pipelined bursts, so one is timed as a share of a burst of
-    `AR_TIMING_BURST` back-to-back steps (the host launches overlap the device work). Median of
-    `reps` after a warm-up."""
+    engine pays them, host launch included: a draft, or a whole speculative step of budget b (draft,
+    tree, verify), is timed to a synchronize, and verify(b) is the whole step less the draft; AR steps
+    run in pipelined bursts, so one is timed as a share of a burst of `AR_TIMING_BURST` back-to-back
+    steps (the host launches overlap the device work). Median of `reps` after a warm-up."""
     import torch
     sync = torch.cuda.synchronize if spec.runner.device.type == "cuda" else (lambda: None)
 
@@ -219,6 +241,6 @@ def measure_costs(spec, batch_sizes: list[int], context: int, reps: int) -> Cost
         steps = spec.fake_steps(bs, context)
         ar.append(timed(steps[0], AR_TIMING_BURST))
         draft.append(timed(steps["draft"]))
-        for b in verify:
-            verify[b].append(timed(steps[b]))
+        for b in verify:  # (a floor: the two timings are separate medians)
+            verify[b].append(max(timed(steps[b]) - draft[-1], 0.1 * draft[-1]))
     return CostTable(list(batch_sizes), ar, draft, verify)

@@ -31,6 +31,7 @@ from ddtree.spec.verify import walk
 # unhidden graph launch, so longer is faster; 8 steps take about as long as 16 AR steps.
 SPEC_BURST = 8
 SHORT_BURST = 2  # while a request waits for a free slot (`short_bursts`), as the engine's AR bursts
+EXPECTED_SCALE = 1024  # auto's burst steps read E(b) back as integers: E * this, rounded
 
 
 @dataclass(slots=True)
@@ -128,29 +129,33 @@ class Speculator:
         out = self.device_step(inp, lambda logits: self._sample(seqs, logits))
         self._commit(seqs, out, commit, self.budget)
 
-    def _burst(self, seqs: list[Sequence], commit) -> None:
-        """Graphed speculative steps, pipelined like the engine's AR bursts: step i+1's inputs (root =
-        bonus token, positions past the accepted path, drafter context = the accepted path's target
-        features) are computed on the device from step i's outputs, and step i+1 is launched before
-        step i is read back and committed. Ends after SPEC_BURST steps, or one step after a request
-        finishes (that step is wasted for it; its K/V land in pages nobody reuses before the next
-        schedule)."""
+    def _burst(self, seqs: list[Sequence], commit, graphs: GraphPool | None = None, budget: int | None = None,
+               most: int = SPEC_BURST) -> int:
+        """Graphed speculative steps (`graphs`, default the fixed budget's), pipelined like the engine's
+        AR bursts: step i+1's inputs (root = bonus token, positions past the accepted path, drafter
+        context = the accepted path's target features) are computed on the device from step i's
+        outputs, and step i+1 is launched before step i is read back and committed. Ends after `most`
+        steps, or one step after a request finishes (that step is wasted for it; its K/V land in pages
+        nobody reuses before the next schedule). Returns the number of steps run."""
+        graphs, budget = graphs or self.graphs, budget or self.budget
         R = len(seqs)
         inp = self.drafter.prepare(seqs, ctx_rows=self.drafter.block_size)
         left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
-        pending, steps = None, max(1, min(SHORT_BURST if self.short_bursts else SPEC_BURST, left))
+        pending, steps = None, max(1, min(SHORT_BURST if self.short_bursts else most, most, left))
         for i in range(steps):
-            out = self.graphs.run(inp)
+            out = graphs.run(inp)
             # graph outputs are static buffers: keep this step's before the next replay overwrites them
             packed, feats = out.packed[:R].clone(), out.feats[:R].clone()
             if i + 1 < steps:  # (past the last step the positions may lie beyond the reserved pages)
                 inp = self._next_inputs(inp, packed, feats)
-            launched = (self.readback.start(packed.flatten()), feats)
-            ended = pending is not None and self._commit_burst_step(seqs, pending, commit)
+            launched = (self.readback.start(packed.flatten()), feats, packed.shape[1])
+            ended = pending is not None and self._commit_burst_step(seqs, pending, commit, budget)
             pending = launched
             if ended:
+                steps = i + 1
                 break
-        self._commit_burst_step(seqs, pending, commit)
+        self._commit_burst_step(seqs, pending, commit, budget)
+        return steps
 
     def _next_inputs(self, inp: StepInputs, packed: torch.Tensor, feats: torch.Tensor) -> StepInputs:
         """The next step's inputs from this step's outputs, on the device: what `prepare` would build
@@ -162,24 +167,28 @@ class Speculator:
         slots = torch.where(valid, page_slots(inp.block_tables, pos, self.runner.page_size), self.drafter.scratch_slot)
         return StepInputs(bonus, inp.starts + length + 1, inp.block_tables, feats, torch.where(valid, pos, 0), slots)
 
-    def _commit_burst_step(self, seqs: list[Sequence], pending, commit) -> bool:
+    def _commit_burst_step(self, seqs: list[Sequence], pending, commit, budget: int) -> bool:
         """Commits one step of a burst to the requests still running; True if one finished. Each
         keeps only this step's path features pending: the next step (if launched) fed the ones before."""
-        handle, feats = pending
-        W = self.depth + 3
+        handle, feats, W = pending
         flat = self.readback.result(handle, len(seqs) * W)
         live = [i for i, s in enumerate(seqs) if not s.is_finished]
-        for i in live:
-            seq, row = seqs[i], flat[i * W:(i + 1) * W]
+        rows = [flat[i * W:(i + 1) * W] for i in live]
+        for i, row in zip(live, rows):
+            seq = seqs[i]
             L, bonus = row[0], row[1]
             seq.num_cached += L + 1
             seq.draft_len, seq.pending_features = seq.num_cached - L - 1, [feats[i, :L + 1]]
             kept = commit(seq, row[3:3 + L] + [bonus])
             seq.accept_lengths.append(kept)
             self.stats.add(L, kept)
-        self.stats.drafted += self.budget * len(live)
-        self.stats.budget_hist[self.budget] += len(live)
+        self.stats.drafted += budget * len(live)
+        self.stats.budget_hist[budget] += len(live)
+        self._burst_step_done(budget, rows)
         return any(seqs[i].is_finished for i in live)
+
+    def _burst_step_done(self, budget: int, rows: list[list[int]]) -> None:
+        """Hook: a burst step's read-back rows (of the requests it committed to)."""
 
     def _commit(self, seqs: list[Sequence], out: StepOutputs, commit, budget: int) -> int:
         """Host side of a step: commits each request's accepted tokens and bonus; returns the accepted
@@ -243,31 +252,42 @@ class TreeInputs:
 
 
 class AdaptiveSpeculator(Speculator):
-    """`budget auto`: each step picks a budget in `budgets` (0 = AR) for the whole batch (spec/adaptive.py).
+    """`budget auto`: the budget in `budgets` (0 = AR) for the whole batch, chosen per burst on the GPU
+    and per step without graphs (spec/adaptive.py).
 
-    A step is split in two at the budget choice: draft (drafter block, candidate nodes for the largest
-    budget, expected accepted lengths of every budget), one read-back, then the tree of the chosen
-    budget cut from the candidates, verified and accepted. On GPU each half is a CUDA graph (the draft,
-    and one verify graph per budget). AR steps skip the draft: before each decode step the engine asks
-    `ar_steps`, and runs AR steps as its own graphed bursts, keeping each step's target features and
-    storing them into the drafter's cache after the burst; so a later draft finds its context up to
-    date and stays graphed (at most `ctx_rows` pending rows: a verified path's). Without graphs (the
-    CPU) `ar_step` runs one AR step that stores its own row."""
+    Before each decode step the engine asks `ar_steps`, which plans the next budget on the running
+    averages of past drafts. AR runs as the engine's own graphed AR bursts, which keep each step's
+    target features and store them into the drafter's cache after the burst, so a later draft finds
+    its context up to date and stays graphed. A budget b > 0 runs as a pipelined burst (`_burst`) of
+    one whole-step graph per budget: draft, candidates for the largest budget, the tree of b cut
+    from them, verify, accept; each step also reads back the drafter's E(b) of every budget, which
+    keeps the averages current. A probe is a burst of one step.
+
+    Without graphs (the CPU, sampled requests) a step is split in two at the budget choice: draft
+    (candidates and E(b) of every budget), one read-back, the budget chosen on the current draft
+    (`choose`: 0 throws the draft away), then that tree verified; `ar_step` runs one AR step that
+    stores its own drafter context row."""
 
     def __init__(self, runner: ModelRunner, drafter: DraftRunner, topk: int, use_graphs: bool = False,
                  max_batch: int = 64, max_pages: int = 0, table: CostTable | None = None):
         self.budgets = candidate_budgets(drafter.block_size - 1, topk)
         super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
         self.ctx_rows = drafter.block_size  # the last accepted path (AR steps store their own rows)
-        self.max_pages, self.draft_graphs, self.verify_graphs = max_pages, None, {}
+        # burst read-backs: the packed rows, then E(b) of each budget in fixed point
+        self.readback = TokenReadback(max_batch * (self.depth + 3 + len(self.budgets) - 1), runner.device)
+        self.max_pages, self.planned = max_pages, 0
+        self.draft_graphs, self.ar_graphs, self.step_graphs = None, None, {}
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
             pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
             widths = {"block_tables": max_pages}
             pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None  # (CPU: tests)
+            # The draft alone and auto's own AR step are graphed only to be timed for the cost table.
             self.draft_graphs = GraphPool(self._draft, max_batch, pad=pad, widths=widths, mempool=pool)
-            for b in self.budgets:
-                self.verify_graphs[b] = GraphPool(partial(self._budget_step, b, pred_fn=_argmax), max_batch,
-                                                  pad=pad, widths=widths, mempool=pool)
+            self.ar_graphs = GraphPool(partial(self._budget_step, 0, pred_fn=_argmax), max_batch,
+                                       pad=pad, widths=widths, mempool=pool)
+            for b in self.budgets[1:]:
+                self.step_graphs[b] = GraphPool(partial(self._whole_step, b), max_batch, pad=pad, widths=widths,
+                                                mempool=pool)
         if table is None:  # with graphs, every batch bucket (capturing the graphs ahead of serving); else two
             sizes = buckets_up_to(max_batch) if use_graphs else sorted({1, min(2, max_batch)})
             with torch.inference_mode():
@@ -278,6 +298,14 @@ class AdaptiveSpeculator(Speculator):
         """Drafter block -> candidates for the largest budget and E(b) [R, budgets] for each b > 0."""
         c = candidates(self.drafter.logits(inp), self.budget, self.topk)
         return c, expected_accepts(c, self.budgets[1:])
+
+    def _whole_step(self, budget: int, inp: StepInputs) -> StepOutputs:
+        """A burst step of `budget` (device ops only): the packed rows gain E(b) of every budget, in
+        fixed point so that one integer read-back carries them."""
+        c, expected = self._draft(inp)
+        out = self._verify(inp, cut_tree(c, inp.roots, budget), _argmax)
+        fixed = (expected * EXPECTED_SCALE).round().long()
+        return StepOutputs(torch.cat([out.packed, fixed], dim=1), out.feats)
 
     def _budget_step(self, budget: int, inp: RootInputs | TreeInputs, pred_fn) -> StepOutputs:
         """Verify the tree of `budget` nodes; device ops only. Budget 0: one AR step that also stores
@@ -293,9 +321,11 @@ class AdaptiveSpeculator(Speculator):
         return StepOutputs(packed.view(R, 3), feats)
 
     def ar_steps(self, batch: int) -> int:
-        """Asked by the engine before each decode step: 0 to draft now (`step`), else how many AR steps
-        to take first (the engine runs them as a graphed AR burst, `ar_step` on the CPU)."""
-        return 0 if self.policy.should_draft(batch) else 1 + self.policy.ar_steps_ahead()
+        """Asked by the engine before each decode step: 0 to speculate now (`step`, with the planned
+        budget), else how many AR steps to take first (the engine runs them as a graphed AR burst,
+        `ar_step` on the CPU)."""
+        self.planned = self.policy.plan(batch)
+        return 0 if self.planned else 1 + self.policy.ar_steps_ahead()
 
     def after_ar_burst(self, batch: int, steps: int, request_steps: int, elapsed_ms: float) -> None:
         """The engine ran `steps` AR steps for `batch` requests (`request_steps` tokens committed) in
@@ -321,39 +351,58 @@ class AdaptiveSpeculator(Speculator):
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], commit) -> None:
-        """A speculative step (the engine asked `ar_steps` first): draft, choose the budget, verify."""
+        """Speculation (the engine asked `ar_steps` first): a graphed burst of the planned budget, or
+        without graphs one step that drafts, chooses the budget on that draft, and verifies."""
         R = len(seqs)
-        graphed = self.draft_graphs is not None and R <= self.draft_graphs.max_batch and \
-            all(s.params.greedy for s in seqs)
+        if self.draft_graphs is not None and R <= self.draft_graphs.max_batch and all(s.params.greedy for s in seqs):
+            self._auto_burst(seqs, commit)
+            return
         eager_pred = lambda logits: self._sample(seqs, logits)  # noqa: E731
-
-        def run(budget: int, inp) -> StepOutputs:
-            return self.verify_graphs[budget].run(inp) if graphed else self._budget_step(budget, inp, eager_pred)
-
-        # Only the draft depends on the context width: a new prompt's context, wider than the draft
-        # graph's, goes into the drafter cache first (eagerly, one pass) so the step stays graphed.
         short = all(s.num_cached - s.draft_len <= self.ctx_rows for s in seqs)
-        if graphed and not short:
-            self.drafter.store_pending(seqs)
         t0 = time.perf_counter()
-        inp = self.drafter.prepare(seqs, ctx_rows=self.ctx_rows if graphed else None)
-        c, expected = self.draft_graphs.run(inp) if graphed else self._draft(inp)
+        inp = self.drafter.prepare(seqs)
+        c, expected = self._draft(inp)
         expected = dict(zip(self.budgets[1:], expected[:R].sum(0).tolist()))  # read back mid-step to choose
         budget = self.policy.choose(R, expected)
         if budget == 0:  # (the draft consumed the pending rows: the AR step's row follows them)
-            out = run(0, RootInputs(inp.roots, inp.starts, inp.block_tables))
+            out = self._budget_step(0, RootInputs(inp.roots, inp.starts, inp.block_tables), eager_pred)
         else:
-            out = run(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, c.score[:R], c.parent[:R],
-                                         c.rank[:R], c.order[:R], c.tokens[:R]))
+            out = self._budget_step(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, c.score, c.parent,
+                                                       c.rank, c.order, c.tokens), eager_pred)
         accepted = self._commit(seqs, out, commit, budget)
         if budget:
             self.policy.observe(budget, R, expected[budget], accepted)
-            # Timed as the table was (graph replays on GPU, eager on CPU), and not a one-off: an eager
-            # draft over a new prompt (CPU), or a step behind a prefill chunk.
-            if self.timed and (graphed or (self.draft_graphs is None and short)):
+            # Timed as the table was (eager, without graphs), and not a one-off: a draft over a new
+            # prompt, or a step behind a prefill chunk.
+            if self.timed and self.draft_graphs is None and short:
                 t = self.policy.table
                 self.policy.observe_time("spec", R, (time.perf_counter() - t0) * 1e3,
                                          t.draft_ms(R) + t.verify_ms(budget, R))
+
+    def _auto_burst(self, seqs: list[Sequence], commit) -> None:
+        """A pipelined burst of the planned budget's whole-step graph (one step for a probe)."""
+        budget, R = self.planned or self.budgets[1], len(seqs)
+        if any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
+            self.drafter.store_pending(seqs)  # a new prompt's context, wider than the graph's: stored first
+        graphs = self.step_graphs[budget]
+        timed = self.timed and next(b for b in graphs.buckets if b >= R) in graphs.graphs  # (not a capture)
+        t0 = time.perf_counter()
+        blind = self.policy.expected is None  # no draft seen yet: one step to learn from
+        steps = self._burst(seqs, commit, graphs, budget, most=1 if self.policy.probing or blind else SPEC_BURST)
+        self.policy.probing = False
+        if timed:
+            t = self.policy.table
+            self.policy.observe_time("spec", R, (time.perf_counter() - t0) * 1e3 / steps,
+                                     t.draft_ms(R) + t.verify_ms(budget, R))
+
+    def _burst_step_done(self, budget: int, rows: list[list[int]]) -> None:
+        """A burst step's E(b) of every budget into the policy's averages, and its acceptance."""
+        if not rows:
+            return
+        n, first = len(rows), self.depth + 3
+        expected = {b: sum(r[first + j] for r in rows) / EXPECTED_SCALE for j, b in enumerate(self.budgets[1:])}
+        self.policy.record_draft(n, expected)
+        self.policy.observe(budget, n, expected[budget], sum(r[0] for r in rows))
 
     def _fake_context(self) -> int:
         ps = self.runner.page_size
@@ -362,27 +411,24 @@ class AdaptiveSpeculator(Speculator):
 
     def fake_steps(self, bs: int, context: int) -> dict:
         """Step closures on `bs` fake requests with `context` cached tokens whose pages are all the
-        scratch page (timing only: their K/V are garbage): {"draft": ..., budget: ...}."""
+        scratch page (timing only: their K/V are garbage): {"draft": the draft, 0: auto's AR step, b: a
+        whole step of budget b (draft included)}."""
         dev, ps = self.runner.device, self.runner.page_size
         tables = torch.full((bs, -(-(context + self.width) // ps)), self.runner.scratch_page, dtype=torch.long,
                             device=dev)
         starts = torch.full((bs,), context, dtype=torch.long, device=dev)
         roots = torch.zeros(bs, dtype=torch.long, device=dev)
         C, dr = self.ctx_rows, self.drafter
+        root = RootInputs(roots, starts, tables)
         inp = StepInputs(roots, starts, tables, torch.zeros(bs, C, dr.feat_dim, dtype=dr.dtype, device=dev),
                          starts[:, None] - C + torch.arange(C, device=dev),
                          torch.full((bs, C), dr.scratch_slot, dtype=torch.long, device=dev))
         if self.draft_graphs is not None:
-            draft = partial(self.draft_graphs.run, inp)
-            step = lambda b, i: self.verify_graphs[b].run(i)  # noqa: E731
+            steps = {"draft": partial(self.draft_graphs.run, inp), 0: partial(self.ar_graphs.run, root)}
+            steps.update({b: partial(self.step_graphs[b].run, inp) for b in self.budgets[1:]})
         else:
-            draft = partial(self._draft, inp)
-            step = lambda b, i: self._budget_step(b, i, _argmax)  # noqa: E731
-        c = draft()[0]
-        tin = TreeInputs(roots, starts, tables, *(x[:bs].clone() for x in (c.score, c.parent, c.rank, c.order,
-                                                                         c.tokens)))
-        steps = {"draft": draft, 0: partial(step, 0, RootInputs(roots, starts, tables))}
-        steps.update({b: partial(step, b, tin) for b in self.budgets[1:]})
+            steps = {"draft": partial(self._draft, inp), 0: partial(self._budget_step, 0, root, _argmax)}
+            steps.update({b: partial(self._whole_step, b, inp) for b in self.budgets[1:]})
         return steps
 
 

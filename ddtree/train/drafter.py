@@ -120,8 +120,7 @@ def block_attention(attn: DraftAttention, x: torch.Tensor, pos: torch.Tensor, ct
     R, Q, _ = x.shape
     C = ctx.shape[1]
     H, Hkv, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q = attn.q_norm(attn.q_proj(x).view(R * Q, H, Dh))
-    (q,) = attn.rotary[0](pos.flatten(), q)
+    q = attn.q(x.reshape(R * Q, -1), pos.flatten())
     kc, vc = attn.kv(ctx.reshape(R * C, -1), ctx_pos.flatten())
     kb, vb = attn.kv(x.reshape(R * Q, -1), pos.flatten())
     k = torch.cat([kc.view(R, C, Hkv, Dh), kb.view(R, Q, Hkv, Dh)], 1)
