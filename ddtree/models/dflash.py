@@ -131,13 +131,15 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, ctx, positions, slots, batch):
-        a = self.self_attn(self.input_layernorm(h), ctx, positions, slots, batch)
+    def forward(self, h, residual, ctx, positions, slots, batch):
+        """Returns (this layer's MLP output, the residual stream before it), as the target's layers do:
+        the add is deferred into the next norm (one fused kernel instead of two)."""
+        x, residual = (self.input_layernorm(h), h) if residual is None else self.input_layernorm(h, residual)
+        a = self.self_attn(x, ctx, positions, slots, batch)
         if few_rows_path(h, batch):
-            out, h = self.mlp.after_norm(a, h, self.post_attention_layernorm, batch)
-            return h + out
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h))
+            return self.mlp.after_norm(a, residual, self.post_attention_layernorm, batch)
+        x, residual = self.post_attention_layernorm(a, residual)
+        return self.mlp(x), residual
 
 
 class DFlashDrafter(nn.Module):
@@ -162,10 +164,10 @@ class DFlashDrafter(nn.Module):
         n = ctx.shape[0]
         rows_pos = torch.cat([ctx_positions, positions]) if n else positions  # the layers project [ctx; block]
         rows_slots = torch.cat([ctx_slots, batch.slot_mapping]) if n else batch.slot_mapping
-        h = block_embeds
+        h, residual = block_embeds, None
         for layer in self.layers:
-            h = layer(h, ctx, rows_pos, rows_slots, batch)
-        return self.norm(h)
+            h, residual = layer(h, residual, ctx, rows_pos, rows_slots, batch)
+        return self.norm(h, residual)[0]
 
     def store_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       use_triton: bool = False) -> None:
