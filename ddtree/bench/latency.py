@@ -58,6 +58,7 @@ def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, r
     speeds, accepts, tokens = [], [], 0
     cats: dict[str, dict] = {}
     budget_hist: dict[str, int] = {}
+    bursts: dict[str, int] = {}
     for _ in range(repeats):
         gen, elapsed = 0, 0.0
         for i, batch in enumerate(batches):
@@ -73,6 +74,8 @@ def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, r
             accepts += acc
             for b, m in llm.last_stats.get("budget_hist", {}).items():  # what `auto` chose (request-steps)
                 budget_hist[str(b)] = budget_hist.get(str(b), 0) + m
+            for k, m in llm.last_stats.get("bursts", {}).items():  # ... and how it grouped its steps
+                bursts[k] = bursts.get(k, 0) + m
             if labels:
                 c = cats.setdefault(labels[i], {"tokens": 0, "time": 0.0, "accepts": []})
                 c["tokens"], c["time"] = c["tokens"] + n, c["time"] + dt
@@ -84,6 +87,11 @@ def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, r
            "accept_length_hist": accept_hist(accepts)}
     if budget_hist:
         row["budget_hist"] = dict(sorted(budget_hist.items(), key=lambda kv: int(kv[0])))
+    if bursts:
+        row["bursts"] = bursts
+    policy = getattr(llm.engine.speculator, "policy", None)
+    if policy is not None and hasattr(policy, "state"):  # auto: what it learned by the end
+        row["policy"] = policy.state()
     if labels:
         row["per_category"] = {
             k: {"output_tok_per_s": c["tokens"] / c["time"], "generated_tokens": c["tokens"] // repeats,

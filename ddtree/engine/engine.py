@@ -117,8 +117,11 @@ class LLMEngine:
                 with torch.inference_mode():
                     graphs.run(PrefillInputs(zero[:, None].expand(1, T), zero, scratch, zero))
                 self.prefill_graphs[T], pool = graphs, graphs.mempool
+        # Tokens a decode feeds per step, counted against prompt chunks: auto counts one (its AR steps;
+        # where it speculates the batch is small), or a large batch would leave prompts a quarter of
+        # the step's budget and admit them slowly.
         self.scheduler = Scheduler(self.allocator, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens,
-                                   decode_width=width, decode_tokens=budget + 1 if speculative else 1)
+                                   decode_width=width, decode_tokens=budget + 1 if speculative and not auto else 1)
         self.readback = TokenReadback(engine_cfg.max_num_seqs, device)
         # A request at the limit must still find room for one step's width of speculative K/V.
         self.max_model_len = min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position,

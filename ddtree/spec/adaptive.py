@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 BUDGETS = (4, 8, 16, 32)  # speculative candidates; 0 (AR) is always one too
 AR_TIMING_BURST = 8
+SWITCH_MARGIN = 1.05  # the rate another mode (AR or speculation) must beat the current one by
 PROBE_EVERY = 16  # AR steps before a probe draft ...
 MAX_PROBE_EVERY = 256  # ... doubling after each probe that AR still wins, up to this
 
@@ -94,6 +95,7 @@ class AdaptivePolicy:
         self.interval = probe_every  # AR steps before the next probe
         self.max_probe_every = max_probe_every
         self.probing = False  # this draft is a probe: AR looked better on past averages
+        self.speculating = False  # the last plan chose a budget > 0 (not a probe)
         self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
 
     def observe_time(self, kind: str, batch: int, measured_ms: float, table_ms: float) -> None:
@@ -140,14 +142,18 @@ class AdaptivePolicy:
             return 0
         if self.expected is None:
             return self.budgets[0]
-        best, best_rate = 0, batch / self.ar_ms(batch)
-        for b in self.budgets:  # ascending: a larger budget must be strictly better
+        best, best_rate = self.budgets[0], self.spec_rate(self.budgets[0], batch)
+        for b in self.budgets[1:]:  # ascending: a larger budget must be strictly better
             rate = self.spec_rate(b, batch)
             if rate > best_rate:
                 best, best_rate = b, rate
-        if best:
-            self.probing, self.ar_streak, self.interval = False, 0, self.probe_every
+        # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
+        # catch-up, so near break-even the policy keeps the mode it is in.
+        ar_rate = batch / self.ar_ms(batch)
+        if best_rate > ar_rate * (1 / SWITCH_MARGIN if self.speculating else SWITCH_MARGIN):
+            self.probing, self.ar_streak, self.interval, self.speculating = False, 0, self.probe_every, True
             return best
+        self.speculating = False
         if self.ar_streak >= self.interval:
             # A probe. A drafter that keeps losing is probed less and less often (a probe costs a
             # draft and a verify): every probe doubles the wait for the next, until one pays again.
@@ -169,6 +175,12 @@ class AdaptivePolicy:
     def skip_ar(self, steps: int) -> None:
         """Count AR steps taken without asking `should_draft` (an AR burst)."""
         self.ar_streak += steps
+
+    def state(self) -> dict:
+        """What the policy has learned, for benchmark rows (JSON-ready)."""
+        return {"table": self.table.as_dict(), "extra_ms": {f"{k}@{b}": v for (k, b), v in sorted(self.extra.items())},
+                "expected": self.expected, "calibration": {b: self.calibration(b) for b in self.budgets},
+                "probe_interval": self.interval}
 
     def record_draft(self, batch: int, expected: dict[int, float]) -> None:
         """A draft's E(b) summed over the batch, into the running means `plan` compares."""

@@ -32,6 +32,7 @@ from ddtree.spec.verify import walk
 SPEC_BURST = 8
 SHORT_BURST = 2  # while a request waits for a free slot (`short_bursts`), as the engine's AR bursts
 EXPECTED_SCALE = 1024  # auto's burst steps read E(b) back as integers: E * this, rounded
+TIMED_BURST = 4  # auto learns host time from bursts of at least this many steps
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class SpecStats:
     depth_accepted: list[int] = field(default_factory=list)  # [d]: request-steps that accepted depth >= d + 1
     drafted: int = 0  # tree nodes sent to verification (root excluded)
     budget_hist: Counter = field(default_factory=Counter)  # budget -> request-steps (0: AR steps of `auto`)
+    bursts: Counter = field(default_factory=Counter)  # auto: {"ar"|"spec"}_{bursts|steps}, "probes"
 
     def add(self, length: int, committed: int) -> None:
         self.steps += 1
@@ -332,7 +334,8 @@ class AdaptiveSpeculator(Speculator):
         `elapsed_ms`."""
         self.policy.skip_ar(steps - 1)
         self.stats.budget_hist[0] += request_steps
-        if self.timed:
+        self.stats.bursts.update({"ar_bursts": 1, "ar_steps": steps})
+        if self.timed and steps >= TIMED_BURST:
             self.policy.observe_time("ar", batch, elapsed_ms / steps, self.policy.table.ar_ms(batch))
 
     @torch.inference_mode()
@@ -388,9 +391,13 @@ class AdaptiveSpeculator(Speculator):
         timed = self.timed and next(b for b in graphs.buckets if b >= R) in graphs.graphs  # (not a capture)
         t0 = time.perf_counter()
         blind = self.policy.expected is None  # no draft seen yet: one step to learn from
-        steps = self._burst(seqs, commit, graphs, budget, most=1 if self.policy.probing or blind else SPEC_BURST)
+        probe = self.policy.probing or blind
+        steps = self._burst(seqs, commit, graphs, budget, most=1 if probe else SPEC_BURST)
         self.policy.probing = False
-        if timed:
+        self.stats.bursts.update({"spec_bursts": 1, "spec_steps": steps, "probes": int(probe)})
+        # Only whole bursts teach the policy host time: a short one is mostly its start and drain,
+        # which the AR burst before and after it pay too (the table's steps are pipelined shares).
+        if timed and steps >= TIMED_BURST:
             t = self.policy.table
             self.policy.observe_time("spec", R, (time.perf_counter() - t0) * 1e3 / steps,
                                      t.draft_ms(R) + t.verify_ms(budget, R))

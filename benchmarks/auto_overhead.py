@@ -1,0 +1,107 @@
+"""Where `auto` loses time against plain AR at a batch where it should pick AR: a random model of the
+default target's shapes with the shipped drafter (tau ~1, so AR wins), C requests of fixed length.
+
+    python benchmarks/auto_overhead.py OUT_DIR [C,...]
+
+Per concurrency: AR and auto tok/s, auto's budget histogram and bursts, the policy's learned state,
+and the host seconds spent in each part of the engine step (schedule, prefill, the speculator's
+plan, auto's AR bursts split into drafter catch-up / graphed decode / feature store, speculative
+steps). On a CPU (`--cpu`, tiny shapes) it only checks that the script runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from ddtree import LLM, SamplingParams  # noqa: E402
+from ddtree.models.hub import DEFAULT_DRAFT_DIR  # noqa: E402
+
+
+def timed_parts(obj, names: list[str], acc: dict, prefix: str = "") -> None:
+    for name in names:
+        fn = getattr(obj, name)
+
+        def wrapper(*a, _fn=fn, _name=prefix + name, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_name] += time.perf_counter() - t0
+        setattr(obj, name, wrapper)
+
+
+def run(llm: LLM, prompts, params, acc: dict | None = None) -> dict:
+    sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
+    llm.generate(prompts, params)  # warm-up
+    if acc is not None:
+        acc.clear()
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync()
+    wall = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    return {"tok_per_s": round(n / wall, 1), "wall_s": round(wall, 4), "tokens": n,
+            "stats": {k: v for k, v in llm.last_stats.items() if k in ("budget_hist", "bursts", "steps")}}
+
+
+def main() -> int:
+    cpu = "--cpu" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--cpu"]
+    out = args[0] if args else "."
+    out = os.path.join(out, "auto_overhead.jsonl") if os.path.isdir(out) else out
+    conc = [int(c) for c in args[1].split(",")] if len(args) > 1 else [16, 64]
+    if cpu:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+        import tempfile
+
+        from tiny import make_tiny_model
+
+        from ddtree.config import ModelConfig
+        from ddtree.models.dflash import random_drafter, save_drafter
+        model = make_tiny_model(tempfile.mkdtemp(), "qwen2")
+        draft = tempfile.mkdtemp()
+        save_drafter(random_drafter(ModelConfig.from_dir(model), num_layers=1, block_size=8,
+                                    target_layer_ids=[0, 1]), draft)
+        kw, length = dict(device="cpu", dtype="float32"), 16
+    else:
+        from gpu_profile import default_shaped_model
+        model, draft, kw, length = default_shaped_model(), DEFAULT_DRAFT_DIR, dict(dtype="bfloat16"), 128
+    vocab = 300 if cpu else 150000
+    rows = []
+    for c in conc:
+        prompts = [[(31 * i + 7 * j) % vocab + 1 for j in range(length)] for i in range(c)]
+        params = SamplingParams(max_tokens=length, ignore_eos=True)
+        llm = LLM(model, draft=draft, spec="none", max_num_seqs=c, **kw)
+        row = {"concurrency": c, "ar": run(llm, prompts, params)}
+        llm.set_mode("ddtree", "auto", 4)
+        eng, spec = llm.engine, llm.engine.speculator
+        acc: dict = defaultdict(float)
+        timed_parts(eng.scheduler, ["schedule"], acc, "scheduler.")
+        timed_parts(eng, ["_forward_and_sample", "_auto_ar_burst", "_decode_graphed"], acc, "engine.")
+        timed_parts(spec, ["ar_steps", "step", "ar_step"], acc, "spec.")
+        timed_parts(spec.drafter, ["store_pending", "store_rows", "prepare"], acc, "drafter.")
+        row["auto"] = run(llm, prompts, params, acc)
+        row["auto"]["host_s"] = {k: round(v, 4) for k, v in sorted(acc.items())}
+        row["auto"]["policy"] = spec.policy.state()
+        row["auto_vs_ar"] = round(row["auto"]["tok_per_s"] / row["ar"]["tok_per_s"], 3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del eng, spec, llm  # free the KV caches before the next engine
+        if not cpu:
+            torch.cuda.empty_cache()
+    with open(out, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
