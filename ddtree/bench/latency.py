@@ -164,7 +164,7 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
         ids = torch.full((bs,), 7, device=dev)
         row = {"concurrency": bs, "context": context}
         row["ar_step_ms"] = time_graph(lambda i: runner.decode_logits(i.ids, i.block_tables, i.starts),
-                                       DecodeInputs(ids, starts, tables, torch.zeros_like(ids)))
+                                       DecodeInputs(ids, starts, tables))
         if eng.speculator is not None:
             dr = eng.speculator.drafter
             C = dr.block_size
@@ -180,7 +180,7 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
                 depth = torch.arange(n, device=dev).expand(bs, n).contiguous()
                 mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)).expand(bs, n, n).contiguous()
                 toks = torch.full((bs, n), 7, device=dev)
-                vin = DecodeInputs(toks, starts, tables, torch.zeros_like(starts))
+                vin = DecodeInputs(toks, starts, tables)
                 row[f"verify_{n}_ms"] = time_graph(
                     lambda i, d=depth, m=mask: runner.verify(i.block_tables, i.starts, i.ids, d, m, taps)[0], vin)
         for s in seqs:

@@ -38,7 +38,6 @@ class DecodeInputs:
     ids: torch.Tensor  # [R] last token of each request
     starts: torch.Tensor  # [R] its position
     block_tables: torch.Tensor  # [R, P] page ids
-    step: torch.Tensor  # [R] the step's index in its burst (auto: where its target features go)
 
 
 @dataclass(slots=True)
@@ -91,12 +90,9 @@ class LLMEngine:
                                              engine_cfg.max_num_seqs, max_pages)
         self.decode_graphs = None
         if self.use_graphs and (self.speculator is None or auto):
-            # auto's AR steps are the engine's, plus each step's target features kept for the drafter
-            # (stored into its cache once per burst), so choosing AR costs about what plain AR does.
+            # auto's AR steps are the engine's, and each also stores its target features into the
+            # drafter's cache (its context), inside the graph: choosing AR costs about what plain AR does.
             self.decode_taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
-            if self.decode_taps:
-                self.tap_ring = torch.zeros(engine_cfg.max_num_seqs, self.burst, draft_runner.feat_dim,
-                                            dtype=dtype, device=device)
             self.decode_graphs = GraphPool(self._graph_decode, engine_cfg.max_num_seqs,
                                            pad={"block_tables": self.runner.scratch_page},
                                            widths={"block_tables": max_pages})
@@ -233,9 +229,8 @@ class LLMEngine:
 
     def _graph_decode(self, inp: "DecodeInputs") -> torch.Tensor:
         logits, feats = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts, self.decode_taps)
-        if feats is not None:  # auto: the step's target features into row `step` of the ring
-            self.tap_ring[torch.arange(feats.shape[0], device=feats.device), inp.step] = feats
-            inp.step.add_(1)
+        if feats is not None:  # auto: the step's target features into the drafter's cache at its position
+            self.speculator.drafter.store_step(feats, inp.starts, inp.block_tables)
         # The next step's inputs, written by this one: its greedy tokens (sampled rows are overwritten
         # by the host's sampler before the next replay) one position further on.
         inp.ids.copy_(logits.argmax(dim=-1))
@@ -243,19 +238,17 @@ class LLMEngine:
         return logits
 
     def _auto_ar_burst(self, seqs: list[Sequence], most: int) -> None:
-        """AR steps chosen by auto (at most `most`): a graphed AR burst whose target features are kept
-        per step and then stored into the drafter's cache in one pass, so a later draft finds its
-        context up to date."""
+        """AR steps chosen by auto (at most `most`): a graphed AR burst whose steps also store their
+        target features into the drafter's cache, so a later draft finds its context up to date (a
+        step run past a request's end stores into pages it held, as its target K/V do)."""
         spec = self.speculator
         spec.drafter.store_pending(seqs)  # rows still pending (a prompt's, a verified path's) go first
-        firsts, outs = [s.num_cached for s in seqs], [len(s.output_ids) for s in seqs]
+        outs = [len(s.output_ids) for s in seqs]
         pool = self.decode_graphs
         if next(b for b in pool.buckets if b >= len(seqs)) not in pool.graphs:
             spec.timed = False  # this burst captures its graph first: not a time to learn from
         t0 = time.perf_counter()
         steps = self._decode_graphed(seqs, most)
-        spec.drafter.store_rows(self.tap_ring, seqs, firsts,
-                                [0 if s.is_finished else s.num_cached - f for s, f in zip(seqs, firsts)])
         for s in seqs:
             s.draft_len = s.num_cached
         spec.after_ar_burst(len(seqs), steps, sum(len(s.output_ids) - n for s, n in zip(seqs, outs)),
@@ -277,7 +270,7 @@ class LLMEngine:
         pending, steps = None, min(self._burst_length(seqs), most or self.burst)
         for i in range(steps):
             if i == 0:
-                logits = pool.run(DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2:], torch.zeros_like(rows[:, 0])))
+                logits = pool.run(DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2:]))
             else:  # the graph already wrote this step's inputs
                 logits = pool.replay(R)
             tokens = pool.static["ids"][:R]  # the greedy tokens, also the next step's inputs

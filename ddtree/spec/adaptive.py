@@ -103,8 +103,8 @@ class AdaptivePolicy:
         draft and verify) took `measured_ms` where the table says `table_ms`. One sample counts at most
         4x the table (a stray stall, a first-time compile). Steps may also come out cheaper than the
         table, which times each replay to a synchronize where bursts pipeline: an AR step down to half
-        (the table's AR step also stores the drafter's context each step, a burst once), a speculative
-        one down to three quarters (the extra is added to every budget's cost, small ones included)."""
+        (the table's is auto's own AR graph; the engine's bursts run their own), a speculative one down
+        to three quarters (the extra is added to every budget's cost, small ones included)."""
         key = (kind, _bucket(batch))
         low = (-0.5 if kind == "ar" else -0.25) * table_ms
         sample = max(low, min(measured_ms, 4 * table_ms) - table_ms)

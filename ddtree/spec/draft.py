@@ -75,40 +75,27 @@ class DraftRunner:
 
     def store_pending(self, seqs: list[Sequence]) -> None:
         """Moves every request's pending target features into the drafter cache now, outside a draft
-        (before AR steps: auto's AR bursts add theirs with `store_rows`). Positions and slots are
-        computed on the device: after a prefill a request may have thousands of rows."""
+        (before AR steps, which store their own rows). Positions and slots are computed on the
+        device: after a prefill a request may have thousands of rows."""
         counts = [s.num_cached - s.draft_len for s in seqs]
-        assert sum(counts) == sum(f.shape[0] for s in seqs for f in s.pending_features), "drafter context out of sync"
-        if not sum(counts):
+        total, dev, ps = sum(counts), self.device, self.page_size
+        assert total == sum(f.shape[0] for s in seqs for f in s.pending_features), "drafter context out of sync"
+        if not total:
             return
-        _, _, pos, slots = self._rows(seqs, [s.draft_len for s in seqs], counts)
+        req = pack_rows([s.block_table for s in seqs], [[s.draft_len for s in seqs], counts], self.scratch_slot // ps,
+                        dev)  # one host->device copy
+        first, n = req[:, 0], req[:, 1]
+        row = torch.repeat_interleave(torch.arange(len(seqs), device=dev), n, output_size=total)
+        pos = first[row] + torch.arange(total, device=dev) - (n.cumsum(0) - n)[row]
+        slots = req[:, 2:][row, pos // ps] * ps + pos % ps  # (a page-table entry per row, no copies)
         feats = torch.cat([f for s in seqs for f in s.pending_features])
         self.drafter.store_context(feats, pos, slots, self.use_triton)
         for seq in seqs:
             seq.draft_len, seq.pending_features = seq.num_cached, []
 
-    def store_rows(self, feats: torch.Tensor, seqs: list[Sequence], firsts: list[int], counts: list[int]) -> None:
-        """Features of an AR burst into the drafter cache: request i's first counts[i] rows of
-        feats [R, S, K*D] (one per step, on the device), for positions firsts[i] onwards."""
-        if not sum(counts):
-            return
-        row, j, pos, slots = self._rows(seqs, firsts, counts)
-        self.drafter.store_context(feats[row, j], pos, slots, self.use_triton)
-
-    def _rows(self, seqs: list[Sequence], firsts: list[int], counts: list[int]):
-        """(request, index within its rows, position, cache slot) of counts[i] rows per request from
-        position firsts[i], flattened, on the device (one host->device copy)."""
-        total, dev, ps = sum(counts), self.device, self.page_size
-        req = pack_rows([s.block_table for s in seqs], [firsts, counts], self.scratch_slot // ps, dev)
-        first, n = req[:, 0], req[:, 1]
-        row = torch.repeat_interleave(torch.arange(len(seqs), device=dev), n, output_size=total)
-        j = torch.arange(total, device=dev) - (n.cumsum(0) - n)[row]
-        pos = first[row] + j
-        return row, j, pos, req[:, 2:][row, pos // ps] * ps + pos % ps  # (a page-table entry per row, no copies)
-
     def store_step(self, feats: torch.Tensor, starts: torch.Tensor, block_tables: torch.Tensor) -> None:
-        """An AR step's root features [R, K*D] into the drafter cache at positions `starts`; device
-        ops only (inside the AR step's CUDA graph)."""
+        """An AR step's target features [R, K*D] into the drafter cache at positions `starts`; device
+        ops only (inside the engine's decode graph)."""
         slots = page_slots(block_tables, starts[:, None], self.page_size).flatten()
         self.drafter.store_context(feats, starts, slots, self.use_triton)
 
