@@ -8,11 +8,11 @@ few context lengths, at every key split (flash-decoding) and query block size, t
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 import torch
 
+from ddtree.bench.latency import median_replay_ms
 from ddtree.ops.attention import uniform_batch
 from ddtree.ops.triton_attention import choose_block_m, choose_splits, triton_paged_attention
 
@@ -20,6 +20,7 @@ H, HKV, D, PAGE = 14, 2, 64, 16
 
 
 def time_graph(fn, reps: int = 200) -> float:
+    """Median microseconds of one replay of fn, captured in a CUDA graph."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -29,15 +30,7 @@ def time_graph(fn, reps: int = 200) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return median_replay_ms(g, reps) * 1e3
 
 
 def main() -> int:
@@ -67,8 +60,7 @@ def main() -> int:
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     with open(out, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
     return 0
 
 

@@ -26,6 +26,7 @@ from ddtree.models.hub import DEFAULT_DRAFT_DIR  # noqa: E402
 
 
 def timed_parts(obj, names: list[str], acc: dict, prefix: str = "") -> None:
+    """Wraps obj's methods to add their host seconds to acc[prefix + name]."""
     for name in names:
         fn = getattr(obj, name)
 
@@ -76,7 +77,6 @@ def main() -> int:
         from gpu_profile import default_shaped_model
         model, draft, kw, length = default_shaped_model(), DEFAULT_DRAFT_DIR, dict(dtype="bfloat16"), 128
     vocab = 300 if cpu else 150000
-    rows = []
     for c in conc:
         prompts = [[(31 * i + 7 * j) % vocab + 1 for j in range(length)] for i in range(c)]
         params = SamplingParams(max_tokens=length, ignore_eos=True)
@@ -94,14 +94,12 @@ def main() -> int:
         row["auto"]["policy"] = spec.policy.state()
         row["auto_vs_ar"] = round(row["auto"]["tok_per_s"] / row["ar"]["tok_per_s"], 3)
         print(json.dumps(row), flush=True)
-        rows.append(row)
+        with open(out, "a") as f:  # row by row: a later concurrency that fails keeps this one
+            f.write(json.dumps(row) + "\n")
         del eng, spec, llm  # free the KV caches before the next engine (the timing wrappers make
         gc.collect()  # reference cycles: collected, not freed on `del`)
         if not cpu:
             torch.cuda.empty_cache()
-    with open(out, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
     return 0
 
 

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from auto_overhead import timed_parts  # noqa: E402
 from gpu_profile import busy_share, default_shaped_model, emit  # noqa: E402
 
 from ddtree import LLM, SamplingParams  # noqa: E402
@@ -32,20 +33,6 @@ from ddtree.engine import engine as engine_mod  # noqa: E402
 from ddtree.models.hub import DEFAULT_DRAFT_DIR  # noqa: E402
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
-
-
-def timed_parts(obj, names: list[str], acc: dict) -> None:
-    """Wraps obj's methods to add their host time to acc[name]."""
-    for name in names:
-        fn = getattr(obj, name)
-
-        def wrapper(*a, _fn=fn, _name=name, **k):
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                acc[_name] += time.perf_counter() - t0
-        setattr(obj, name, wrapper)
 
 
 def replay_times(pool, rows: int = 1, reps: int = 50) -> dict:
