@@ -385,8 +385,8 @@ class ScriptedBursts(Scripted):
 @pytest.mark.parametrize("graphed", [False, True])
 def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, ar_out, graphed, monkeypatch):
     # AR steps store their target features in the drafter cache (eager: each step its row; graphed:
-    # the engine's AR bursts keep each step's features and store them after the burst); the next
-    # draft must see exactly the context a fresh engine builds by prefilling the same tokens.
+    # each step of the engine's AR bursts, inside the decode graph); the next draft must see exactly
+    # the context a fresh engine builds by prefilling the same tokens.
     import ddtree.spec.decode as decode
     family = "qwen2"
     if graphed:

@@ -242,11 +242,15 @@ class LLMEngine:
         target features into the drafter's cache, so a later draft finds its context up to date (a
         step run past a request's end stores into pages it held, as its target K/V do)."""
         spec = self.speculator
+        # Not a time to learn from: a burst that captures its graph first, or runs behind a long store
+        # of pending context (a prompt's: device work not waited for).
+        if any(s.num_cached - s.draft_len > spec.drafter.block_size for s in seqs):
+            spec.timed = False
         spec.drafter.store_pending(seqs)  # rows still pending (a prompt's, a verified path's) go first
         outs = [len(s.output_ids) for s in seqs]
         pool = self.decode_graphs
         if next(b for b in pool.buckets if b >= len(seqs)) not in pool.graphs:
-            spec.timed = False  # this burst captures its graph first: not a time to learn from
+            spec.timed = False
         t0 = time.perf_counter()
         steps = self._decode_graphed(seqs, most)
         for s in seqs:

@@ -112,8 +112,10 @@ class AdaptivePolicy:
         self.extra[key] = sample if old is None else (1 - self.decay) * old + self.decay * sample
 
     def ar_ms(self, batch: int) -> float:
-        """One AR step as the engine pays it."""
-        return self.table.ar_ms(batch) + self.extra.get(("ar", _bucket(batch)), 0.0)
+        """One AR step as the engine pays it (at least half the table's: the extra is learnt per batch
+        bucket, at whichever batch in it came by)."""
+        table = self.table.ar_ms(batch)
+        return max(table + self.extra.get(("ar", _bucket(batch)), 0.0), 0.5 * table)
 
     def spec_extra_ms(self, batch: int) -> float:
         """What a speculative step costs beyond its draft and verify on the device."""
@@ -204,6 +206,8 @@ class AdaptivePolicy:
             # A probe verifies the smallest tree anyway: the calibration only learns from verified steps,
             # so without this a drafter that looked bad once could keep the policy on AR for good.
             best = self.budgets[0]
+        elif best == 0:
+            self.speculating = False  # the draft says AR after all: the next plan starts from AR
         self.probing = False
         return best
 

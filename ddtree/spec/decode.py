@@ -4,7 +4,7 @@ The device part (`device_step`) is shape-static and free of host reads, so on GP
 in a CUDA graph per batch-size bucket; the host reads back one small tensor per step. DFlash
 linear is the same step with topk = 1 and budget = block_size - 1 (the tree is a chain of the
 drafter's argmax tokens), so both modes share this code. `AdaptiveSpeculator` (budget "auto") picks
-the budget, 0 = AR included, at every step (spec/adaptive.py).
+the budget, 0 = AR included, per burst of steps (per step without graphs; spec/adaptive.py).
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ class Speculator:
         self._commit(seqs, out, commit, self.budget)
 
     def _burst(self, seqs: list[Sequence], commit, graphs: GraphPool | None = None, budget: int | None = None,
-               most: int = SPEC_BURST) -> int:
+               most: int | None = None) -> int:
         """Graphed speculative steps (`graphs`, default the fixed budget's), pipelined like the engine's
         AR bursts: step i+1's inputs (root = bonus token, positions past the accepted path, drafter
         context = the accepted path's target features) are computed on the device from step i's
@@ -140,6 +140,7 @@ class Speculator:
         steps, or one step after a request finishes (that step is wasted for it; its K/V land in pages
         nobody reuses before the next schedule). Returns the number of steps run."""
         graphs, budget = graphs or self.graphs, budget or self.budget
+        most = SPEC_BURST if most is None else most
         R = len(seqs)
         inp = self.drafter.prepare(seqs, ctx_rows=self.drafter.block_size)
         left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
@@ -385,16 +386,18 @@ class AdaptiveSpeculator(Speculator):
     def _auto_burst(self, seqs: list[Sequence], commit) -> None:
         """A pipelined burst of the planned budget's whole-step graph (one step for a probe)."""
         budget, R = self.planned or self.budgets[1], len(seqs)
+        graphs = self.step_graphs[budget]
+        # Not a time to learn from: a burst that captures its graph, or runs behind a new prompt's
+        # context store (thousands of rows of device work, not waited for).
+        timed = self.timed and next(b for b in graphs.buckets if b >= R) in graphs.graphs
         if any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
             self.drafter.store_pending(seqs)  # a new prompt's context, wider than the graph's: stored first
-        graphs = self.step_graphs[budget]
-        timed = self.timed and next(b for b in graphs.buckets if b >= R) in graphs.graphs  # (not a capture)
+            timed = False
         t0 = time.perf_counter()
         blind = self.policy.expected is None  # no draft seen yet: one step to learn from
-        probe = self.policy.probing or blind
-        steps = self._burst(seqs, commit, graphs, budget, most=1 if probe else SPEC_BURST)
+        steps = self._burst(seqs, commit, graphs, budget, most=1 if self.policy.probing or blind else SPEC_BURST)
+        self.stats.bursts.update({"spec_bursts": 1, "spec_steps": steps, "probes": int(self.policy.probing)})
         self.policy.probing = False
-        self.stats.bursts.update({"spec_bursts": 1, "spec_steps": steps, "probes": int(probe)})
         # Only whole bursts teach the policy host time: a short one is mostly its start and drain,
         # which the AR burst before and after it pay too (the table's steps are pipelined shares).
         if timed and steps >= TIMED_BURST:
