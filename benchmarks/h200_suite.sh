@@ -6,7 +6,9 @@
 #   bash benchmarks/h200_suite.sh latency   # bench latency at C=1 with step times and peers
 #   bash benchmarks/h200_suite.sh low       # DDTree/DFlash vs AR on all HumanEval prompts; sweep at C=1,2,4
 #   bash benchmarks/h200_suite.sh high      # sweep at C=8..128
-#   bash benchmarks/h200_suite.sh auto      # auto vs AR, DFlash and DDTree 8/16/32 (topk 4) at C=1..128
+#   bash benchmarks/h200_suite.sh auto      # auto vs AR, DFlash and DDTree 8/16/32 (topk 4) at C=1..128:
+#   bash benchmarks/h200_suite.sh auto 1,2,4,8   # ... more than one 10-minute call holds: split it
+#   bash benchmarks/h200_suite.sh auto 16,32,64,128
 #   bash benchmarks/h200_suite.sh checks    # greedy DDTree and DFlash vs AR on HumanEval in float32
 #   bash benchmarks/h200_suite.sh ab        # bench latency at C=1 without, then with, graphed prefill
 set -u
@@ -28,7 +30,7 @@ case $1 in
     "${sweep[@]}" --concurrency 8,16,32,64,128 > "$OUT/sweep_high.log" 2>&1 ;;
   auto)
     "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4 \
-      --with-auto --repeats 1 --concurrency 1,2,4,8,16,32,64,128 --num-pages 16384 \
+      --with-auto --repeats 1 --concurrency "${2:-1,2,4,8,16,32,64,128}" --num-pages 16384 \
       --out "$OUT/sweep_auto_h200.jsonl" > "$OUT/sweep_auto.log" 2>&1 ;;
   checks)  # float32: every kernel rounds alike, so a divergence is a real near-tie or a bug
     python3 benchmarks/gpu_checks.py --draft ddtree/models/default_drafter --dtype float32 \
