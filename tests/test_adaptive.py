@@ -111,6 +111,11 @@ def test_policy_keeps_its_mode_near_break_even():
     assert policy.plan(1) == 4  # speculating: not worth switching back either
     policy.expected = {b: 0.0 for b in BUDGETS[1:]}
     assert policy.plan(1) == 0  # clearly worse: back to AR
+    policy.expected = {b: 1.0 for b in BUDGETS[1:]}
+    assert policy.plan(1) == 4 and policy.speculating
+    assert policy.choose(1, {b: 0.0 for b in BUDGETS[1:]}) == 0  # the draft itself says AR (no graphs) ...
+    policy.expected = dict(near)
+    assert policy.plan(1) == 0  # ... so the next plan starts from AR
 
 
 def test_policy_calibrates_the_drafter_and_probes_while_on_ar():
