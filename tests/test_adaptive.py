@@ -53,6 +53,11 @@ def roofline(n: int, bs: int) -> float:
 E_PER_REQUEST = {4: 2.0, 8: 2.8, 16: 3.4, 32: 3.8}
 
 
+def will_draft(policy: AdaptivePolicy, bs: int) -> bool:
+    """The policy's plan before drafting, as a yes or no (the budget is then chosen on the draft)."""
+    return policy.plan(bs) > 0
+
+
 def choose(policy: AdaptivePolicy, bs: int) -> int:
     return policy.choose(bs, {b: e * bs for b, e in E_PER_REQUEST.items()})
 
@@ -61,15 +66,15 @@ def choose(policy: AdaptivePolicy, bs: int) -> int:
 
 def test_policy_falls_back_to_ar_when_verification_is_expensive():
     policy = AdaptivePolicy(table(lambda n, bs: 1.0 * n * bs), BUDGETS)  # cost grows with every token
-    assert policy.should_draft(1)  # nothing known yet: draft to find out
+    assert will_draft(policy, 1)  # nothing known yet: draft to find out
     assert choose(policy, 1) == 0
-    assert not policy.should_draft(1)  # past drafts say AR wins: skip the draft
+    assert not will_draft(policy, 1)  # past drafts say AR wins: skip the draft
 
 
 def test_policy_takes_the_largest_useful_budget_when_verification_is_cheap():
     policy = AdaptivePolicy(table(lambda n, bs: 1.0 + 0.001 * n), BUDGETS)
     assert choose(policy, 1) == 32
-    assert policy.should_draft(1)
+    assert will_draft(policy, 1)
     # A budget that adds no expected tokens is not worth its (tiny) extra cost.
     assert policy.choose(1, {4: 2.0, 8: 2.8, 16: 3.4, 32: 3.4}) == 16
 
@@ -80,7 +85,7 @@ def test_policy_budget_shrinks_then_turns_to_ar_as_the_batch_grows():
     assert chosen == sorted(chosen, reverse=True), chosen
     assert chosen[0] == 32 and chosen[-1] == 0, chosen
     assert len(set(chosen)) >= 3, chosen  # intermediate budgets in between
-    drafts = [policy.should_draft(bs) for bs in BATCHES]
+    drafts = [will_draft(policy, bs) for bs in BATCHES]
     assert drafts == sorted(drafts, reverse=True) and drafts[0] and not drafts[-1], drafts
 
 
@@ -126,15 +131,15 @@ def test_policy_calibrates_the_drafter_and_probes_while_on_ar():
     assert policy.calibration(32) < 0.01 and policy.calibration(4) < 0.01  # unobserved: the overall ratio
     assert choose(policy, 1) == 0
     gaps = [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]  # a probe that AR still wins doubles the wait
-    pattern = [policy.should_draft(1) for _ in range(sum(gaps) + 3)]
+    pattern = [will_draft(policy, 1) for _ in range(sum(gaps) + 3)]
     assert pattern == [x for g in gaps for x in [False] * g + [True]]
     capped = AdaptivePolicy(policy.table, BUDGETS, max_probe_every=2 * PROBE_EVERY)
     capped.expected, capped.total = policy.expected, policy.total
-    pattern = [capped.should_draft(1) for _ in range(PROBE_EVERY + 1 + 2 * (2 * PROBE_EVERY + 1))]
+    pattern = [will_draft(capped, 1) for _ in range(PROBE_EVERY + 1 + 2 * (2 * PROBE_EVERY + 1))]
     assert pattern == [False] * PROBE_EVERY + [True] + ([False] * 2 * PROBE_EVERY + [True]) * 2
     for _ in range(100):  # it recovers once drafts are accepted again
         policy.observe(32, 1, E_PER_REQUEST[32], 4)
-    assert choose(policy, 1) == 32 and policy.should_draft(1)
+    assert choose(policy, 1) == 32 and will_draft(policy, 1)
 
 
 def test_policy_counts_the_host_time_steps_really_take():
@@ -143,12 +148,12 @@ def test_policy_counts_the_host_time_steps_really_take():
     # batch bucket; if AR steps turn out slow instead, speculation is back.
     weak = {4: 1.0, 8: 1.2, 16: 1.3, 32: 1.4}
     policy = AdaptivePolicy(table(lambda n, bs: 1.0 + 0.001 * n), BUDGETS)
-    assert policy.choose(1, weak) == 32 and policy.should_draft(1)
+    assert policy.choose(1, weak) == 32 and will_draft(policy, 1)
     for _ in range(50):
         policy.observe_time("spec", 1, 4.0, 1.133)
     assert policy.spec_extra_ms(1) == pytest.approx(4.0 - 1.133, rel=1e-3)
     assert policy.spec_extra_ms(2) == 0.0 and policy.choose(2, {b: 2 * e for b, e in weak.items()}) == 32
-    assert policy.choose(1, weak) == 0 and not policy.should_draft(1)
+    assert policy.choose(1, weak) == 0 and not will_draft(policy, 1)
     policy.observe_time("spec", 1, 100.0, 1.133)  # one stall (or a compile) counts at most 4x the table
     assert policy.spec_extra_ms(1) < 0.9 * 2.867 + 0.1 * 3.4 + 1e-3
     policy.observe_time("spec", 4, 0.2, 1.0)  # a (pipelined) step faster than its table: down to 3/4 of it
@@ -158,7 +163,7 @@ def test_policy_counts_the_host_time_steps_really_take():
     for _ in range(50):
         policy.observe_time("ar", 1, 3.9, 1.001)
     assert policy.ar_ms(1) > 3.5
-    assert policy.choose(1, weak) == 32 and policy.should_draft(1)
+    assert policy.choose(1, weak) == 32 and will_draft(policy, 1)
 
 
 def test_cost_table_interpolates_between_batch_sizes_and_extrapolates_the_last_slope():
@@ -644,7 +649,7 @@ def test_policy_recovers_from_a_hard_stretch():
     def run(policy, steps, ratio):
         chosen = []
         for _ in range(steps):
-            b = policy.choose(1, dict(E)) if policy.should_draft(1) else 0
+            b = policy.choose(1, dict(E)) if will_draft(policy, 1) else 0
             chosen.append(b)
             if b:
                 policy.observe(b, 1, E[b], round(E[b] * ratio))

@@ -21,9 +21,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ddtree.config import ModelConfig
-from ddtree.models.transformer import MLP, PackedLinear, RMSNorm, Rotary, few_rows_path, project
-from ddtree.ops.attention import AttentionBatch, paged_attention, store_kv
-from ddtree.ops.fused import qkv_rope
+from ddtree.models.transformer import MLP, PackedLinear, RMSNorm, Rotary, few_rows_path, project, rope_and_store
+from ddtree.ops.attention import AttentionBatch, paged_attention
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -77,10 +76,9 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = True
         self.rotary = [rotary]
         self.scale = self.head_dim ** -0.5
-        half = self.head_dim // 2
-        self.fused_qkv = self.head_dim % 2 == 0 and half & (half - 1) == 0  # the Triton kernel's tile shape
         self.k_cache = self.v_cache = torch.empty(0)
 
     def _rows(self, x: torch.Tensor, start: int, size: int) -> torch.Tensor:
@@ -101,17 +99,8 @@ class DraftAttention(nn.Module):
     def project_store(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       use_triton: bool) -> torch.Tensor:
         """One packed projection of every row; K/V of row t into cache slot slots[t]. Returns the rows'
-        rotated q [T, H, D]. On the GPU: one GEMM and one kernel (norms, rotary, the cache writes)."""
-        qkv = self.qkv_proj(x)
-        qn, kn, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-        if use_triton and self.fused_qkv:
-            from ddtree.ops.triton_qkv import qkv_rope_store
-            return qkv_rope_store(qkv, positions, self.rotary[0].cos_sin, slots, self.k_cache, self.v_cache,
-                                  self.num_heads, self.num_kv_heads, self.head_dim, qn, kn, eps)
-        q, k, v = qkv_rope(qkv, positions, self.rotary[0].cos_sin, self.q_size, self.kv_size, self.head_dim,
-                           qn, kn, eps)
-        store_kv(k, v, self.k_cache, self.v_cache, slots, use_triton)
-        return q
+        rotated q [T, H, D]."""
+        return rope_and_store(self, self.qkv_proj(x), positions, slots, use_triton)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 batch: AttentionBatch) -> torch.Tensor:

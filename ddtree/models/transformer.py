@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ddtree.config import ModelConfig
-from ddtree.ops.attention import AttentionBatch, paged_attention
+from ddtree.ops.attention import AttentionBatch, paged_attention, store_kv
 from ddtree.ops.fused import add_rms_norm, qkv_rope, rms_norm, rope, silu_mul
 
 
@@ -120,8 +120,6 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
         self.scale = self.head_dim ** -0.5
-        half = self.head_dim // 2
-        self.fused_qkv = self.head_dim % 2 == 0 and half & (half - 1) == 0  # the Triton kernel's tile shape
         self.k_cache = self.v_cache = torch.empty(0)  # [num_slots, Hkv, D], assigned by the runner
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -129,18 +127,26 @@ class Attention(nn.Module):
 
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Attention output after o_proj, from the packed q|k|v projection."""
-        qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        eps = self.q_norm.eps if self.qk_norm else 0.0
-        if batch.use_triton and self.fused_qkv:  # one kernel: norm, rotary and the K/V written to the cache
-            from ddtree.ops.triton_qkv import qkv_rope_store
-            q = qkv_rope_store(qkv, positions, self.rotary[0].cos_sin, batch.slot_mapping, self.k_cache,
-                               self.v_cache, self.num_heads, self.num_kv_heads, self.head_dim, qn, kn, eps)
-            o = paged_attention(q, None, None, self.k_cache, self.v_cache, batch, self.scale)
-        else:
-            q, k, v = qkv_rope(qkv, positions, self.rotary[0].cos_sin, self.q_size, self.kv_size, self.head_dim,
-                               qn, kn, eps)
-            o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
+        q = rope_and_store(self, qkv, positions, batch.slot_mapping, batch.use_triton)
+        o = paged_attention(q, None, None, self.k_cache, self.v_cache, batch, self.scale)
         return project(self.o_proj, o.flatten(1), batch)
+
+
+def rope_and_store(attn: nn.Module, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   use_triton: bool) -> torch.Tensor:
+    """From rows of a packed q|k|v projection (`attn`: the target's or the drafter's attention): the
+    rotated q [T, H, D], after the Qwen3 q/k norms if it has them, with row t's K/V written to cache
+    slot slots[t]. With Triton one kernel does it all (norms, rotary, the cache writes)."""
+    qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+    eps = attn.q_norm.eps if attn.qk_norm else 0.0
+    half = attn.head_dim // 2
+    if use_triton and attn.head_dim % 2 == 0 and half & (half - 1) == 0:  # (the kernel's tile shape)
+        from ddtree.ops.triton_qkv import qkv_rope_store
+        return qkv_rope_store(qkv, positions, attn.rotary[0].cos_sin, slots, attn.k_cache, attn.v_cache,
+                              attn.num_heads, attn.num_kv_heads, attn.head_dim, qn, kn, eps)
+    q, k, v = qkv_rope(qkv, positions, attn.rotary[0].cos_sin, attn.q_size, attn.kv_size, attn.head_dim, qn, kn, eps)
+    store_kv(k, v, attn.k_cache, attn.v_cache, slots, use_triton)
+    return q
 
 
 class MLP(nn.Module):

@@ -165,17 +165,13 @@ class AdaptivePolicy:
         self.ar_streak += 1
         return 0
 
-    def should_draft(self, batch: int) -> bool:
-        """`plan`, as a yes or no: the budget itself is then chosen on the draft's own E(b) (`choose`)."""
-        return self.plan(batch) > 0
-
     def ar_steps_ahead(self) -> int:
-        """After `should_draft` said no: how many more steps it will say no (until a probe is due;
+        """After `plan` said AR: how many more steps it will say so (until a probe is due;
         without new drafts nothing else changes its answer)."""
         return max(0, self.interval - self.ar_streak)
 
     def skip_ar(self, steps: int) -> None:
-        """Count AR steps taken without asking `should_draft` (an AR burst)."""
+        """Count AR steps taken without asking `plan` (an AR burst)."""
         self.ar_streak += steps
 
     def state(self) -> dict:

@@ -77,8 +77,13 @@ class Speculator:
         # Set by the engine before each step: short bursts while a request waits for a free slot, and
         # whether the step's time is worth learning from (auto: not with a prefill chunk in flight).
         self.short_bursts, self.timed = False, True
-        # bursts read packed rows back: [R, depth + 3]
-        self.readback = TokenReadback(max_batch * (self.depth + 3), runner.device)
+        # bursts read packed rows back: [R, depth + 3] (auto: and E(b) of each budget)
+        self.readback = TokenReadback(max_batch * self.packed_width, runner.device)
+
+    @property
+    def packed_width(self) -> int:
+        """Columns of a step's packed output: accepted length, bonus, the path's depth + 1 tokens."""
+        return self.depth + 3
 
     @property
     def width(self) -> int:
@@ -276,8 +281,6 @@ class AdaptiveSpeculator(Speculator):
         self.budgets = candidate_budgets(drafter.block_size - 1, topk)
         super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
         self.ctx_rows = drafter.block_size  # the last accepted path (AR steps store their own rows)
-        # burst read-backs: the packed rows, then E(b) of each budget in fixed point
-        self.readback = TokenReadback(max_batch * (self.depth + 3 + len(self.budgets) - 1), runner.device)
         self.max_pages, self.planned = max_pages, 0
         self.draft_graphs, self.ar_graphs, self.step_graphs = None, None, {}
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
@@ -301,6 +304,10 @@ class AdaptiveSpeculator(Speculator):
         """Drafter block -> candidates for the largest budget and E(b) [R, budgets] for each b > 0."""
         c = candidates(self.drafter.logits(inp), self.budget, self.topk)
         return c, expected_accepts(c, self.budgets[1:])
+
+    @property
+    def packed_width(self) -> int:
+        return self.depth + 3 + len(self.budgets) - 1  # then E(b) of each budget b > 0, in fixed point
 
     def _whole_step(self, budget: int, inp: StepInputs) -> StepOutputs:
         """A burst step of `budget` (device ops only): the packed rows gain E(b) of every budget, in
@@ -409,7 +416,7 @@ class AdaptiveSpeculator(Speculator):
         """A burst step's E(b) of every budget into the policy's averages, and its acceptance."""
         if not rows:
             return
-        n, first = len(rows), self.depth + 3
+        n, first = len(rows), super().packed_width
         expected = {b: sum(r[first + j] for r in rows) / EXPECTED_SCALE for j, b in enumerate(self.budgets[1:])}
         self.policy.record_draft(n, expected)
         self.policy.observe(budget, n, expected[budget], sum(r[0] for r in rows))

@@ -75,19 +75,21 @@ class DraftRunner:
 
     def store_pending(self, seqs: list[Sequence]) -> None:
         """Moves every request's pending target features into the drafter cache now, outside a draft
-        (before AR steps, which store their own rows). Positions and slots are computed on the
-        device: after a prefill a request may have thousands of rows."""
+        (before AR steps, which then add their own rows: `store_step`). Positions and slots are
+        computed on the device: after a prefill a request may have thousands of rows."""
         counts = [s.num_cached - s.draft_len for s in seqs]
-        total, dev, ps = sum(counts), self.device, self.page_size
+        total = sum(counts)
         assert total == sum(f.shape[0] for s in seqs for f in s.pending_features), "drafter context out of sync"
         if not total:
             return
-        req = pack_rows([s.block_table for s in seqs], [[s.draft_len for s in seqs], counts], self.scratch_slot // ps,
-                        dev)  # one host->device copy
-        first, n = req[:, 0], req[:, 1]
+        dev = self.device
+        req = pack_rows([s.block_table for s in seqs], [[s.draft_len for s in seqs], counts],
+                        self.scratch_slot // self.page_size, dev)
+        firsts, n = req[:, 0], req[:, 1]
         row = torch.repeat_interleave(torch.arange(len(seqs), device=dev), n, output_size=total)
-        pos = first[row] + torch.arange(total, device=dev) - (n.cumsum(0) - n)[row]
-        slots = req[:, 2:][row, pos // ps] * ps + pos % ps  # (a page-table entry per row, no copies)
+        pos = torch.arange(total, device=dev) - (n.cumsum(0) - n)[row] + firsts[row]
+        ps = self.page_size
+        slots = req[:, 2:][row, pos // ps] * ps + pos % ps  # (one page-table entry per row, not a table copy)
         feats = torch.cat([f for s in seqs for f in s.pending_features])
         self.drafter.store_context(feats, pos, slots, self.use_triton)
         for seq in seqs:
