@@ -102,7 +102,7 @@ class DraftRunner:
         self.drafter.store_context(feats, starts, slots, self.use_triton)
 
     def logits(self, inp: StepInputs) -> torch.Tensor:
-        """Draft logits [R, B-1, V] (fp32) for depths 1..B-1; device ops only.
+        """Draft logits [R, B-1, V] (the model's dtype) for depths 1..B-1; device ops only.
 
         Each request's block is [root, MASK x (B-1)] at positions start .. start+B-1, attending to its
         whole drafter context and (non-causally) to the whole block."""
@@ -117,5 +117,5 @@ class DraftRunner:
         block_pos = (inp.starts[:, None] + torch.arange(B, device=self.device)).flatten()
         hidden = self.drafter(embeds, block_pos, inp.ctx_feats.flatten(0, 1), inp.ctx_pos.flatten(),
                               inp.ctx_slots.flatten(), batch)
-        return self.drafter.logits(hidden.view(R, B, -1)[:, 1:], self.target.lm_head)
+        return self.drafter.logits(hidden.view(R, B, -1)[:, 1:], self.target.lm_head, float32=False)
 

@@ -73,20 +73,29 @@ def build_tree(logits: torch.Tensor, roots: torch.Tensor, budget: int, topk: int
 
 
 def candidates(logits: torch.Tensor, width: int, topk: int) -> Candidates:
-    """The `width` best nodes per depth and overall (see the module docstring). The top-k are taken
-    from the logits and turned into log-probs by one logsumexp: no [R, D, V] log-softmax written."""
+    """The `width` best nodes per depth and overall (see the module docstring)."""
     assert width >= 1 and topk >= 1 and logits.shape[1] >= 1
-    top, top_tok = logits.topk(topk, dim=-1)  # [R, D, K], sorted best first
-    top_lp = top - logits.logsumexp(dim=-1, keepdim=True)
+    top_lp, top_tok = top_logprobs(logits, topk)  # [R, D, K], best first
     return Candidates(*_levels(top_lp, width, topk), top_tok)
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] (any float dtype) -> the k best tokens' log-probs [..., k] (float32, best
+    first) and ids [..., k]. On the GPU one Triton pass over the logits (ops/triton_topk.py);
+    here a float32 top-k and one logsumexp (no [..., V] log-softmax written)."""
+    if logits.is_cuda:
+        from ddtree.ops.triton_topk import topk_logprobs
+        return topk_logprobs(logits, k)
+    x = logits.float()
+    top, tok = x.topk(k, dim=-1)
+    return top - x.logsumexp(dim=-1, keepdim=True), tok
 
 
 def chain_tree(logits: torch.Tensor, roots: torch.Tensor, budget: int) -> Tree:
     """DFlash linear: the tree of topk 1 is the chain of the drafter's argmax tokens (each depth has
     one candidate, and scores fall along the chain), so it needs no candidate levels or sorts."""
-    D = budget
-    best, tokens = logits[:, :D].max(dim=-1)
-    return Tree(*_chain(tokens, best - logits[:, :D].logsumexp(dim=-1), roots), logits.shape[1])
+    lp, tokens = top_logprobs(logits[:, :budget], 1)
+    return Tree(*_chain(tokens[..., 0], lp[..., 0], roots), logits.shape[1])
 
 
 @compiled_on_cuda
