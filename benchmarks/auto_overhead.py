@@ -6,7 +6,9 @@ default target's shapes with the shipped drafter (tau ~1, so AR wins), C request
 Per concurrency: AR and auto tok/s, auto's budget histogram and bursts, the policy's learned state,
 and the host seconds spent in each part of the engine step (schedule, prefill, the speculator's
 plan, auto's AR bursts split into drafter catch-up / graphed decode / feature store, speculative
-steps). On a CPU (`--cpu`, tiny shapes) it only checks that the script runs.
+steps), and every graphed AR decode burst (batch, steps, host ms). `--sync-parts`: the parts wait
+for the device, so their times include the device work they launch. On a CPU (`--cpu`, tiny
+shapes) it only checks that the script runs.
 """
 from __future__ import annotations
 
@@ -25,25 +27,60 @@ from ddtree import LLM, SamplingParams  # noqa: E402
 from ddtree.models.hub import DEFAULT_DRAFT_DIR  # noqa: E402
 
 
+SYNC_PARTS = "--sync-parts" in sys.argv  # each timed part waits for the device before and after
+
+
 def timed_parts(obj, names: list[str], acc: dict, prefix: str = "") -> None:
-    """Wraps obj's methods to add their host seconds to acc[prefix + name]."""
+    """Wraps obj's methods to add their host seconds to acc[prefix + name] (with `--sync-parts`, the
+    device time of the work they launch too: nothing overlaps then)."""
+    sync = torch.cuda.synchronize if SYNC_PARTS and torch.cuda.is_available() else (lambda: None)
     for name in names:
         fn = getattr(obj, name)
 
         def wrapper(*a, _fn=fn, _name=prefix + name, **k):
+            sync()
             t0 = time.perf_counter()
             try:
                 return _fn(*a, **k)
             finally:
+                sync()
                 acc[_name] += time.perf_counter() - t0
         setattr(obj, name, wrapper)
 
 
-def run(llm: LLM, prompts, params, acc: dict | None = None) -> dict:
+def trace_decode(eng, bursts: list) -> None:
+    """Wraps the engine's graphed AR decode to log (batch, steps, host ms) of every burst."""
+    fn = eng._decode_graphed
+
+    def wrapper(seqs, *a, **k):
+        t0 = time.perf_counter()
+        steps = fn(seqs, *a, **k)
+        bursts.append((len(seqs), steps, (time.perf_counter() - t0) * 1e3))
+        return steps
+    eng._decode_graphed = wrapper
+
+
+def burst_summary(bursts: list) -> dict:
+    """Per batch size: bursts, steps, and host ms per step of the graphed AR decode."""
+    out: dict = {}
+    for bs, steps, ms in bursts:
+        r = out.setdefault(str(bs), {"bursts": 0, "steps": 0, "ms": 0.0})
+        r["bursts"] += 1
+        r["steps"] += steps
+        r["ms"] += ms
+    for r in out.values():
+        r["ms_per_step"] = round(r.pop("ms") / r["steps"], 4)
+    out["in_order"] = [(bs, steps, round(ms, 2)) for bs, steps, ms in bursts]
+    return out
+
+
+def run(llm: LLM, prompts, params, acc: dict | None = None, bursts: list | None = None) -> dict:
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     llm.generate(prompts, params)  # warm-up
     if acc is not None:
         acc.clear()
+    if bursts is not None:
+        bursts.clear()
     sync()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -51,12 +88,13 @@ def run(llm: LLM, prompts, params, acc: dict | None = None) -> dict:
     wall = time.perf_counter() - t0
     n = sum(len(o.token_ids) for o in outs)
     return {"tok_per_s": round(n / wall, 1), "wall_s": round(wall, 4), "tokens": n,
-            "stats": {k: v for k, v in llm.last_stats.items() if k in ("budget_hist", "bursts", "steps")}}
+            "stats": {k: v for k, v in llm.last_stats.items() if k in ("budget_hist", "bursts", "steps")},
+            **({"decode_bursts": burst_summary(bursts)} if bursts is not None else {})}
 
 
 def main() -> int:
     cpu = "--cpu" in sys.argv
-    args = [a for a in sys.argv[1:] if a != "--cpu"]
+    args = [a for a in sys.argv[1:] if a not in ("--cpu", "--sync-parts")]
     out = args[0] if args else "."
     out = os.path.join(out, "auto_overhead.jsonl") if os.path.isdir(out) else out
     conc = [int(c) for c in args[1].split(",")] if len(args) > 1 else [16, 64]
@@ -81,15 +119,23 @@ def main() -> int:
         prompts = [[(31 * i + 7 * j) % vocab + 1 for j in range(length)] for i in range(c)]
         params = SamplingParams(max_tokens=length, ignore_eos=True)
         llm = LLM(model, draft=draft, spec="none", max_num_seqs=c, **kw)
-        row = {"concurrency": c, "ar": run(llm, prompts, params)}
+        bursts: list = []
+        if not cpu:
+            trace_decode(llm.engine, bursts)
+        ar_acc: dict = defaultdict(float)
+        timed_parts(llm.engine, ["_forward_and_sample"], ar_acc, "engine.")
+        row = {"concurrency": c, "ar": run(llm, prompts, params, ar_acc, None if cpu else bursts)}
+        row["ar"]["host_s"] = {k: round(v, 4) for k, v in sorted(ar_acc.items())}
         llm.set_mode("ddtree", "auto", 4)
         eng, spec = llm.engine, llm.engine.speculator
+        if not cpu:
+            trace_decode(eng, bursts)
         acc: dict = defaultdict(float)
         timed_parts(eng.scheduler, ["schedule"], acc, "scheduler.")
         timed_parts(eng, ["_forward_and_sample", "_auto_ar_burst", "_decode_graphed"], acc, "engine.")
         timed_parts(spec, ["ar_steps", "step", "ar_step"], acc, "spec.")
         timed_parts(spec.drafter, ["store_pending", "prepare"], acc, "drafter.")
-        row["auto"] = run(llm, prompts, params, acc)
+        row["auto"] = run(llm, prompts, params, acc, None if cpu else bursts)
         row["auto"]["host_s"] = {k: round(v, 4) for k, v in sorted(acc.items())}
         row["auto"]["policy"] = spec.policy.state()
         row["auto_vs_ar"] = round(row["auto"]["tok_per_s"] / row["ar"]["tok_per_s"], 3)

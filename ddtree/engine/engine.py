@@ -96,6 +96,13 @@ class LLMEngine:
             self.decode_graphs = GraphPool(self._graph_decode, engine_cfg.max_num_seqs,
                                            pad={"block_tables": self.runner.scratch_page},
                                            widths={"block_tables": max_pages})
+            # Every batch bucket captured now, not in the middle of serving: a capture takes 60-110 ms
+            # (a whole burst's worth), and under auto a bucket may first come up after the warm-up.
+            scratch = torch.full((1, 1), self.runner.scratch_page, dtype=torch.long, device=device)
+            with torch.inference_mode():
+                for bs in self.decode_graphs.buckets:  # (on padding rows: their K/V go to the scratch page)
+                    zeros = torch.zeros(bs, dtype=torch.long, device=device)
+                    self.decode_graphs.run(DecodeInputs(zeros, zeros, scratch.expand(bs, 1)))
         self.prefill_graphs: dict[int, GraphPool] = {}
         if self.use_graphs and PREFILL_GRAPHS:
             taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
@@ -242,15 +249,12 @@ class LLMEngine:
         target features into the drafter's cache, so a later draft finds its context up to date (a
         step run past a request's end stores into pages it held, as its target K/V do)."""
         spec = self.speculator
-        # Not a time to learn from: a burst that captures its graph first, or runs behind a long store
-        # of pending context (a prompt's: device work not waited for).
+        # Not a time to learn from: a burst behind a long store of pending context (a prompt's: device
+        # work not waited for).
         if any(s.num_cached - s.draft_len > spec.drafter.block_size for s in seqs):
             spec.timed = False
         spec.drafter.store_pending(seqs)  # rows still pending (a prompt's, a verified path's) go first
         outs = [len(s.output_ids) for s in seqs]
-        pool = self.decode_graphs
-        if next(b for b in pool.buckets if b >= len(seqs)) not in pool.graphs:
-            spec.timed = False
         t0 = time.perf_counter()
         steps = self._decode_graphed(seqs, most)
         for s in seqs:
