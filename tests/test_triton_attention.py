@@ -104,6 +104,18 @@ def test_fused_qkv_rope_store_matches_split_ops(qk_norm, dtype):
     torch.testing.assert_close(q2, q, **tol)
     torch.testing.assert_close(kc2, kc, **tol)
     assert torch.equal(vc2, vc)  # V is copied, not computed
+    # Rows of k|v only (the drafter's context rows need no query): the same cache writes, both paths.
+    kv = qkv[:, H * D:].contiguous()
+    for fused in (True, False):
+        kc3, vc3 = torch.zeros_like(kc), torch.zeros_like(vc)
+        if fused:
+            q3 = qkv_rope_store(kv, positions, cos_sin, slot_mapping, kc3, vc3, 0, Hkv, D, qn, kn, 1e-6)
+        else:
+            q3, k3, v3 = qkv_rope(kv, positions, cos_sin, 0, Hkv * D, D, qn, kn, 1e-6)
+            store_kv(k3, v3, kc3, vc3, slot_mapping)
+        assert q3.shape == (T, 0, D)
+        torch.testing.assert_close(kc3, kc, **tol)
+        assert torch.equal(vc3, vc)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

@@ -235,9 +235,9 @@ class LLMEngine:
         return logits[:1], (feats[0, :n].clone() if feats.numel() else None)
 
     def _graph_decode(self, inp: "DecodeInputs") -> torch.Tensor:
-        logits, feats = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts, self.decode_taps)
+        logits, feats, slots = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts, self.decode_taps)
         if feats is not None:  # auto: the step's target features into the drafter's cache at its position
-            self.speculator.drafter.store_step(feats, inp.starts, inp.block_tables)
+            self.speculator.drafter.store_context(feats, inp.starts, slots)
         # The next step's inputs, written by this one: its greedy tokens (sampled rows are overwritten
         # by the host's sampler before the next replay) one position further on.
         inp.ids.copy_(logits.argmax(dim=-1))

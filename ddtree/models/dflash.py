@@ -102,6 +102,11 @@ class DraftAttention(nn.Module):
         rotated q [T, H, D]."""
         return rope_and_store(self, self.qkv_proj(x), positions, slots, use_triton)
 
+    def store(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, use_triton: bool) -> None:
+        """Context rows without a block (a prompt's, an AR step's): only their k|v projected, and the
+        K/V written into cache slots `slots`."""
+        rope_and_store(self, self._rows(x, self.q_size, 2 * self.kv_size), positions, slots, use_triton, with_q=False)
+
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 batch: AttentionBatch) -> torch.Tensor:
         """x: the block's rows; ctx: new context rows (their K/V go into the drafter cache first);
@@ -164,7 +169,7 @@ class DFlashDrafter(nn.Module):
         at `slots`, without drafting a block (what forward() does first)."""
         ctx = self.hidden_norm(self.fc(features))
         for layer in self.layers:
-            layer.self_attn.project_store(ctx, positions, slots, use_triton)
+            layer.self_attn.store(ctx, positions, slots, use_triton)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module, float32: bool = True) -> torch.Tensor:
         """Logits [..., V] of hidden states [..., D] through the target's LM head: float32, or with

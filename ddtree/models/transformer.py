@@ -133,18 +133,20 @@ class Attention(nn.Module):
 
 
 def rope_and_store(attn: nn.Module, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                   use_triton: bool) -> torch.Tensor:
+                   use_triton: bool, with_q: bool = True) -> torch.Tensor:
     """From rows of a packed q|k|v projection (`attn`: the target's or the drafter's attention): the
     rotated q [T, H, D], after the Qwen3 q/k norms if it has them, with row t's K/V written to cache
-    slot slots[t]. With Triton one kernel does it all (norms, rotary, the cache writes)."""
+    slot slots[t]. With Triton one kernel does it all (norms, rotary, the cache writes).
+    `with_q=False`: the rows hold k|v only (context rows that need no query), and q comes back empty."""
     qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
     eps = attn.q_norm.eps if attn.qk_norm else 0.0
+    heads, q_size = (attn.num_heads, attn.q_size) if with_q else (0, 0)
     half = attn.head_dim // 2
     if use_triton and attn.head_dim % 2 == 0 and half & (half - 1) == 0:  # (the kernel's tile shape)
         from ddtree.ops.triton_qkv import qkv_rope_store
         return qkv_rope_store(qkv, positions, attn.rotary[0].cos_sin, slots, attn.k_cache, attn.v_cache,
-                              attn.num_heads, attn.num_kv_heads, attn.head_dim, qn, kn, eps)
-    q, k, v = qkv_rope(qkv, positions, attn.rotary[0].cos_sin, attn.q_size, attn.kv_size, attn.head_dim, qn, kn, eps)
+                              heads, attn.num_kv_heads, attn.head_dim, qn, kn, eps)
+    q, k, v = qkv_rope(qkv, positions, attn.rotary[0].cos_sin, q_size, attn.kv_size, attn.head_dim, qn, kn, eps)
     store_kv(k, v, attn.k_cache, attn.v_cache, slots, use_triton)
     return q
 
@@ -177,26 +179,29 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's
-        output. Deferring the add lets it fuse with the next layer's norm."""
+                batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it, this layer's input); the
+        first two sum to the layer's output. Deferring the add lets it fuse with the next layer's
+        norm, which returns the sum, the previous layer's output, for free (the drafter's taps)."""
         if few_rows_path(h, batch):
             return self.few_rows(h, residual, positions, batch)
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm(h, residual)
+        entering = residual
         x, residual = self.post_attention_layernorm(self.self_attn(x, positions, batch), residual)
-        return self.mlp(x), residual
+        return self.mlp(x), residual, entering
 
     def few_rows(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                 batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+                 batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """forward() for a few tokens: norms, residual adds and SiLU run inside the projections."""
         from ddtree.ops.triton_linear import norm_linear
         attn, ln1 = self.self_attn, self.input_layernorm
-        qkv, residual = norm_linear(h, residual, ln1.weight, ln1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        return self.mlp.after_norm(attn.attend(qkv, positions, batch), residual, self.post_attention_layernorm,
-                                   batch)
+        qkv, entering = norm_linear(h, residual, ln1.weight, ln1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        out, residual = self.mlp.after_norm(attn.attend(qkv, positions, batch), entering,
+                                            self.post_attention_layernorm, batch)
+        return out, residual, entering
 
 
 class TransformerModel(nn.Module):
@@ -231,10 +236,11 @@ class CausalLM(nn.Module):
         h, residual = self.model.embed_tokens(input_ids), None
         tapped = {}
         for i, layer in enumerate(self.model.layers):
-            h, residual = layer(h, residual, positions, batch)
-            if taps and i in taps:
-                tapped[i] = h + residual
-        return self.model.norm(h, residual)[0], [tapped[t] for t in taps or []]
+            h, residual, entering = layer(h, residual, positions, batch)
+            if taps and i - 1 in taps:  # layer i - 1's output, summed by layer i's first norm
+                tapped[i - 1] = entering
+        hidden, tapped[len(self.model.layers) - 1] = self.model.norm(h, residual)
+        return hidden, [tapped[t] for t in taps or []]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -44,10 +44,10 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tor
 def _qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, q_size: int, kv_size: int,
               head_dim: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float):
     """Split packed qkv, apply per-head q/k RMSNorm (Qwen3) and rotary. Returns q [T,H,D], k, v [T,Hkv,D]."""
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = q.reshape(q.shape[0], -1, head_dim)
-    k = k.reshape(k.shape[0], -1, head_dim)
-    v = v.reshape(v.shape[0], -1, head_dim).contiguous()
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # (q_size 0: rows of k|v only)
+    q = q.reshape(q.shape[0], q_size // head_dim, head_dim)
+    k = k.reshape(k.shape[0], kv_size // head_dim, head_dim)
+    v = v.reshape(v.shape[0], kv_size // head_dim, head_dim).contiguous()
     if q_norm is not None:
         q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
     cos, sin = rope_cos_sin(cos_sin, positions, q.dtype)

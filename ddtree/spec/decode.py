@@ -326,7 +326,8 @@ class AdaptiveSpeculator(Speculator):
         ids = inp.roots[:, None]
         logits, feats = self.runner.verify(inp.block_tables, inp.starts, ids, torch.zeros_like(ids), None,
                                            self.drafter.layer_ids)
-        self.drafter.store_step(feats[:, 0], inp.starts, inp.block_tables)
+        slots = page_slots(inp.block_tables, inp.starts[:, None], self.runner.page_size).flatten()
+        self.drafter.store_context(feats[:, 0], inp.starts, slots)
         packed = torch.cat([torch.zeros_like(ids), pred_fn(logits).long(), ids], 1)
         return StepOutputs(packed.view(R, 3), feats)
 

@@ -13,7 +13,7 @@ import torch
 from ddtree.engine.sequence import Sequence
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
-from ddtree.ops.attention import pack_rows, page_slots, uniform_batch
+from ddtree.ops.attention import pack_rows, uniform_batch
 
 
 @dataclass(slots=True)
@@ -75,7 +75,7 @@ class DraftRunner:
 
     def store_pending(self, seqs: list[Sequence]) -> None:
         """Moves every request's pending target features into the drafter cache now, outside a draft
-        (before AR steps, which then add their own rows: `store_step`). Positions and slots are
+        (before AR steps, which then add their own rows: `store_context`). Positions and slots are
         computed on the device: after a prefill a request may have thousands of rows."""
         counts = [s.num_cached - s.draft_len for s in seqs]
         total = sum(counts)
@@ -95,11 +95,10 @@ class DraftRunner:
         for seq in seqs:
             seq.draft_len, seq.pending_features = seq.num_cached, []
 
-    def store_step(self, feats: torch.Tensor, starts: torch.Tensor, block_tables: torch.Tensor) -> None:
-        """An AR step's target features [R, K*D] into the drafter cache at positions `starts`; device
-        ops only (inside the engine's decode graph)."""
-        slots = page_slots(block_tables, starts[:, None], self.page_size).flatten()
-        self.drafter.store_context(feats, starts, slots, self.use_triton)
+    def store_context(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Target features [T, K*D] of context rows at `positions` into the drafter cache at `slots`
+        (an AR step's, inside the engine's decode graph); device ops only."""
+        self.drafter.store_context(feats, positions, slots, self.use_triton)
 
     def logits(self, inp: StepInputs) -> torch.Tensor:
         """Draft logits [R, B-1, V] (the model's dtype) for depths 1..B-1; device ops only.
