@@ -74,8 +74,9 @@ def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, r
             accepts += acc
             for b, m in llm.last_stats.get("budget_hist", {}).items():  # what `auto` chose (request-steps)
                 budget_hist[str(b)] = budget_hist.get(str(b), 0) + m
-            for k, m in llm.last_stats.get("bursts", {}).items():  # ... and how it grouped its steps
-                bursts[k] = bursts.get(k, 0) + m
+            if llm.last_stats.get("bursts"):  # ... how it grouped its steps, and their share of the wall time
+                for k, m in {**llm.last_stats["bursts"], "wall_ms": dt * 1e3}.items():
+                    bursts[k] = bursts.get(k, 0) + m
             if labels:
                 c = cats.setdefault(labels[i], {"tokens": 0, "time": 0.0, "accepts": []})
                 c["tokens"], c["time"] = c["tokens"] + n, c["time"] + dt
@@ -88,7 +89,7 @@ def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, r
     if budget_hist:
         row["budget_hist"] = dict(sorted(budget_hist.items(), key=lambda kv: int(kv[0])))
     if bursts:
-        row["bursts"] = bursts
+        row["bursts"] = {k: round(v, 1) if isinstance(v, float) else v for k, v in bursts.items()}
     policy = getattr(llm.engine.speculator, "policy", None)
     if policy is not None and hasattr(policy, "state"):  # auto: what it learned by the end
         row["policy"] = policy.state()

@@ -42,7 +42,8 @@ class SpecStats:
     depth_accepted: list[int] = field(default_factory=list)  # [d]: request-steps that accepted depth >= d + 1
     drafted: int = 0  # tree nodes sent to verification (root excluded)
     budget_hist: Counter = field(default_factory=Counter)  # budget -> request-steps (0: AR steps of `auto`)
-    bursts: Counter = field(default_factory=Counter)  # auto: {"ar"|"spec"}_{bursts|steps}, "probes"
+    # auto: {"ar"|"spec"}_{bursts|steps|ms} (host milliseconds from launch to commit), "probes"
+    bursts: Counter = field(default_factory=Counter)
 
     def add(self, length: int, committed: int) -> None:
         self.steps += 1
@@ -343,7 +344,7 @@ class AdaptiveSpeculator(Speculator):
         `elapsed_ms`."""
         self.policy.skip_ar(steps - 1)
         self.stats.budget_hist[0] += request_steps
-        self.stats.bursts.update({"ar_bursts": 1, "ar_steps": steps})
+        self.stats.bursts.update({"ar_bursts": 1, "ar_steps": steps, "ar_ms": elapsed_ms})
         if self.timed and steps >= TIMED_BURST:
             self.policy.observe_time("ar", batch, elapsed_ms / steps, self.policy.table.ar_ms(batch))
 
@@ -404,7 +405,8 @@ class AdaptiveSpeculator(Speculator):
         t0 = time.perf_counter()
         blind = self.policy.expected is None  # no draft seen yet: one step to learn from
         steps = self._burst(seqs, commit, graphs, budget, most=1 if self.policy.probing or blind else SPEC_BURST)
-        self.stats.bursts.update({"spec_bursts": 1, "spec_steps": steps, "probes": int(self.policy.probing)})
+        self.stats.bursts.update({"spec_bursts": 1, "spec_steps": steps, "probes": int(self.policy.probing),
+                                  "spec_ms": (time.perf_counter() - t0) * 1e3})
         self.policy.probing = False
         # Only whole bursts teach the policy host time: a short one is mostly its start and drain,
         # which the AR burst before and after it pay too (the table's steps are pipelined shares).

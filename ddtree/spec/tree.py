@@ -27,11 +27,15 @@ Worked example (asserted in tests/test_tree.py): depth 3, topk 2, budget 4, one 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from ddtree.ops.fused import compiled_on_cuda
+
+# On the GPU the candidate levels run as one Triton kernel (ops/triton_tree.py); =0: the torch sorts.
+TREE_KERNEL = os.environ.get("DDTREE_TREE_KERNEL", "1") != "0"
 
 
 @dataclass(slots=True)
@@ -76,6 +80,9 @@ def candidates(logits: torch.Tensor, width: int, topk: int) -> Candidates:
     """The `width` best nodes per depth and overall (see the module docstring)."""
     assert width >= 1 and topk >= 1 and logits.shape[1] >= 1
     top_lp, top_tok = top_logprobs(logits, topk)  # [R, D, K], best first
+    if top_lp.is_cuda and TREE_KERNEL:
+        from ddtree.ops.triton_tree import levels
+        return Candidates(*levels(top_lp, width, topk), top_tok)
     return Candidates(*_levels(top_lp, width, topk), top_tok)
 
 
