@@ -6,6 +6,10 @@ graphed DDTree step at batch 1 however small the sorts are. Here each request's 
 program: per depth a bitonic sort of the W x K candidates (padded to powers of two) in registers,
 the best W kept for the next depth and written out; then one sort of all kept nodes for the order.
 
+The depth loop is a device loop, not unrolled: unrolled, the kernel took 132 s to build for sm90
+(15 depths, budget 32, topk 4); as a loop, 2.3 s. Off by default (spec/tree.py `TREE_KERNEL`) until
+it is measured on the H200.
+
 Sort keys make the result match the torch version's stable sorts exactly: a float32 score becomes
 an int32 that orders like it, shifted above the complement of the candidate's index, so equal
 scores keep the lower index (an earlier parent, a better rank; a shallower node) first, and padding
@@ -63,7 +67,7 @@ def _levels_kernel(LP, Score, Parent, Rank, Order, D: tl.constexpr, K: tl.conste
     tl.store(Rank + out + slot, tl.minimum(slot, K - 1).to(tl.int64), mask=keep)
     flat = tl.arange(0, WP * KP)  # candidate (slot i, rank j) at i * KP + j: the torch order i * K + j
     real = tl.reshape(keep[:, None] & (rank[None, :] < K), [WP * KP])
-    for d in tl.static_range(1, D):
+    for d in range(1, D):
         x = tl.load(lp + d * K + rank, mask=rank < K, other=float("-inf"))
         cand = tl.reshape(score[:, None] + x[None, :], [WP * KP])
         score, index = _unkey(_best(_key(cand, flat, real), WP * KP, WP))
