@@ -142,6 +142,32 @@ def test_policy_calibrates_the_drafter_and_probes_while_on_ar():
     assert choose(policy, 1) == 32 and will_draft(policy, 1)
 
 
+def test_a_budget_tried_on_hard_text_is_not_shut_out():
+    # Budget 32 verified a few times where little was accepted, then budget 16 for a long stretch where
+    # the drafter's predictions held: 32's calibration drifts back to the overall ratio (its own old
+    # ratio weighs less with every later step), so 32 can win again when its E says so.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0), BUDGETS)
+    for _ in range(3):
+        policy.observe(32, 1, 4.0, 1)  # 0.25 of what the drafter predicted
+    assert policy.calibration(32) < 0.5
+    for _ in range(60):
+        policy.observe(16, 1, 3.0, 3)  # 1.0
+    assert policy.calibration(16) == pytest.approx(1.0, abs=0.01)
+    assert policy.calibration(32) > 0.9  # (was: its own 0.25 for good, while never chosen again)
+    assert policy.calibration(4) == pytest.approx(1.0, abs=0.01)  # never verified: the overall ratio
+
+
+def test_a_probe_draft_replaces_estimates_as_old_as_the_ar_stretch():
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 + 0.001 * n), BUDGETS)
+    policy.record_draft(1, {b: 0.05 for b in BUDGETS[1:]})  # hard text: AR from here on
+    plans = [policy.plan(1) for _ in range(PROBE_EVERY + 1)]
+    assert plans[:-1] == [0] * PROBE_EVERY and plans[-1] == 4 and policy.probing
+    policy.record_draft(1, dict(E_PER_REQUEST))  # the probe drafts on easy text again
+    policy.probing = False
+    assert policy.expected == E_PER_REQUEST  # (blended in at `decay`, 10% of it: still AR)
+    assert policy.plan(1) == 32
+
+
 def test_policy_counts_the_host_time_steps_really_take():
     # On the table, a budget-32 step (draft 0.1 + verify 1.03 ms for ~2.4 tokens) beats AR (1 ms a
     # token) by 2x. If speculative steps really take 4 ms on this machine, AR wins, and only for this

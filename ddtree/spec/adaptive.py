@@ -33,6 +33,10 @@ AR_TIMING_BURST = 8
 SWITCH_MARGIN = 1.05  # the rate another mode (AR or speculation) must beat the current one by
 PROBE_EVERY = 16  # AR steps before a probe draft ...
 MAX_PROBE_EVERY = 256  # ... doubling after each probe that AR still wins, up to this
+# A budget's calibration is its own observed/predicted ratio shrunk toward the ratio over all budgets,
+# the overall one weighing as much as this many of its own recent steps: a budget tried a few times on
+# hard text (0.39 on the H200 at efd2b47, where fixed budget 32 ran 6% above AR) is not shut out.
+CALIBRATION_PRIOR = 4.0
 
 
 def candidate_budgets(depth: int, topk: int) -> list[int]:
@@ -90,6 +94,7 @@ class AdaptivePolicy:
         self.expected: dict[int, float] | None = None  # running mean over requests of the drafter's E(b)
         self.accepted: dict[int, float] = {}  # running mean accepted length per request, per chosen budget
         self.predicted: dict[int, float] = {}  # ... and the drafter's E(b) for those same steps
+        self.weight: dict[int, float] = {}  # ... and how many steps that is, decayed by every later step
         self.total: tuple[float, float] | None = None  # running (accepted, predicted) over all budgets
         self.ar_streak = 0
         self.interval = probe_every  # AR steps before the next probe
@@ -122,12 +127,15 @@ class AdaptivePolicy:
         return self.extra.get(("spec", _bucket(batch)), 0.0)
 
     def calibration(self, budget: int) -> float:
-        """Observed over predicted accepted length: for this budget once it was chosen, else overall."""
-        if budget in self.accepted:
-            acc, pred = self.accepted[budget], self.predicted[budget]
-        else:
-            acc, pred = self.total or (1.0, 1.0)
-        return acc / pred if pred > 0 else 1.0
+        """Observed over predicted accepted length: overall, and for a budget that was verified, its own
+        ratio weighed by its recent steps against `CALIBRATION_PRIOR` steps of the overall one."""
+        acc, pred = self.total or (1.0, 1.0)
+        overall = acc / pred if pred > 0 else 1.0
+        if budget not in self.accepted:
+            return overall
+        acc, pred, w = self.accepted[budget], self.predicted[budget], self.weight[budget]
+        own = acc / pred if pred > 0 else 1.0
+        return (w * own + CALIBRATION_PRIOR * overall) / (w + CALIBRATION_PRIOR)
 
     def spec_rate(self, budget: int, batch: int) -> float:
         """Expected committed tokens per ms of a whole speculative step of `budget` (draft included),
@@ -181,10 +189,12 @@ class AdaptivePolicy:
                 "probe_interval": self.interval}
 
     def record_draft(self, batch: int, expected: dict[int, float]) -> None:
-        """A draft's E(b) summed over the batch, into the running means `plan` compares."""
+        """A draft's E(b) summed over the batch, into the running means `plan` compares. A probe's
+        draft replaces them: they are as old as the AR stretch before it (no drafts), and blended in at
+        `decay` one probe could hardly move them, which kept the policy on AR where speculation paid."""
         a = self.decay
         mean = {b: e / batch for b, e in expected.items()}
-        self.expected = mean if self.expected is None else \
+        self.expected = mean if self.expected is None or self.probing else \
             {b: (1 - a) * self.expected[b] + a * mean[b] for b in self.budgets}
 
     def choose(self, batch: int, expected: dict[int, float]) -> int:
@@ -217,6 +227,9 @@ class AdaptivePolicy:
         else:
             self.accepted[budget] = (1 - a) * self.accepted[budget] + a * q
             self.predicted[budget] = (1 - a) * self.predicted[budget] + a * p
+        for b in self.weight:
+            self.weight[b] *= 1 - a
+        self.weight[budget] = self.weight.get(budget, 0.0) + 1.0
         acc, pred = self.total or (q, p)
         self.total = ((1 - a) * acc + a * q, (1 - a) * pred + a * p)
 
