@@ -418,13 +418,18 @@ class ScriptedBursts(Scripted):
         assert 0 <= steps <= 3
 
 
-@pytest.mark.parametrize("graphed", [False, True])
-def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, ar_out, graphed, monkeypatch):
-    # AR steps store their target features in the drafter cache (eager: each step its row; graphed:
-    # each step of the engine's AR bursts, inside the decode graph); the next draft must see exactly
-    # the context a fresh engine builds by prefilling the same tokens.
+@pytest.mark.parametrize("graphed,pending_rows", [(False, None), (True, None), (True, 2)])
+def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, ar_out, graphed, pending_rows,
+                                                               monkeypatch):
+    # AR steps' target features reach the drafter cache (eager: each step stores its row; graphed: the
+    # engine's AR bursts keep them pending, stored by the next draft, or by an AR burst once a request
+    # holds `pending_rows`); the next draft must see exactly the context a fresh engine builds by
+    # prefilling the same tokens.
+    import ddtree.engine.engine as engine_mod
     import ddtree.spec.decode as decode
     family = "qwen2"
+    if pending_rows is not None:
+        monkeypatch.setattr(engine_mod, "PENDING_ROWS", pending_rows)
     if graphed:
         fake_gpu_graphs(monkeypatch)
         # speculative bursts of one step: the recorder keys each draft by its request's tokens on the

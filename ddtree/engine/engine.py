@@ -27,6 +27,7 @@ from ddtree.spec.draft import DraftRunner
 
 
 DECODE_BURST = 16  # graphed AR decode steps per engine step, pipelined (see LLMEngine._decode_graphed)
+PENDING_ROWS = 128  # auto: drafter context rows a request may hold pending (7 KB each) before a store
 # A step that prefills one prompt chunk of at most the last of these tokens replays a CUDA graph of
 # the next width up (an eager prefill at batch 1 is host-bound: ~24 layers x ~10 launches).
 PREFILL_WIDTHS = (16, 32, 64, 128, 256, 512)
@@ -234,31 +235,29 @@ class LLMEngine:
         # static outputs: the logits are sampled before the next replay; the features are kept
         return logits[:1], (feats[0, :n].clone() if feats.numel() else None)
 
-    def _graph_decode(self, inp: "DecodeInputs") -> torch.Tensor:
-        logits, feats, slots = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts, self.decode_taps)
-        if feats is not None:  # auto: the step's target features into the drafter's cache at its position
-            self.speculator.drafter.store_context(feats, inp.starts, slots)
+    def _graph_decode(self, inp: "DecodeInputs"):
+        """logits [R, V], and under auto (taps) also the step's target features [R, K*D]."""
+        logits, feats = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts, self.decode_taps)
         # The next step's inputs, written by this one: its greedy tokens (sampled rows are overwritten
         # by the host's sampler before the next replay) one position further on.
         inp.ids.copy_(logits.argmax(dim=-1))
         inp.starts.add_(1)
-        return logits
+        return logits if feats is None else (logits, feats)
 
     def _auto_ar_burst(self, seqs: list[Sequence], most: int) -> None:
-        """AR steps chosen by auto (at most `most`): a graphed AR burst whose steps also store their
-        target features into the drafter's cache, so a later draft finds its context up to date (a
-        step run past a request's end stores into pages it held, as its target K/V do)."""
+        """AR steps chosen by auto (at most `most`): a graphed AR burst whose steps also read out their
+        target features, kept as each request's pending drafter context."""
         spec = self.speculator
-        # Not a time to learn from: a burst behind a long store of pending context (a prompt's: device
-        # work not waited for).
-        if any(s.num_cached - s.draft_len > spec.drafter.block_size for s in seqs):
+        # The context rows wait (a prompt's, a verified path's, earlier AR steps'), to be stored in one
+        # go by the next draft: an AR step that stored its own row spent ~7 small kernels, 4-5% of an AR
+        # step on the H200. Only rows piling up are stored now (not a time to learn from: device work
+        # not waited for).
+        if any(s.num_cached - s.draft_len > PENDING_ROWS for s in seqs):
+            spec.drafter.store_pending(seqs)
             spec.timed = False
-        spec.drafter.store_pending(seqs)  # rows still pending (a prompt's, a verified path's) go first
         outs = [len(s.output_ids) for s in seqs]
         t0 = time.perf_counter()
         steps = self._decode_graphed(seqs, most)
-        for s in seqs:
-            s.draft_len = s.num_cached
         spec.after_ar_burst(len(seqs), steps, sum(len(s.output_ids) - n for s, n in zip(seqs, outs)),
                             (time.perf_counter() - t0) * 1e3)
 
@@ -278,13 +277,15 @@ class LLMEngine:
         pending, steps = None, min(self._burst_length(seqs), most or self.burst)
         for i in range(steps):
             if i == 0:
-                logits = pool.run(DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2:]))
+                out = pool.run(DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2:]))
             else:  # the graph already wrote this step's inputs
-                logits = pool.replay(R)
+                out = pool.replay(R)
+            logits, feats = out if isinstance(out, tuple) else (out, None)
             tokens = pool.static["ids"][:R]  # the greedy tokens, also the next step's inputs
             if sampler is not None:
                 tokens.copy_(sampler(logits[:R]))
-            launched = self.readback.start(tokens)
+            # (auto) the features are a static output too: kept before the next replay overwrites them
+            launched = (self.readback.start(tokens), feats[:R].clone() if feats is not None else None)
             ended = pending is not None and self._commit_decoded(seqs, pending)
             pending = launched
             if ended:
@@ -304,13 +305,17 @@ class LLMEngine:
         sched = self.scheduler
         return bool(sched.waiting) and len(sched.running) < sched.max_num_seqs
 
-    def _commit_decoded(self, seqs: list[Sequence], handle: int) -> bool:
-        """Commits one decode step's tokens to the requests still running; True if one finished."""
+    def _commit_decoded(self, seqs: list[Sequence], pending) -> bool:
+        """Commits one decode step's tokens (and under auto its feature rows, as drafter context) to the
+        requests still running; True if one finished."""
+        handle, feats = pending
         ended = False
-        for seq, tok in zip(seqs, self.readback.result(handle, len(seqs))):
+        for i, (seq, tok) in enumerate(zip(seqs, self.readback.result(handle, len(seqs)))):
             if seq.is_finished:  # finished in an earlier step of the burst: this token is discarded
                 continue
             seq.num_cached += 1
+            if feats is not None:
+                seq.pending_features.append(feats[i:i + 1])
             self.commit(seq, [tok])
             ended = ended or seq.is_finished
         return ended

@@ -265,9 +265,9 @@ class AdaptiveSpeculator(Speculator):
     and per step without graphs (spec/adaptive.py).
 
     Before each decode step the engine asks `ar_steps`, which plans the next budget on the running
-    averages of past drafts. AR runs as the engine's own graphed AR bursts, whose steps also store
-    their target features into the drafter's cache, so a later draft finds its context up to date
-    and stays graphed. A budget b > 0 runs as a pipelined burst (`_burst`) of one whole-step graph
+    averages of past drafts. AR runs as the engine's own graphed AR bursts, whose steps also read out
+    their target features: each request keeps them as pending drafter context, which the next draft
+    stores in one go (or an AR burst, once a request holds `PENDING_ROWS`). A budget b > 0 runs as a pipelined burst (`_burst`) of one whole-step graph
     per budget: draft, candidates for the largest budget, the tree of b cut from them, verify,
     accept; each step also reads back the drafter's E(b) of every budget, which keeps the averages
     current. A probe is a burst of one step.

@@ -75,7 +75,7 @@ class DraftRunner:
 
     def store_pending(self, seqs: list[Sequence]) -> None:
         """Moves every request's pending target features into the drafter cache now, outside a draft
-        (before AR steps, which then add their own rows: `store_context`). Positions and slots are
+        (a prompt's, and an AR stretch's: more rows than a draft's context). Positions and slots are
         computed on the device: after a prefill a request may have thousands of rows."""
         counts = [s.num_cached - s.draft_len for s in seqs]
         total = sum(counts)
@@ -97,7 +97,7 @@ class DraftRunner:
 
     def store_context(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Target features [T, K*D] of context rows at `positions` into the drafter cache at `slots`
-        (an AR step's, inside the engine's decode graph); device ops only."""
+        (auto's own AR step's, which stores its row: the CPU path); device ops only."""
         self.drafter.store_context(feats, positions, slots, self.use_triton)
 
     def logits(self, inp: StepInputs) -> torch.Tensor:
