@@ -11,6 +11,8 @@
 #   bash benchmarks/h200_suite.sh auto 16,32,64,128
 #   bash benchmarks/h200_suite.sh checks    # greedy DDTree and DFlash vs AR on HumanEval in float32
 #   bash benchmarks/h200_suite.sh ab        # bench latency at C=1 without, then with, graphed prefill
+#   bash benchmarks/h200_suite.sh kernels   # the tree kernels against torch (real shapes), draft times with the
+#                                           # candidate-levels kernel off and on (random model)
 set -u
 cli=(python3 -m ddtree.cli)
 sweep=("${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4
@@ -35,6 +37,16 @@ case $1 in
   checks)  # float32: every kernel rounds alike, so a divergence is a real near-tie or a bug
     python3 benchmarks/gpu_checks.py --draft ddtree/models/default_drafter --dtype float32 \
       --skip kernels,transformers --out "$OUT/gpu_checks_fp32.jsonl" > "$OUT/checks_fp32.log" 2>&1 ;;
+  kernels)
+    DDTREE_TREE_KERNEL=1 timeout 150 python3 benchmarks/gpu_checks.py --draft ddtree/models/default_drafter \
+      --skip transformers,dflash --num-prompts 16 --max-tokens 128 --out "$OUT/gpu_checks_tree.jsonl" \
+      > "$OUT/checks_tree.log" 2>&1
+    for on in 0 1; do
+      mkdir -p "$OUT/draft_$on"
+      DDTREE_TREE_KERNEL=$on timeout 150 python3 benchmarks/draft_profile.py "$OUT/draft_$on" 1,16,128 \
+        > "$OUT/draft_profile_$on.log" 2>&1
+      rm -f "$OUT"/draft_$on/kernels_*.txt
+    done ;;
   ab)
     for graphs in 0 1; do
       DDTREE_PREFILL_GRAPHS=$graphs "${cli[@]}" bench latency --dataset humaneval --num-prompts 40 --concurrency 1 \

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 
@@ -171,6 +172,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Runs one step; returns the requests that received tokens or finished in it."""
+        t0 = time.perf_counter()
         step = self.scheduler.schedule()
         if step.empty:
             self._unblock()
@@ -184,6 +186,10 @@ class LLMEngine:
             return self._forward_and_sample(step.prefill + [(seq, 1) for seq in step.decode])
         spec = self.speculator
         touched = self._forward_and_sample(step.prefill, spec.drafter.layer_ids) if step.prefill else []
+        # auto's rows split the wall time: its AR and speculative bursts, prefills, context stores (host ms)
+        timing = spec.stats.bursts if isinstance(spec, AdaptiveSpeculator) else Counter()
+        if step.prefill:
+            timing["prefill_ms"] += (time.perf_counter() - t0) * 1e3
         if step.decode:
             # a prefill chunk still running on the device would count in the step times auto measures
             spec.timed = not step.prefill
@@ -195,6 +201,7 @@ class LLMEngine:
                 spec.ar_step(step.decode, self.commit)
             else:
                 spec.step(step.decode, self.commit)
+        timing["engine_ms"] += (time.perf_counter() - t0) * 1e3
         return touched + step.decode
 
     def _forward_and_sample(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
@@ -253,8 +260,10 @@ class LLMEngine:
         # step on the H200. Only rows piling up are stored now (not a time to learn from: device work
         # not waited for).
         if any(s.num_cached - s.draft_len > PENDING_ROWS for s in seqs):
+            t0 = time.perf_counter()
             spec.drafter.store_pending(seqs)
             spec.timed = False
+            spec.stats.bursts["store_ms"] += (time.perf_counter() - t0) * 1e3
         outs = [len(s.output_ids) for s in seqs]
         t0 = time.perf_counter()
         steps = self._decode_graphed(seqs, most)

@@ -42,7 +42,8 @@ class SpecStats:
     depth_accepted: list[int] = field(default_factory=list)  # [d]: request-steps that accepted depth >= d + 1
     drafted: int = 0  # tree nodes sent to verification (root excluded)
     budget_hist: Counter = field(default_factory=Counter)  # budget -> request-steps (0: AR steps of `auto`)
-    # auto: {"ar"|"spec"}_{bursts|steps|ms} (host milliseconds from launch to commit), "probes"
+    # auto: {"ar"|"spec"}_{bursts|steps|ms} (host milliseconds from launch to commit), "probes", and host
+    # ms of its prefills, context stores and whole engine steps ("prefill_ms", "store_ms", "engine_ms")
     bursts: Counter = field(default_factory=Counter)
 
     def add(self, length: int, committed: int) -> None:
@@ -400,8 +401,10 @@ class AdaptiveSpeculator(Speculator):
         # context store (thousands of rows of device work, not waited for).
         timed = self.timed and next(b for b in graphs.buckets if b >= R) in graphs.graphs
         if any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
-            self.drafter.store_pending(seqs)  # a new prompt's context, wider than the graph's: stored first
+            t0 = time.perf_counter()
+            self.drafter.store_pending(seqs)  # a new prompt's (an AR stretch's) context, wider than the graph's
             timed = False
+            self.stats.bursts["store_ms"] += (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
         blind = self.policy.expected is None  # no draft seen yet: one step to learn from
         steps = self._burst(seqs, commit, graphs, budget, most=1 if self.policy.probing or blind else SPEC_BURST)
