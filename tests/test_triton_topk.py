@@ -35,3 +35,17 @@ def test_ties_keep_a_valid_top_k():
     lp, tok = tri.topk_logprobs(logits, 3)
     assert sorted(tok[0, :2].tolist()) == [3, tri.TILE + 4] and tok[0, 2].item() not in (3, tri.TILE + 4)
     torch.testing.assert_close(lp[0].exp().sum(), torch.tensor((2 * 2.718281828 + 1) / (2 * 2.718281828 + tri.TILE + 8)))
+
+
+def test_rows_with_masked_tokens_keep_finite_log_probs_and_distinct_ids():
+    # A tile all -inf (a banned vocabulary range) must not turn the row's log-probs into NaN, and a
+    # tile with fewer finite entries than k must not pick the same token twice.
+    logits = torch.full((2, 2 * tri.TILE), float("-inf"))
+    logits[0, tri.TILE:] = torch.linspace(0, 1, tri.TILE)
+    logits[1, [5, 9]] = torch.tensor([2.0, 1.0])
+    lp, tok = tri.topk_logprobs(logits, 4)
+    want_lp, _ = top_logprobs(logits, 4)
+    assert torch.isfinite(lp[0]).all() and torch.equal(lp[0], lp[0])
+    torch.testing.assert_close(lp[0], want_lp[0], rtol=1e-5, atol=1e-5)
+    assert tok[1, :2].tolist() == [5, 9] and len(set(tok[1].tolist())) == 4
+    torch.testing.assert_close(lp[1, :2], want_lp[1, :2], rtol=1e-5, atol=1e-5)

@@ -58,7 +58,7 @@ def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, r
     speeds, accepts, tokens = [], [], 0
     cats: dict[str, dict] = {}
     budget_hist: dict[str, int] = {}
-    bursts: dict[str, int] = {}
+    bursts: dict[str, float] = {}
     for _ in range(repeats):
         gen, elapsed = 0, 0.0
         for i, batch in enumerate(batches):

@@ -92,8 +92,8 @@ class LLMEngine:
                                              engine_cfg.max_num_seqs, max_pages)
         self.decode_graphs = None
         if self.use_graphs and (self.speculator is None or auto):
-            # auto's AR steps are the engine's, and each also stores its target features into the
-            # drafter's cache (its context), inside the graph: choosing AR costs about what plain AR does.
+            # auto's AR steps are the engine's, and each also reads out its target features (the
+            # drafter's context, kept pending): choosing AR costs about what plain AR does.
             self.decode_taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
             self.decode_graphs = GraphPool(self._graph_decode, engine_cfg.max_num_seqs,
                                            pad={"block_tables": self.runner.scratch_page},
@@ -256,9 +256,9 @@ class LLMEngine:
         target features, kept as each request's pending drafter context."""
         spec = self.speculator
         # The context rows wait (a prompt's, a verified path's, earlier AR steps'), to be stored in one
-        # go by the next draft: an AR step that stored its own row spent ~7 small kernels, 4-5% of an AR
-        # step on the H200. Only rows piling up are stored now (not a time to learn from: device work
-        # not waited for).
+        # go before the next draft: an AR step that stored its own row spent ~7 small kernels, 4-5% of
+        # an AR step on the H200. Only rows piling up are stored now (not a time to learn from: device
+        # work not waited for).
         if any(s.num_cached - s.draft_len > PENDING_ROWS for s in seqs):
             t0 = time.perf_counter()
             spec.drafter.store_pending(seqs)

@@ -26,13 +26,14 @@ def _tile_topk_kernel(X, Vals, Idx, Max, Sum, V, stride_x, K: tl.constexpr, BLOC
     x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
     m = tl.max(x, 0)
     tl.store(Max + out, m)
-    tl.store(Sum + out, tl.sum(tl.exp(x - m), 0))
+    tl.store(Sum + out, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0))  # (a tile all -inf: 0)
+    alive = cols < V  # not picked yet: picks stay distinct even among -inf entries
     for j in tl.static_range(K):  # the tile's k best, best first (ties: the lower index)
-        best = tl.max(x, 0)
-        at = tl.min(tl.where(x == best, offs, BLOCK), 0)
+        best = tl.max(tl.where(alive, x, float("-inf")), 0)
+        at = tl.min(tl.where(alive & (x == best), offs, BLOCK), 0)
         tl.store(Vals + out * K + j, best)
         tl.store(Idx + out * K + j, (tile * BLOCK + at).to(tl.int64))
-        x = tl.where(offs == at, float("-inf"), x)
+        alive = alive & (offs != at)
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

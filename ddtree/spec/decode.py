@@ -282,7 +282,7 @@ class AdaptiveSpeculator(Speculator):
                  max_batch: int = 64, max_pages: int = 0, table: CostTable | None = None):
         self.budgets = candidate_budgets(drafter.block_size - 1, topk)
         super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
-        self.ctx_rows = drafter.block_size  # the last accepted path (AR steps store their own rows)
+        self.ctx_rows = drafter.block_size  # a burst's context width: the last accepted path (more: stored first)
         self.max_pages, self.planned = max_pages, 0
         self.draft_graphs, self.ar_graphs, self.step_graphs = None, None, {}
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays

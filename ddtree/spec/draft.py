@@ -101,7 +101,8 @@ class DraftRunner:
         self.drafter.store_context(feats, positions, slots, self.use_triton)
 
     def logits(self, inp: StepInputs) -> torch.Tensor:
-        """Draft logits [R, B-1, V] (the model's dtype) for depths 1..B-1; device ops only.
+        """Draft logits [R, B-1, V] for depths 1..B-1 (the model's dtype; float32 for a drafter with an
+        output multiplier or a soft cap); device ops only.
 
         Each request's block is [root, MASK x (B-1)] at positions start .. start+B-1, attending to its
         whole drafter context and (non-causally) to the whole block."""
