@@ -267,11 +267,12 @@ class AdaptiveSpeculator(Speculator):
 
     Before each decode step the engine asks `ar_steps`, which plans the next budget on the running
     averages of past drafts. AR runs as the engine's own graphed AR bursts, whose steps also read out
-    their target features: each request keeps them as pending drafter context, which the next draft
-    stores in one go (or an AR burst, once a request holds `PENDING_ROWS`). A budget b > 0 runs as a pipelined burst (`_burst`) of one whole-step graph
-    per budget: draft, candidates for the largest budget, the tree of b cut from them, verify,
-    accept; each step also reads back the drafter's E(b) of every budget, which keeps the averages
-    current. A probe is a burst of one step.
+    their target features: each request keeps them as pending drafter context, stored in one go
+    before the next draft (or by an AR burst, once a request holds `PENDING_ROWS` of them). A budget
+    b > 0 runs as a pipelined burst (`_burst`) of one whole-step graph per budget: draft, candidates
+    for the largest budget, the tree of b cut from them, verify, accept; each step also reads back
+    the drafter's E(b) of every budget, which keeps the averages current. A probe is a burst of one
+    step.
 
     Without graphs (the CPU, sampled requests) a step is split in two at the budget choice: draft
     (candidates and E(b) of every budget), one read-back, the budget chosen on the current draft
