@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--with-auto", action="store_true", help="add adaptive speculation rows (budget auto)")
     sw.add_argument("--auto-topk", type=int, default=None, help="top-k cap of the auto rows (default: the engine's)")
     sw.add_argument("--repeats", type=int, default=3)
+    sw.add_argument("--warmup-pass", action="store_true",
+                    help="before the grid, every batch of every concurrency once in AR, untimed (one-time costs "
+                         "of the eager prefill's shapes then land in no mode's row, whichever runs first)")
     sw.add_argument("--num-pages", type=int, default=None)
     sw.add_argument("--out", default="benchmarks/results/sweep.jsonl")
     sw.set_defaults(func=cmd_bench_sweep)

@@ -121,16 +121,25 @@ def test_sweep_writes_a_row_per_mode_and_concurrency_with_common_fields(sweep_fi
             assert all(v["output_tok_per_s"] > 0 and v["generated_tokens"] == 6 for v in r["per_category"].values())
 
 
-def test_sweep_with_auto_adds_auto_rows_or_fails_clearly(pair, tmp_path, capsys):
+def test_sweep_with_auto_adds_auto_rows_or_fails_clearly(pair, tmp_path, capsys, monkeypatch):
+    from ddtree import LLM
     from ddtree.cli import main
     model, draft = pair
     out = str(tmp_path / "auto.jsonl")
+    modes = []  # (spec, budget) of every generate call
+    real = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, *a, **k: modes.append((self.spec, self.budget)) or
+                        real(self, *a, **k))
     rc = main(["bench", "sweep", "--model", model, "--draft", draft, "--device", "cpu", "--dtype", "float32",
-               "--num-prompts", "1", "--max-tokens", "4", "--concurrency", "1", "--budget", "2", "--topk", "1",
-               "--no-ar", "--no-dflash", "--with-auto", "--repeats", "1", "--num-pages", "256", "--out", out])
+               "--num-prompts", "2", "--max-tokens", "4", "--concurrency", "1,2", "--budget", "2", "--topk", "1",
+               "--no-ar", "--no-dflash", "--with-auto", "--repeats", "1", "--num-pages", "256", "--warmup-pass",
+               "--out", out])
     if rc == 0:  # adaptive speculation is available
         rows = read_rows(out)
-        assert [(r["mode"], r["budget"]) for r in rows] == [("auto", "auto"), ("ddtree", 2)]
+        assert [(r["mode"], r["budget"], r["concurrency"]) for r in rows] == \
+            [("auto", "auto", 1), ("auto", "auto", 2), ("ddtree", 2, 1), ("ddtree", 2, 2)]
+        # the warm-up pass: every batch of every concurrency (2 + 1), in AR, before any measured run
+        assert modes[:3] == [("none", 0)] * 3 and ("none", 0) not in modes[3:], modes
     else:  # not yet: nothing measured, and the error names the missing feature
         assert rc == 2 and "budget='auto'" in capsys.readouterr().err and not os.path.exists(out)
 

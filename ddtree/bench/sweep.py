@@ -45,13 +45,18 @@ def main(args) -> int:
         raise ValueError(f"budgets and topk must be >= 1, got --budget {args.budget} --topk {args.topk}")
     llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
               max_num_seqs=max(args.concurrency), num_pages=args.num_pages)
-    if args.with_auto:
-        check_auto(llm, args.auto_topk)
-    env = environment(llm)
     rows_in = sample_prompts(args.dataset, args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
     cats = [r["category"] for r in rows_in]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    if args.warmup_pass:  # (the engine is still plain AR here: no mode's state learns from this pass)
+        for c in args.concurrency:
+            for batch in full_batches(prompts, c):
+                llm.generate(batch, params)
+        print(f"warm-up pass: {len(prompts)} prompts at C={','.join(map(str, args.concurrency))} (AR, untimed)")
+    if args.with_auto:
+        check_auto(llm, args.auto_topk)
+    env = environment(llm)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     results = []
     for n, (name, spec, budget, topk) in enumerate(modes(args)):
