@@ -647,6 +647,7 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
     llm = LLM(path, draft=d, spec="ddtree", budget=budget, topk=topk, **ENGINE)
     spec = llm.engine.speculator
     assert spec.graphs is not None and llm.engine.scheduler.decode_width > budget + 1
+    assert set(spec.graphs.graphs) == set(spec.graphs.buckets)  # every bucket captured at start-up
     monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed, "
                                                                  "a new prompt's context stored first"))
     prefills = []  # single-prompt prefills replay graphs that also return the drafter's features

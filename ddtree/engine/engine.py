@@ -90,6 +90,8 @@ class LLMEngine:
             else:
                 self.speculator = Speculator(self.runner, draft_runner, budget, topk, self.use_graphs,
                                              engine_cfg.max_num_seqs, max_pages)
+                if self.use_graphs:
+                    self.speculator.capture()
         self.decode_graphs = None
         if self.use_graphs and (self.speculator is None or auto):
             # auto's AR steps are the engine's, and each also reads out its target features (the

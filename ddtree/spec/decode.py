@@ -87,6 +87,19 @@ class Speculator:
         """Columns of a step's packed output: accepted length, bonus, the path's depth + 1 tokens."""
         return self.depth + 3
 
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every batch bucket's step graph now, on padding rows (their K/V go to the scratch page), not
+        in the middle of serving: a bucket that first comes up when a batch shrinks would stall it."""
+        dev, dr = self.runner.device, self.drafter
+        for bs in self.graphs.buckets:
+            zeros = torch.zeros(bs, dtype=torch.long, device=dev)
+            C = dr.block_size  # a burst's context width (`_burst`)
+            self.graphs.run(StepInputs(zeros, zeros, torch.full((bs, 1), self.runner.scratch_page, device=dev),
+                                       torch.zeros(bs, C, dr.feat_dim, dtype=dr.dtype, device=dev),
+                                       torch.zeros(bs, C, dtype=torch.long, device=dev),
+                                       torch.full((bs, C), dr.scratch_slot, dtype=torch.long, device=dev)))
+
     @property
     def width(self) -> int:
         """Cache positions a step writes past num_cached: the verified tree or the drafter block."""
