@@ -89,16 +89,23 @@ class Speculator:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Every batch bucket's step graph now, on padding rows (their K/V go to the scratch page), not
-        in the middle of serving: a bucket that first comes up when a batch shrinks would stall it."""
-        dev, dr = self.runner.device, self.drafter
+        """Every batch bucket's step graph now, not in the middle of serving: a bucket that first comes
+        up when a batch shrinks would stall it."""
         for bs in self.graphs.buckets:
-            zeros = torch.zeros(bs, dtype=torch.long, device=dev)
-            C = dr.block_size  # a burst's context width (`_burst`)
-            self.graphs.run(StepInputs(zeros, zeros, torch.full((bs, 1), self.runner.scratch_page, device=dev),
-                                       torch.zeros(bs, C, dr.feat_dim, dtype=dr.dtype, device=dev),
-                                       torch.zeros(bs, C, dtype=torch.long, device=dev),
-                                       torch.full((bs, C), dr.scratch_slot, dtype=torch.long, device=dev)))
+            self.graphs.run(self.padding_inputs(bs))
+
+    def padding_inputs(self, bs: int, context: int = 0) -> StepInputs:
+        """Step inputs of `bs` fake requests with `context` cached tokens whose pages are all the scratch
+        page (for capturing and timing graphs: their K/V are garbage, written where nobody reads), with
+        a burst's context width (`_burst`)."""
+        dev, dr, C = self.runner.device, self.drafter, self.drafter.block_size
+        tables = torch.full((bs, -(-(context + self.width) // self.runner.page_size)), self.runner.scratch_page,
+                            dtype=torch.long, device=dev)
+        starts = torch.full((bs,), context, dtype=torch.long, device=dev)
+        return StepInputs(torch.zeros_like(starts), starts, tables,
+                          torch.zeros(bs, C, dr.feat_dim, dtype=dr.dtype, device=dev),
+                          (starts[:, None] - C + torch.arange(C, device=dev)).clamp(min=0),
+                          torch.full((bs, C), dr.scratch_slot, dtype=torch.long, device=dev))
 
     @property
     def width(self) -> int:
@@ -450,16 +457,8 @@ class AdaptiveSpeculator(Speculator):
         """Step closures on `bs` fake requests with `context` cached tokens whose pages are all the
         scratch page (timing only: their K/V are garbage): {"draft": the draft, 0: auto's AR step, b: a
         whole step of budget b (draft included)}."""
-        dev, ps = self.runner.device, self.runner.page_size
-        tables = torch.full((bs, -(-(context + self.width) // ps)), self.runner.scratch_page, dtype=torch.long,
-                            device=dev)
-        starts = torch.full((bs,), context, dtype=torch.long, device=dev)
-        roots = torch.zeros(bs, dtype=torch.long, device=dev)
-        C, dr = self.ctx_rows, self.drafter
-        root = RootInputs(roots, starts, tables)
-        inp = StepInputs(roots, starts, tables, torch.zeros(bs, C, dr.feat_dim, dtype=dr.dtype, device=dev),
-                         starts[:, None] - C + torch.arange(C, device=dev),
-                         torch.full((bs, C), dr.scratch_slot, dtype=torch.long, device=dev))
+        inp = self.padding_inputs(bs, context)
+        root = RootInputs(inp.roots, inp.starts, inp.block_tables)
         if self.draft_graphs is not None:
             steps = {"draft": partial(self.draft_graphs.run, inp), 0: partial(self.ar_graphs.run, root)}
             steps.update({b: partial(self.step_graphs[b].run, inp) for b in self.budgets[1:]})
