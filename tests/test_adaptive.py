@@ -17,7 +17,7 @@ from ddtree.config import ModelConfig
 from ddtree.llm import LLM
 from ddtree.models.dflash import random_drafter, save_drafter
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.adaptive import PROBE_EVERY, AdaptivePolicy, CostTable, candidate_budgets
+from ddtree.spec.adaptive import PROBE_EVERY, PROBE_LOSS, AdaptivePolicy, CostTable, candidate_budgets
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
 from emulated import emulated_pool, fake_gpu_graphs
 from test_spec import assert_idle, continuation, hook_draft_logits, noisy_oracle, plant
@@ -130,16 +130,28 @@ def test_policy_calibrates_the_drafter_and_probes_while_on_ar():
         policy.observe(32, 1, E_PER_REQUEST[32], 0)
     assert policy.calibration(32) < 0.01 and policy.calibration(4) < 0.01  # unobserved: the overall ratio
     assert choose(policy, 1) == 0
-    gaps = [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]  # a probe that AR still wins doubles the wait
-    pattern = [will_draft(policy, 1) for _ in range(sum(gaps) + 3)]
-    assert pattern == [x for g in gaps for x in [False] * g + [True]]
-    capped = AdaptivePolicy(policy.table, BUDGETS, max_probe_every=2 * PROBE_EVERY)
-    capped.expected, capped.total = policy.expected, policy.total
-    pattern = [will_draft(capped, 1) for _ in range(PROBE_EVERY + 1 + 2 * (2 * PROBE_EVERY + 1))]
-    assert pattern == [False] * PROBE_EVERY + [True] + ([False] * 2 * PROBE_EVERY + [True]) * 2
+    # A probe here (draft 0.1 ms + verify 1.005 ms, one token) loses 0.1 ms to an AR step: cheap, so
+    # probes stay PROBE_EVERY apart however often AR wins.
+    pattern = [will_draft(policy, 1) for _ in range(3 * (PROBE_EVERY + 1))]
+    assert pattern == ([False] * PROBE_EVERY + [True]) * 3
     for _ in range(100):  # it recovers once drafts are accepted again
         policy.observe(32, 1, E_PER_REQUEST[32], 4)
     assert choose(policy, 1) == 32 and will_draft(policy, 1)
+
+
+def test_costly_probes_that_ar_keeps_winning_come_less_and_less_often():
+    # A probe (draft 0.1 ms + verify of 5 nodes, 5 ms) commits one token where an AR step takes 1 ms: it
+    # loses 4.1 ms, so to keep that within PROBE_LOSS of the AR time the wait doubles up to ~205 steps.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 * n), BUDGETS)
+    policy.record_draft(1, {b: 0.0 for b in BUDGETS[1:]})
+    assert policy.probe_cap(1) == int(4.1 / PROBE_LOSS)
+    gaps = [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, int(4.1 / PROBE_LOSS)]
+    pattern = [will_draft(policy, 1) for _ in range(sum(gaps) + len(gaps))]
+    assert pattern == [x for g in gaps for x in [False] * g + [True]]
+    capped = AdaptivePolicy(policy.table, BUDGETS, max_probe_every=2 * PROBE_EVERY)
+    capped.expected = policy.expected
+    pattern = [will_draft(capped, 1) for _ in range(PROBE_EVERY + 1 + 2 * (2 * PROBE_EVERY + 1))]
+    assert pattern == [False] * PROBE_EVERY + [True] + ([False] * 2 * PROBE_EVERY + [True]) * 2
 
 
 def test_a_budget_tried_on_hard_text_is_not_shut_out():

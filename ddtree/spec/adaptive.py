@@ -14,8 +14,9 @@ and every cost the policy compares includes it, so a step kind whose host side i
 machine loses to one that pipelines.
 
 Choosing AR skips the draft, so the budget is planned before drafting, on the running averages of
-past drafts (`plan`), with a probe (a step of the smallest budget) every `probe_every` AR steps so
-the estimate can recover. On the GPU the planned budget runs as a pipelined burst of whole-step
+past drafts (`plan`), with a probe (a step of the smallest budget) after `probe_every` AR steps so
+the estimate can recover, and after longer waits while probes find AR still better, as long as
+what they lose is small next to the AR time (`probe_cap`). On the GPU the planned budget runs as a pipelined burst of whole-step
 graphs (spec/decode.py), each step reading back its drafter's E(b) for every budget, which keeps the
 averages current. Without graphs (the CPU, sampled requests) a step drafts first and then picks the
 budget on the current draft's probabilities among the remaining costs: verify(b) for b > 0, or the
@@ -32,7 +33,8 @@ BUDGETS = (4, 8, 16, 32)  # speculative candidates; 0 (AR) is always one too
 AR_TIMING_BURST = 8
 SWITCH_MARGIN = 1.05  # the rate another mode (AR or speculation) must beat the current one by
 PROBE_EVERY = 16  # AR steps before a probe draft ...
-MAX_PROBE_EVERY = 256  # ... doubling after each probe that AR still wins, up to this
+MAX_PROBE_EVERY = 256  # ... doubling after each probe that AR still wins, up to this, and up to
+PROBE_LOSS = 0.02  # ... as many as keep what losing probes cost within this share of the AR time
 # A budget's calibration is its own observed/predicted ratio shrunk toward the ratio over all budgets,
 # the overall one weighing as much as this many of its own recent steps: a budget tried a few times on
 # hard text (0.39 on the H200 at efd2b47, where fixed budget 32 ran 6% above AR) is not shut out.
@@ -165,13 +167,25 @@ class AdaptivePolicy:
             return best
         self.speculating = False
         if self.ar_streak >= self.interval:
-            # A probe. A drafter that keeps losing is probed less and less often (a probe costs a
-            # draft and a verify): every probe doubles the wait for the next, until one pays again.
+            # A probe. A drafter that keeps losing is probed less and less often: every probe doubles
+            # the wait for the next, until one pays again, or up to what probes cost (`probe_cap`).
             self.probing, self.ar_streak = True, 0
-            self.interval = min(2 * self.interval, self.max_probe_every)
+            self.interval = min(2 * self.interval, self.probe_cap(batch))
             return self.budgets[0]
         self.ar_streak += 1
         return 0
+
+    def probe_cap(self, batch: int) -> int:
+        """The most AR steps between probes: enough that a probe's loss against AR (a step of the
+        smallest budget, less the AR time of the tokens it commits) stays within `PROBE_LOSS` of the
+        AR time. At batch 1 on the H200 a probe costs about two AR steps and commits about two
+        tokens, so it can come every 16 steps; at 128, ~3.6 AR steps for the same: ~90."""
+        b, t = self.budgets[0], self.table
+        ar = self.ar_ms(batch)
+        spec = t.draft_ms(batch) + t.verify_ms(b, batch) + max(self.spec_extra_ms(batch), 0.0)
+        tokens = 1 + self.calibration(b) * (self.expected or {}).get(b, 0.0)
+        loss = max(spec - tokens * ar, 0.0)
+        return int(min(self.max_probe_every, max(self.probe_every, loss / (PROBE_LOSS * ar))))
 
     def ar_steps_ahead(self) -> int:
         """After `plan` said AR: how many more steps it will say so (until a probe is due;
