@@ -168,7 +168,7 @@ class LLM:
             hist = {b: n - hist_before.get(b, 0) for b, n in sorted(spec.stats.budget_hist.items())}
             self.last_stats["budget_hist"] = {b: n for b, n in hist.items() if n}
             bursts = {k: n - bursts_before.get(k, 0) for k, n in sorted(spec.stats.bursts.items())}
-            if any(bursts.values()):  # auto: how its steps were grouped
+            if any(bursts.values()):  # where the wall time went (auto: and how its steps were grouped)
                 self.last_stats["bursts"] = bursts
         return [RequestOutput(s.prompt_ids, s.text, list(s.output_ids), s.finish_reason, list(s.accept_lengths))
                 for s in seqs]

@@ -348,6 +348,7 @@ def test_graphed_ar_decode_bursts_emulated_on_cpu_give_the_alone_outputs(tiny_qw
     llm = LLM(tiny_qwen2, device="cpu", dtype="float32", page_size=4, spec="none", **limits)
     eng = llm.engine
     assert eng.decode_graphs is not None and eng.burst == engine_mod.DECODE_BURST > 1
+    assert set(eng.decode_graphs.graphs) == set(eng.decode_graphs.buckets)  # all captured at start-up
     prompts = prompts_of(corpus_ids, LENGTHS[:8])
     params = [greedy(n) for n in (1, 2, 9, 24, 7, 16)] + [sampled(5, 13), sampled(6, 20)]
     params[3] = greedy(24, stop=["e"])  # a stop string ends it mid-burst

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 
@@ -91,7 +90,8 @@ class LLMEngine:
                 self.speculator = Speculator(self.runner, draft_runner, budget, topk, self.use_graphs,
                                              engine_cfg.max_num_seqs, max_pages)
                 if self.use_graphs:
-                    self.speculator.capture()
+                    with torch.inference_mode():
+                        self.speculator.graphs.capture_all(self.speculator.padding_inputs)
         self.decode_graphs = None
         if self.use_graphs and (self.speculator is None or auto):
             # auto's AR steps are the engine's, and each also reads out its target features (the
@@ -100,13 +100,11 @@ class LLMEngine:
             self.decode_graphs = GraphPool(self._graph_decode, engine_cfg.max_num_seqs,
                                            pad={"block_tables": self.runner.scratch_page},
                                            widths={"block_tables": max_pages})
-            # Every batch bucket captured now, not in the middle of serving: a capture takes 60-110 ms
-            # (a whole burst's worth), and under auto a bucket may first come up after the warm-up.
+            # (under auto a bucket could first come up after the warm-up, mid-run)
             scratch = torch.full((1, 1), self.runner.scratch_page, dtype=torch.long, device=device)
-            with torch.inference_mode():
-                for bs in self.decode_graphs.buckets:  # (on padding rows: their K/V go to the scratch page)
-                    zeros = torch.zeros(bs, dtype=torch.long, device=device)
-                    self.decode_graphs.run(DecodeInputs(zeros, zeros, scratch.expand(bs, 1)))
+            zeros = lambda bs: torch.zeros(bs, dtype=torch.long, device=device)  # noqa: E731
+            with torch.inference_mode():  # (padding rows: their K/V go to the scratch page)
+                self.decode_graphs.capture_all(lambda bs: DecodeInputs(zeros(bs), zeros(bs), scratch.expand(bs, 1)))
         self.prefill_graphs: dict[int, GraphPool] = {}
         if self.use_graphs and PREFILL_GRAPHS:
             taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
@@ -188,8 +186,8 @@ class LLMEngine:
             return self._forward_and_sample(step.prefill + [(seq, 1) for seq in step.decode])
         spec = self.speculator
         touched = self._forward_and_sample(step.prefill, spec.drafter.layer_ids) if step.prefill else []
-        # auto's rows split the wall time: its AR and speculative bursts, prefills, context stores (host ms)
-        timing = spec.stats.bursts if isinstance(spec, AdaptiveSpeculator) else Counter()
+        # Host ms of prefills and whole steps, beside auto's bursts and context stores: rows split the wall time.
+        timing = spec.stats.bursts
         if step.prefill:
             timing["prefill_ms"] += (time.perf_counter() - t0) * 1e3
         if step.decode:

@@ -16,9 +16,9 @@ machine loses to one that pipelines.
 Choosing AR skips the draft, so the budget is planned before drafting, on the running averages of
 past drafts (`plan`), with a probe (a step of the smallest budget) after `probe_every` AR steps so
 the estimate can recover, and after longer waits while probes find AR still better, as long as
-what they lose is small next to the AR time (`probe_cap`). On the GPU the planned budget runs as a pipelined burst of whole-step
-graphs (spec/decode.py), each step reading back its drafter's E(b) for every budget, which keeps the
-averages current. Without graphs (the CPU, sampled requests) a step drafts first and then picks the
+what they lose is small next to the AR time (`probe_cap`). On the GPU the planned budget runs as a
+pipelined burst of whole-step graphs (spec/decode.py), each step reading back its drafter's E(b)
+for every budget, which keeps the averages current. Without graphs (the CPU, sampled requests) a step drafts first and then picks the
 budget on the current draft's probabilities among the remaining costs: verify(b) for b > 0, or the
 AR step for 0 (`choose`).
 """

@@ -42,8 +42,8 @@ class SpecStats:
     depth_accepted: list[int] = field(default_factory=list)  # [d]: request-steps that accepted depth >= d + 1
     drafted: int = 0  # tree nodes sent to verification (root excluded)
     budget_hist: Counter = field(default_factory=Counter)  # budget -> request-steps (0: AR steps of `auto`)
-    # auto: {"ar"|"spec"}_{bursts|steps|ms} (host milliseconds from launch to commit), "probes", and host
-    # ms of its prefills, context stores and whole engine steps ("prefill_ms", "store_ms", "engine_ms")
+    # Host ms of prefills and whole engine steps ("prefill_ms", "engine_ms"); auto also counts its bursts
+    # ({"ar"|"spec"}_{bursts|steps|ms}: ms from launch to commit), "probes", and context stores ("store_ms")
     bursts: Counter = field(default_factory=Counter)
 
     def add(self, length: int, committed: int) -> None:
@@ -86,13 +86,6 @@ class Speculator:
     def packed_width(self) -> int:
         """Columns of a step's packed output: accepted length, bonus, the path's depth + 1 tokens."""
         return self.depth + 3
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Every batch bucket's step graph now, not in the middle of serving: a bucket that first comes
-        up when a batch shrinks would stall it."""
-        for bs in self.graphs.buckets:
-            self.graphs.run(self.padding_inputs(bs))
 
     def padding_inputs(self, bs: int, context: int = 0) -> StepInputs:
         """Step inputs of `bs` fake requests with `context` cached tokens whose pages are all the scratch
