@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from ddtree.ops.fused import graphing
+
 
 def buckets_up_to(n: int) -> list[int]:
     out, b = [], 1
@@ -93,12 +95,12 @@ class GraphPool:
         view = self._view(bs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up: compile kernels, settle allocator state
+        with graphing(), torch.cuda.stream(stream):  # warm up: compile kernels, settle allocator state
             for _ in range(2):
                 self.fn(view)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        with graphing(), torch.cuda.graph(graph, pool=self.mempool):
             out = self.fn(view)
         self.mempool = graph.pool()
         self.graphs[bs] = (graph, out)

@@ -14,7 +14,7 @@ and every cost the policy compares includes it, so a step kind whose host side i
 machine loses to one that pipelines.
 
 Choosing AR skips the draft, so the budget is planned before drafting, on the running averages of
-past drafts (`plan`), with a probe (a step of the smallest budget) after `probe_every` AR steps so
+past drafts (`plan`), with a probe (one step of the budget that looks best) after `probe_every` AR steps so
 the estimate can recover, and after longer waits while probes find AR still better, as long as
 what they lose is small next to the AR time (`probe_cap`). On the GPU the planned budget runs as a
 pipelined burst of whole-step graphs (spec/decode.py), each step reading back its drafter's E(b)
@@ -149,7 +149,7 @@ class AdaptivePolicy:
 
     def plan(self, batch: int) -> int:
         """Before drafting: the budget to speculate with next (0: AR) on past drafts' averages; a probe
-        (the smallest budget, `probing` set) when one is due. Nothing known yet: the smallest budget."""
+        (one step of the budget that looks best, `probing` set) when one is due. Nothing known yet: the smallest budget."""
         if not self.budgets:
             return 0
         if self.expected is None:
@@ -170,17 +170,17 @@ class AdaptivePolicy:
             # A probe. A drafter that keeps losing is probed less and less often: every probe doubles
             # the wait for the next, until one pays again, or up to what probes cost (`probe_cap`).
             self.probing, self.ar_streak = True, 0
-            self.interval = min(2 * self.interval, self.probe_cap(batch))
-            return self.budgets[0]
+            self.interval = min(2 * self.interval, self.probe_cap(batch, best))
+            return best
         self.ar_streak += 1
         return 0
 
-    def probe_cap(self, batch: int) -> int:
-        """The most AR steps between probes: enough that a probe's loss against AR (a step of the
-        smallest budget, less the AR time of the tokens it commits) stays within `PROBE_LOSS` of the
-        AR time. At batch 1 on the H200 a probe costs about two AR steps and commits about two
+    def probe_cap(self, batch: int, budget: int | None = None) -> int:
+        """The most AR steps between probes: enough that a probe's loss against AR (a step of `budget`,
+        default the smallest, less the AR time of the tokens it commits) stays within `PROBE_LOSS` of
+        the AR time. At batch 1 on the H200 a probe costs about two AR steps and commits about two
         tokens, so it can come every 16 steps; at 128, ~3.6 AR steps for the same: ~90."""
-        b, t = self.budgets[0], self.table
+        b, t = budget or self.budgets[0], self.table
         ar = self.ar_ms(batch)
         spec = t.draft_ms(batch) + t.verify_ms(b, batch) + max(self.spec_extra_ms(batch), 0.0)
         tokens = 1 + self.calibration(b) * (self.expected or {}).get(b, 0.0)

@@ -32,7 +32,7 @@ from ddtree.spec.verify import walk
 SPEC_BURST = 8
 SHORT_BURST = 2  # while a request waits for a free slot (`short_bursts`), as the engine's AR bursts
 EXPECTED_SCALE = 1024  # auto's burst steps read E(b) back as integers: E * this, rounded
-TIMED_BURST = 4  # auto learns host time from bursts of at least this many steps
+TIMED_BURST = 4  # auto learns an AR step's host time from AR bursts of at least this many steps
 
 
 @dataclass(slots=True)
@@ -411,26 +411,26 @@ class AdaptiveSpeculator(Speculator):
         """A pipelined burst of the planned budget's whole-step graph (one step for a probe)."""
         budget, R = self.planned or self.budgets[1], len(seqs)
         graphs = self.step_graphs[budget]
-        # Not a time to learn from: a burst that captures its graph, or runs behind a new prompt's
-        # context store (thousands of rows of device work, not waited for).
-        timed = self.timed and next(b for b in graphs.buckets if b >= R) in graphs.graphs
-        if any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
-            t0 = time.perf_counter()
-            self.drafter.store_pending(seqs)  # a new prompt's (an AR stretch's) context, wider than the graph's
-            timed = False
-            self.stats.bursts["store_ms"] += (time.perf_counter() - t0) * 1e3
+        # Not a time to learn from: a burst that captures its graph, or stores a new prompt's context
+        # (once per request, whenever it first speculates; thousands of rows of device work).
+        timed = self.timed and next(b for b in graphs.buckets if b >= R) in graphs.graphs and \
+            all(s.draft_len for s in seqs)
         t0 = time.perf_counter()
+        if any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
+            self.drafter.store_pending(seqs)  # a new prompt's (an AR stretch's) context, wider than the graph's
+        t1 = time.perf_counter()
         blind = self.policy.expected is None  # no draft seen yet: one step to learn from
         steps = self._burst(seqs, commit, graphs, budget, most=1 if self.policy.probing or blind else SPEC_BURST)
+        elapsed = (time.perf_counter() - t0) * 1e3
         self.stats.bursts.update({"spec_bursts": 1, "spec_steps": steps, "probes": int(self.policy.probing),
-                                  "spec_ms": (time.perf_counter() - t0) * 1e3})
+                                  "spec_ms": elapsed - (t1 - t0) * 1e3, "store_ms": (t1 - t0) * 1e3})
         self.policy.probing = False
-        # Only whole bursts teach the policy host time: a short one is mostly its start and drain,
-        # which the AR burst before and after it pay too (the table's steps are pipelined shares).
-        if timed and steps >= TIMED_BURST:
+        # Every other burst teaches the policy what speculating costs, an AR stretch's context store,
+        # start and drain included: at a large batch, switching in from AR for a step or two cost several times the
+        # table's step (the H200 at a6a15cd: auto at C=16-128 ran 0.67-0.95x AR on such switches).
+        if timed:
             t = self.policy.table
-            self.policy.observe_time("spec", R, (time.perf_counter() - t0) * 1e3 / steps,
-                                     t.draft_ms(R) + t.verify_ms(budget, R))
+            self.policy.observe_time("spec", R, elapsed / steps, t.draft_ms(R) + t.verify_ms(budget, R))
 
     def _burst_step_done(self, budget: int, rows: list[list[int]]) -> None:
         """A burst step's E(b) of every budget into the policy's averages, and its acceptance."""
