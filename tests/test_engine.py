@@ -389,6 +389,42 @@ def test_single_prompt_prefills_replay_graphs_and_give_the_eager_outputs(tiny_qw
     assert_engine_idle(llm)
 
 
+def test_multi_prompt_prefills_replay_graphs_by_width_and_give_the_eager_outputs(tiny_qwen2, alone, corpus_ids,
+                                                                                  monkeypatch):
+    # A step's prompt chunks are grouped by graph width, at most a graph's rows per replay (here 2 of
+    # width 16, 1 of width 32: 32 graph tokens), padding rows and padding tokens included. Every
+    # output is the request's alone.
+    import ddtree.engine.engine as engine_mod
+    from emulated import fake_gpu_graphs
+    fake_gpu_graphs(monkeypatch)
+    monkeypatch.setattr(engine_mod, "PREFILL_GRAPH_TOKENS", 32)
+    llm = LLM(tiny_qwen2, device="cpu", dtype="float32", page_size=4, spec="none", num_pages=256, max_num_seqs=4,
+              max_num_batched_tokens=64)
+    eng = llm.engine
+    assert {T: g.max_batch for T, g in eng.prefill_graphs.items()} == {16: 2, 32: 1, 64: 1}
+    replays, steps = [], []
+    real_replay, real = eng._prefill_replay, eng._prefill_graphed
+    monkeypatch.setattr(eng, "_prefill_replay", lambda T, chunks: replays.append((T, [n for _, n in chunks]))
+                        or real_replay(T, chunks))
+    monkeypatch.setattr(eng, "_prefill_graphed", lambda chunks, taps=None: (lambda r: steps.append(
+        (len(chunks), r is not None)) or r)(real(chunks, taps)))
+    prompts = prompts_of(corpus_ids, [3, 20, 9, 14])  # one step: widths 16, 32, 16, 16
+    params = [greedy(5), greedy(4), sampled(3, 4), greedy(6)]
+    outs = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs):
+        want = alone(prompt, p)
+        assert (out.token_ids, out.text) == (want.token_ids, want.text)
+    assert steps[0] == (4, True), steps
+    assert sorted(replays[:3]) == [(16, [3, 9]), (16, [14]), (32, [20])], replays
+    steps.clear(), replays.clear()
+    long_prompts = prompts_of(corpus_ids, [5, 50])
+    outs = llm.generate(long_prompts, greedy(3))
+    for prompt, out in zip(long_prompts, outs):
+        assert out.token_ids == alone(prompt, greedy(3)).token_ids
+    assert steps[0] == (2, True) and sorted(replays) == [(16, [5]), (64, [50])], (steps, replays)
+    assert_engine_idle(llm)
+
+
 def test_a_kv_cache_too_small_for_one_decode_step_is_a_clear_error(tiny_qwen2):
     with pytest.raises(ValueError, match="KV cache holds 1 tokens"):
         LLM(tiny_qwen2, device="cpu", dtype="float32", page_size=1, num_pages=1, spec="none")

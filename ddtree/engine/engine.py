@@ -28,9 +28,11 @@ from ddtree.spec.draft import DraftRunner
 
 DECODE_BURST = 16  # graphed AR decode steps per engine step, pipelined (see LLMEngine._decode_graphed)
 PENDING_ROWS = 128  # auto: drafter context rows a request may hold pending (7 KB each) before a store
-# A step that prefills one prompt chunk of at most the last of these tokens replays a CUDA graph of
-# the next width up (an eager prefill at batch 1 is host-bound: ~24 layers x ~10 launches).
+# A prompt chunk of at most the last of these tokens is prefilled by replaying the CUDA graph of the
+# next width up, with the step's other chunks of that width (an eager prefill is host-bound: ~24
+# layers x ~10 launches; on the H200 a 2-prompt one took 14 ms of host time for 1.8 ms of kernels).
 PREFILL_WIDTHS = (16, 32, 64, 128, 256, 512)
+PREFILL_GRAPH_TOKENS = 4096  # a width's graphs hold up to this many tokens (padding included) per replay
 PREFILL_GRAPHS = os.environ.get("DDTREE_PREFILL_GRAPHS", "1") != "0"  # =0: eager prefill (to compare)
 
 
@@ -111,16 +113,18 @@ class LLMEngine:
             self.max_pages = max_pages
             pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # (CPU: tests)
             self.prefill_taps = taps
+            scratch = torch.full((1, 1), self.runner.scratch_page, dtype=torch.long, device=device)
+            zeros = lambda bs: torch.zeros(bs, dtype=torch.long, device=device)  # noqa: E731
             for T in PREFILL_WIDTHS:
                 if T > min(engine_cfg.max_num_batched_tokens, max_pages * engine_cfg.page_size, cfg.max_position):
                     break
-                graphs = GraphPool(partial(self._graph_prefill, taps), 1, pad={"block_tables": self.runner.scratch_page},
+                rows = min(engine_cfg.max_num_seqs, max(1, PREFILL_GRAPH_TOKENS // T))
+                graphs = GraphPool(partial(self._graph_prefill, taps), rows, pad={"block_tables": self.runner.scratch_page},
                                    widths={"block_tables": max_pages, "ids": T}, mempool=pool)
                 # captured now (on padding: its K/V go to the scratch page), not in the middle of serving
-                zero = torch.zeros(1, dtype=torch.long, device=device)
-                scratch = torch.full((1, 1), self.runner.scratch_page, dtype=torch.long, device=device)
                 with torch.inference_mode():
-                    graphs.run(PrefillInputs(zero[:, None].expand(1, T), zero, scratch, zero))
+                    graphs.capture_all(lambda bs: PrefillInputs(zeros(bs)[:, None].expand(bs, T), zeros(bs),
+                                                                scratch.expand(bs, 1), zeros(bs)))
                 self.prefill_graphs[T], pool = graphs, graphs.mempool
         # Tokens a decode feeds per step, counted against prompt chunks: auto counts one (its AR steps;
         # where it speculates the batch is small), or a large batch would leave prompts a quarter of
@@ -206,9 +210,13 @@ class LLMEngine:
 
     def _forward_and_sample(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
         graphed = self._prefill_graphed(chunks, taps)
-        logits, feats = graphed if graphed is not None else self.runner.run(chunks, taps)
+        if graphed is not None:
+            logits, feats = graphed
+        else:
+            logits, feats = self.runner.run(chunks, taps)
+            feats = feats.split([n for _, n in chunks]) if feats is not None else None
         if feats is not None:  # target features for the drafter's context
-            for (seq, _), f in zip(chunks, feats.split([n for _, n in chunks])):
+            for (seq, _), f in zip(chunks, feats):
                 seq.pending_features.append(f)
         done = [i for i, (seq, _) in enumerate(chunks) if seq.num_uncached == 0]  # chunk reached the end
         if not done:
@@ -223,24 +231,50 @@ class LLMEngine:
         return self.runner.prefill_rows(inp.ids, inp.starts, inp.block_tables, inp.last, taps)
 
     def _prefill_graphed(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
-        """`runner.run` for a step of one prompt chunk, on the CUDA graph of the next width up; None
-        when none fits (several chunks, a long one, or positions past the graphs' page-table width)."""
-        if len(chunks) != 1 or not self.prefill_graphs:
+        """`runner.run` on the prefill graphs: each chunk goes to the graph of the next width up, with
+        the step's other chunks of that width (one replay per width and at most `rows` chunks). Returns
+        the logits [len(chunks), V] and each chunk's features (None without taps); None when a chunk
+        fits no graph (a long one, or positions past the graphs' page-table width)."""
+        if not self.prefill_graphs:
             return None
         assert taps == self.prefill_taps, "the prefill graphs were captured with other taps"
-        seq, n = chunks[0]
-        start = seq.num_cached
-        assert len(seq.block_table) * self.runner.page_size >= start + n, "pages must be allocated first"
-        T = next((w for w in self.prefill_graphs if w >= n), None)
-        if T is None or start + T > min(self.max_pages * self.runner.page_size, self.cfg.max_position):
-            return None
-        columns = [[start], [n - 1]] + [[t] for t in seq.tokens(start, start + n)]
-        rows = pack_rows([seq.block_table], columns, self.runner.scratch_page, self.device)  # one copy
-        logits, feats = self.prefill_graphs[T].run(PrefillInputs(rows[:, 2:2 + n], rows[:, 0], rows[:, 2 + n:],
-                                                                 rows[:, 1]))
-        seq.num_cached += n
-        # static outputs: the logits are sampled before the next replay; the features are kept
-        return logits[:1], (feats[0, :n].clone() if feats.numel() else None)
+        room = min(self.max_pages * self.runner.page_size, self.cfg.max_position)
+        widths = []
+        for seq, n in chunks:
+            assert len(seq.block_table) * self.runner.page_size >= seq.num_cached + n, "pages must be allocated first"
+            T = next((w for w in self.prefill_graphs if w >= n), None)
+            if T is None or seq.num_cached + T > room:
+                return None
+            widths.append(T)
+        logits, feats = [None] * len(chunks), [None] * len(chunks)
+        for T in sorted(set(widths)):
+            same = [i for i, w in enumerate(widths) if w == T]
+            most = self.prefill_graphs[T].max_batch
+            for k in range(0, len(same), most):
+                part = same[k:k + most]
+                part_logits, part_feats = self._prefill_replay(T, [chunks[i] for i in part])
+                for j, i in enumerate(part):
+                    logits[i], feats[i] = part_logits[j], part_feats[j] if part_feats is not None else None
+        return torch.stack(logits), (feats if taps else None)
+
+    def _prefill_replay(self, T: int, chunks: list[tuple[Sequence, int]]):
+        """One replay of width T's prefill graph for these chunks (each at most T tokens)."""
+        longest = max(n for _, n in chunks)
+        starts = [seq.num_cached for seq, _ in chunks]
+        ids = [seq.tokens(s, s + n) + [0] * (longest - n) for (seq, n), s in zip(chunks, starts)]
+        columns = [starts, [n - 1 for _, n in chunks]] + [list(col) for col in zip(*ids)]
+        rows = pack_rows([seq.block_table for seq, _ in chunks], columns, self.runner.scratch_page,
+                         self.device)  # one copy
+        logits, feats = self.prefill_graphs[T].run(PrefillInputs(rows[:, 2:2 + longest], rows[:, 0],
+                                                                 rows[:, 2 + longest:], rows[:, 1]))
+        for seq, n in chunks:
+            seq.num_cached += n
+        # static outputs, overwritten by the next replay: copied out
+        R = len(chunks)
+        if not feats.numel():
+            return logits[:R].clone(), None
+        kept = feats[:R, :longest].clone()
+        return logits[:R].clone(), [kept[i, :n] for i, (_, n) in enumerate(chunks)]
 
     def _graph_decode(self, inp: "DecodeInputs"):
         """logits [R, V], and under auto (taps) also the step's target features [R, K*D]."""
