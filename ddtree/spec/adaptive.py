@@ -149,7 +149,8 @@ class AdaptivePolicy:
 
     def plan(self, batch: int) -> int:
         """Before drafting: the budget to speculate with next (0: AR) on past drafts' averages; a probe
-        (one step of the budget that looks best, `probing` set) when one is due. Nothing known yet: the smallest budget."""
+        (one step of the budget that looks best, `probing` set) when one is due. Nothing known yet:
+        the smallest budget."""
         if not self.budgets:
             return 0
         if self.expected is None:
