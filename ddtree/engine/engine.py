@@ -120,7 +120,8 @@ class LLMEngine:
                     break
                 rows = min(engine_cfg.max_num_seqs, max(1, PREFILL_GRAPH_TOKENS // T))
                 graphs = GraphPool(partial(self._graph_prefill, taps), rows,
-                                   pad={"block_tables": self.runner.scratch_page}, widths={"block_tables": max_pages, "ids": T}, mempool=pool)
+                                   pad={"block_tables": self.runner.scratch_page},
+                                   widths={"block_tables": max_pages, "ids": T}, mempool=pool)
                 # captured now (on padding: its K/V go to the scratch page), not in the middle of serving
                 with torch.inference_mode():
                     graphs.capture_all(lambda bs: PrefillInputs(zeros(bs)[:, None].expand(bs, T), zeros(bs),
