@@ -140,18 +140,73 @@ def test_policy_calibrates_the_drafter_and_probes_while_on_ar():
 
 
 def test_costly_probes_that_ar_keeps_winning_come_less_and_less_often():
-    # A probe (draft 0.1 ms + verify of 5 nodes, 5 ms) commits one token where an AR step takes 1 ms: it
-    # loses 4.1 ms, so to keep that within PROBE_LOSS of the AR time the wait doubles up to ~205 steps.
-    policy = AdaptivePolicy(table(lambda n, bs: 1.0 * n), BUDGETS)
+    # A probe (draft 0.1 ms + verify of 5 nodes, 2 ms) commits one token where an AR step takes 1 ms: it
+    # loses 1.1 ms, so to keep that within PROBE_LOSS of the AR time the wait doubles up to ~110 steps.
+    policy = AdaptivePolicy(table(lambda n, bs: 0.75 + 0.25 * n), BUDGETS)
     policy.record_draft(1, {b: 0.0 for b in BUDGETS[1:]})
-    assert policy.probe_cap(1) == int(4.1 / PROBE_LOSS)
-    gaps = [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, int(4.1 / PROBE_LOSS)]
+    cap = int(1.1 / PROBE_LOSS)
+    assert 4 * PROBE_EVERY < cap < 8 * PROBE_EVERY and policy.probe_cap(1) == cap
+    gaps = [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, cap, cap]
     pattern = [will_draft(policy, 1) for _ in range(sum(gaps) + len(gaps))]
     assert pattern == [x for g in gaps for x in [False] * g + [True]]
     capped = AdaptivePolicy(policy.table, BUDGETS, max_probe_every=2 * PROBE_EVERY)
     capped.expected = policy.expected
     pattern = [will_draft(capped, 1) for _ in range(PROBE_EVERY + 1 + 2 * (2 * PROBE_EVERY + 1))]
     assert pattern == [False] * PROBE_EVERY + [True] + ([False] * 2 * PROBE_EVERY + [True]) * 2
+
+
+def test_a_costly_switch_from_ar_needs_a_clearer_win_and_spaces_probes():
+    # AR 1 ms a token; a speculative step 1.1 ms for 1 + E tokens. With no switch cost, E = 0.3 (18%
+    # above AR) is worth speculating from AR; once a switch's context store is known to cost 4 ms
+    # (0.5 ms a step over SWITCH_STEPS), it is not, while a policy already speculating keeps going.
+    # The probe's loss counts the store too, so probes come less often.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0), BUDGETS)
+    policy.expected = {b: 0.3 for b in BUDGETS[1:]}
+    assert policy.plan(1) == 4
+    policy.speculating = False
+    policy.observe_switch(1, 4.0)
+    assert policy.switch_ms(1) == 4.0 and policy.switch_ms(2) == 0.0  # per batch bucket
+    assert policy.plan(1) == 0
+    policy.speculating = True
+    assert policy.plan(1) == 4
+    assert policy.probe_cap(1) > AdaptivePolicy(table(lambda n, bs: 1.0), BUDGETS).probe_cap(1)
+
+
+def test_probe_intervals_are_kept_per_batch_size():
+    # Probes that keep losing at batch 32 space out there; speculation at batch 1 (the requests left at
+    # the end of a run) resets batch 1's interval only.
+    policy = AdaptivePolicy(table(roofline), BUDGETS)
+    policy.record_draft(1, E_PER_REQUEST)
+    for _ in range(3 * (PROBE_EVERY + 1) + 2 * PROBE_EVERY):
+        policy.plan(128)
+    assert policy.intervals[128] > 2 * PROBE_EVERY
+    assert policy.plan(1) > 0 and policy.intervals[1] == PROBE_EVERY
+    assert policy.intervals[128] > 2 * PROBE_EVERY
+    assert policy.state()["probe_intervals"][128] == policy.intervals[128]
+
+
+def test_graphed_bursts_calibrate_against_the_averages_the_plan_chose_on(pairs):
+    # A burst step's acceptance is measured against the E(b) the plan chose its budget on (the running
+    # averages then), not the step's own draft; a probe's against its own draft.
+    import ddtree.spec.decode as decode
+    spec = auto_llm(pairs, "qwen2", cost_table=table(roofline)).engine.speculator
+    policy = spec.policy
+    width = decode.Speculator.packed_width.fget(spec)
+    own = {4: 1.0, 8: 1.5, 16: 2.0, 32: 2.5}  # this step's draft: E(b) per request
+
+    def rows(accepted: int, n: int = 2):
+        fixed = [round(own[b] * decode.EXPECTED_SCALE) for b in BUDGETS[1:]]
+        return [[accepted] + [0] * (width - 1) + fixed for _ in range(n)]
+
+    policy.expected = {b: 3.0 for b in BUDGETS[1:]}  # optimistic averages: the plan speculates ...
+    assert policy.plan(2) > 0 and policy.planned_expected == 3.0
+    budget = spec.planned = policy.plan(2)
+    spec._burst_step_done(budget, rows(accepted=1))
+    assert policy.predicted[budget] == pytest.approx(3.0)  # ... measured against them
+    assert policy.calibration(budget) == pytest.approx(1 / 3)
+    policy.probing = True
+    spec._burst_step_done(budget, rows(accepted=1))
+    assert policy.predicted[budget] == pytest.approx((1 - policy.decay) * 3.0 + policy.decay * own[budget])
 
 
 def test_a_budget_tried_on_hard_text_is_not_shut_out():
@@ -328,7 +383,7 @@ class Scripted:
         self.plan_, self.now, self.seen = itertools.cycle(plan), None, []
 
     table = table(lambda n, bs: 1.0)
-    probing, expected = False, {}
+    probing, expected, planned_expected = False, {}, None
 
     def plan(self, batch):  # "wasted": the largest budget (drafted; `choose` then throws it away)
         self.now = next(self.plan_)
@@ -351,6 +406,9 @@ class Scripted:
 
     def observe(self, budget, batch, predicted, accepted):
         self.seen.append(budget)
+
+    def observe_switch(self, batch, ms):
+        pass
 
     def observe_time(self, kind, batch, measured_ms, table_ms):
         assert kind in ("ar", "spec") and measured_ms > 0 and table_ms > 0

@@ -19,7 +19,7 @@ from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.sequence import Sequence
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
-from ddtree.ops.attention import pack_rows
+from ddtree.ops.attention import pack_rows, page_slots
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import CostTable, candidate_budgets
 from ddtree.spec.decode import SHORT_BURST, SPEC_BURST, AdaptiveSpeculator, Speculator
@@ -210,15 +210,13 @@ class LLMEngine:
         return touched + step.decode
 
     def _forward_and_sample(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
-        graphed = self._prefill_graphed(chunks, taps)
-        if graphed is not None:
-            logits, feats = graphed
-        else:
+        logits = self._prefill_graphed(chunks, taps)  # (with taps, the graph also stores the context)
+        if logits is None:
             logits, feats = self.runner.run(chunks, taps)
-            feats = feats.split([n for _, n in chunks]) if feats is not None else None
-        if feats is not None:  # target features for the drafter's context
-            for (seq, _), f in zip(chunks, feats):
-                seq.pending_features.append(f)
+            if feats is not None:
+                for (seq, _), f in zip(chunks, feats.split([n for _, n in chunks])):
+                    seq.pending_features.append(f)
+                self.speculator.drafter.store_pending([seq for seq, _ in chunks])
         done = [i for i, (seq, _) in enumerate(chunks) if seq.num_uncached == 0]  # chunk reached the end
         if not done:
             return []
@@ -228,14 +226,22 @@ class LLMEngine:
             self.commit(seq, [tok])
         return seqs
 
-    def _graph_prefill(self, taps: list[int] | None, inp: PrefillInputs):
-        return self.runner.prefill_rows(inp.ids, inp.starts, inp.block_tables, inp.last, taps)
+    def _graph_prefill(self, taps: list[int] | None, inp: PrefillInputs) -> torch.Tensor:
+        """A prefill graph: the chunks' logits at their last rows; with taps their target features also go
+        into the drafter cache as its context, here (a prompt's store outside a graph cost a few ms of
+        host time, paid by the first speculative step after it)."""
+        logits, feats = self.runner.prefill_rows(inp.ids, inp.starts, inp.block_tables, inp.last, taps)
+        if taps:  # (padding tokens' rows land past the request's cached tokens, or in the scratch page)
+            pos = inp.starts[:, None] + torch.arange(inp.ids.shape[1], device=inp.ids.device)
+            slots = page_slots(inp.block_tables, pos, self.runner.page_size)
+            self.speculator.drafter.store_context(feats.flatten(0, 1), pos.flatten(), slots.flatten())
+        return logits
 
     def _prefill_graphed(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
         """`runner.run` on the prefill graphs: each chunk goes to the graph of the next width up, with
         the step's other chunks of that width (one replay per width and at most `rows` chunks). Returns
-        the logits [len(chunks), V] and each chunk's features (None without taps); None when a chunk
-        fits no graph (a long one, or positions past the graphs' page-table width)."""
+        the logits [len(chunks), V] (the drafter's context stored: with taps); None when a chunk fits
+        no graph (a long one, or positions past the graphs' page-table width)."""
         if not self.prefill_graphs:
             return None
         assert taps == self.prefill_taps, "the prefill graphs were captured with other taps"
@@ -247,35 +253,32 @@ class LLMEngine:
             if T is None or seq.num_cached + T > room:
                 return None
             widths.append(T)
-        logits, feats = [None] * len(chunks), [None] * len(chunks)
+        logits = [None] * len(chunks)
         for T in sorted(set(widths)):
             same = [i for i, w in enumerate(widths) if w == T]
             most = self.prefill_graphs[T].max_batch
             for k in range(0, len(same), most):
                 part = same[k:k + most]
-                part_logits, part_feats = self._prefill_replay(T, [chunks[i] for i in part])
-                for j, i in enumerate(part):
-                    logits[i], feats[i] = part_logits[j], part_feats[j] if part_feats is not None else None
-        return torch.stack(logits), (feats if taps else None)
+                for i, row in zip(part, self._prefill_replay(T, [chunks[i] for i in part])):
+                    logits[i] = row
+        if taps:
+            for seq, _ in chunks:
+                seq.draft_len = seq.num_cached
+        return torch.stack(logits)
 
-    def _prefill_replay(self, T: int, chunks: list[tuple[Sequence, int]]):
-        """One replay of width T's prefill graph for these chunks (each at most T tokens)."""
+    def _prefill_replay(self, T: int, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """One replay of width T's prefill graph for these chunks (each at most T tokens): their logits."""
         longest = max(n for _, n in chunks)
         starts = [seq.num_cached for seq, _ in chunks]
         ids = [seq.tokens(s, s + n) + [0] * (longest - n) for (seq, n), s in zip(chunks, starts)]
         columns = [starts, [n - 1 for _, n in chunks]] + [list(col) for col in zip(*ids)]
         rows = pack_rows([seq.block_table for seq, _ in chunks], columns, self.runner.scratch_page,
                          self.device)  # one copy
-        logits, feats = self.prefill_graphs[T].run(PrefillInputs(rows[:, 2:2 + longest], rows[:, 0],
-                                                                 rows[:, 2 + longest:], rows[:, 1]))
+        logits = self.prefill_graphs[T].run(PrefillInputs(rows[:, 2:2 + longest], rows[:, 0],
+                                                          rows[:, 2 + longest:], rows[:, 1]))
         for seq, n in chunks:
             seq.num_cached += n
-        # static outputs, overwritten by the next replay: copied out
-        R = len(chunks)
-        if not feats.numel():
-            return logits[:R].clone(), None
-        kept = feats[:R, :longest].clone()
-        return logits[:R].clone(), [kept[i, :n] for i, (_, n) in enumerate(chunks)]
+        return logits[:len(chunks)].clone()  # a static output, overwritten by the next replay
 
     def _graph_decode(self, inp: "DecodeInputs"):
         """logits [R, V], and under auto (taps) also the step's target features [R, K*D]."""

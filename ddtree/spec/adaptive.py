@@ -34,7 +34,8 @@ AR_TIMING_BURST = 8
 SWITCH_MARGIN = 1.05  # the rate another mode (AR or speculation) must beat the current one by
 PROBE_EVERY = 16  # AR steps before a probe draft ...
 MAX_PROBE_EVERY = 256  # ... doubling after each probe that AR still wins, up to this, and up to
-PROBE_LOSS = 0.02  # ... as many as keep what losing probes cost within this share of the AR time
+PROBE_LOSS = 0.01  # ... as many as keep what losing probes cost within this share of the AR time
+SWITCH_STEPS = 8  # speculative steps a switch from AR (its context store) is paid for, in the plan
 # A budget's calibration is its own observed/predicted ratio shrunk toward the ratio over all budgets,
 # the overall one weighing as much as this many of its own recent steps: a budget tried a few times on
 # hard text (0.39 on the H200 at efd2b47, where fixed budget 32 ran 6% above AR) is not shut out.
@@ -71,6 +72,14 @@ class CostTable:
         assert n and self.batch == sorted(self.batch) and len(self.ar) == len(self.draft) == n
         assert all(len(v) == n for v in self.verify.values())
 
+    def observe_switch(self, batch: int, ms: float) -> None:
+        """A switch from AR to speculation stored the AR stretch's drafter context in `ms` (host)."""
+        old = self.switch.get(_bucket(batch))
+        self.switch[_bucket(batch)] = ms if old is None else (1 - self.decay) * old + self.decay * ms
+
+    def switch_ms(self, batch: int) -> float:
+        return self.switch.get(_bucket(batch), 0.0)
+
     def ar_ms(self, batch: int) -> float:
         return interpolate(self.batch, self.ar, batch)
 
@@ -99,11 +108,14 @@ class AdaptivePolicy:
         self.weight: dict[int, float] = {}  # ... and how many steps that is, decayed by every later step
         self.total: tuple[float, float] | None = None  # running (accepted, predicted) over all budgets
         self.ar_streak = 0
-        self.interval = probe_every  # AR steps before the next probe
+        self.intervals: dict[int, int] = {}  # batch bucket -> AR steps before the next probe
+        self.interval = probe_every  # ... the current batch's
+        self.planned_expected: float | None = None  # E(b) per request the last plan chose budget b on
         self.max_probe_every = max_probe_every
         self.probing = False  # this draft is a probe: AR looked better on past averages
         self.speculating = False  # the last plan chose a budget > 0 (not a probe)
         self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
+        self.switch: dict[int, float] = {}  # batch bucket -> ms of an AR stretch's context store
 
     def observe_time(self, kind: str, batch: int, measured_ms: float, table_ms: float) -> None:
         """A real step of `kind` ("ar": per step of an AR burst, "spec": per step of a speculative burst,
@@ -117,6 +129,14 @@ class AdaptivePolicy:
         sample = max(low, min(measured_ms, 4 * table_ms) - table_ms)
         old = self.extra.get(key)
         self.extra[key] = sample if old is None else (1 - self.decay) * old + self.decay * sample
+
+    def observe_switch(self, batch: int, ms: float) -> None:
+        """A switch from AR to speculation stored the AR stretch's drafter context in `ms` (host)."""
+        old = self.switch.get(_bucket(batch))
+        self.switch[_bucket(batch)] = ms if old is None else (1 - self.decay) * old + self.decay * ms
+
+    def switch_ms(self, batch: int) -> float:
+        return self.switch.get(_bucket(batch), 0.0)
 
     def ar_ms(self, batch: int) -> float:
         """One AR step as the engine pays it (at least half the table's: the extra is learnt per batch
@@ -139,13 +159,14 @@ class AdaptivePolicy:
         own = acc / pred if pred > 0 else 1.0
         return (w * own + CALIBRATION_PRIOR * overall) / (w + CALIBRATION_PRIOR)
 
-    def spec_rate(self, budget: int, batch: int) -> float:
+    def spec_rate(self, budget: int, batch: int, switching: bool = False) -> float:
         """Expected committed tokens per ms of a whole speculative step of `budget` (draft included),
-        on past drafts' averages."""
+        on past drafts' averages; `switching` from AR, with a share of the switch's context store."""
         t = self.table
         gain = batch * (1 + self.calibration(budget) * self.expected[budget])
         device = t.draft_ms(batch) + t.verify_ms(budget, batch)
-        return gain / max(device + self.spec_extra_ms(batch), 0.5 * device)
+        switch = self.switch_ms(batch) / SWITCH_STEPS if switching else 0.0
+        return gain / max(device + self.spec_extra_ms(batch) + switch, 0.5 * device)
 
     def plan(self, batch: int) -> int:
         """Before drafting: the budget to speculate with next (0: AR) on past drafts' averages; a probe
@@ -155,23 +176,30 @@ class AdaptivePolicy:
             return 0
         if self.expected is None:
             return self.budgets[0]
-        best, best_rate = self.budgets[0], self.spec_rate(self.budgets[0], batch)
+        switching = not self.speculating
+        best, best_rate = self.budgets[0], self.spec_rate(self.budgets[0], batch, switching)
         for b in self.budgets[1:]:  # ascending: a larger budget must be strictly better
-            rate = self.spec_rate(b, batch)
+            rate = self.spec_rate(b, batch, switching)
             if rate > best_rate:
                 best, best_rate = b, rate
         # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
         # catch-up, so near break-even the policy keeps the mode it is in.
         ar_rate = batch / self.ar_ms(batch)
-        if best_rate > ar_rate * (1 / SWITCH_MARGIN if self.speculating else SWITCH_MARGIN):
-            self.probing, self.ar_streak, self.interval, self.speculating = False, 0, self.probe_every, True
+        bucket = _bucket(batch)
+        self.interval = self.intervals.get(bucket, self.probe_every)
+        if best_rate > ar_rate * (SWITCH_MARGIN if switching else 1 / SWITCH_MARGIN):
+            self.probing, self.ar_streak, self.speculating = False, 0, True
+            self.interval = self.intervals[bucket] = self.probe_every
+            self.planned_expected = self.expected[best]
             return best
         self.speculating = False
         if self.ar_streak >= self.interval:
-            # A probe. A drafter that keeps losing is probed less and less often: every probe doubles
-            # the wait for the next, until one pays again, or up to what probes cost (`probe_cap`).
+            # A probe. A drafter that keeps losing at this batch size is probed less and less often:
+            # every probe doubles the wait for the next, until one pays again, or up to what probes
+            # cost (`probe_cap`). (Per batch bucket: the batch of 1-2 that is left at the end of a run
+            # may speculate; that says nothing about the next full batch.)
             self.probing, self.ar_streak = True, 0
-            self.interval = min(2 * self.interval, self.probe_cap(batch, best))
+            self.interval = self.intervals[bucket] = min(2 * self.interval, self.probe_cap(batch, best))
             return best
         self.ar_streak += 1
         return 0
@@ -183,7 +211,7 @@ class AdaptivePolicy:
         tokens, so it can come every 16 steps; at 128, ~3.6 AR steps for the same: ~90."""
         b, t = budget or self.budgets[0], self.table
         ar = self.ar_ms(batch)
-        spec = t.draft_ms(batch) + t.verify_ms(b, batch) + max(self.spec_extra_ms(batch), 0.0)
+        spec = t.draft_ms(batch) + t.verify_ms(b, batch) + max(self.spec_extra_ms(batch), 0.0) + self.switch_ms(batch)
         tokens = 1 + self.calibration(b) * (self.expected or {}).get(b, 0.0)
         loss = max(spec - tokens * ar, 0.0)
         return int(min(self.max_probe_every, max(self.probe_every, loss / (PROBE_LOSS * ar))))
@@ -200,8 +228,9 @@ class AdaptivePolicy:
     def state(self) -> dict:
         """What the policy has learned, for benchmark rows (JSON-ready)."""
         return {"table": self.table.as_dict(), "extra_ms": {f"{k}@{b}": v for (k, b), v in sorted(self.extra.items())},
-                "expected": self.expected, "calibration": {b: self.calibration(b) for b in self.budgets},
-                "probe_interval": self.interval}
+                "switch_ms": dict(sorted(self.switch.items())), "expected": self.expected,
+                "calibration": {b: self.calibration(b) for b in self.budgets},
+                "probe_intervals": dict(sorted(self.intervals.items()))}
 
     def record_draft(self, batch: int, expected: dict[int, float]) -> None:
         """A draft's E(b) summed over the batch, into the running means `plan` compares. A probe's

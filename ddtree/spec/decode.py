@@ -411,35 +411,47 @@ class AdaptiveSpeculator(Speculator):
         """A pipelined burst of the planned budget's whole-step graph (one step for a probe)."""
         budget, R = self.planned or self.budgets[1], len(seqs)
         graphs = self.step_graphs[budget]
-        # Not a time to learn from: a burst that captures its graph, or stores a new prompt's context
-        # (once per request, whenever it first speculates; thousands of rows of device work).
-        timed = self.timed and next(b for b in graphs.buckets if b >= R) in graphs.graphs and \
-            all(s.draft_len for s in seqs)
+        # Not a time to learn from: a burst that captures its graph, or runs behind a context store
+        # (device work not waited for).
+        timed = self.timed and next(b for b in graphs.buckets if b >= R) in graphs.graphs
         t0 = time.perf_counter()
         if any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
-            self.drafter.store_pending(seqs)  # a new prompt's (an AR stretch's) context, wider than the graph's
-        t1 = time.perf_counter()
+            # an AR stretch's context (or a prompt's, where the prefill did not store it), wider than
+            # the graph's: a cost of switching from AR, which the policy weighs
+            self.drafter.store_pending(seqs)
+            timed = False
+            store_ms = (time.perf_counter() - t0) * 1e3
+            self.stats.bursts["store_ms"] += store_ms
+            if self.timed:
+                self.policy.observe_switch(R, store_ms)
+        t0 = time.perf_counter()
+        probing = self.policy.probing
         blind = self.policy.expected is None  # no draft seen yet: one step to learn from
-        steps = self._burst(seqs, commit, graphs, budget, most=1 if self.policy.probing or blind else SPEC_BURST)
-        elapsed = (time.perf_counter() - t0) * 1e3
-        self.stats.bursts.update({"spec_bursts": 1, "spec_steps": steps, "probes": int(self.policy.probing),
-                                  "spec_ms": elapsed - (t1 - t0) * 1e3, "store_ms": (t1 - t0) * 1e3})
+        steps = self._burst(seqs, commit, graphs, budget, most=1 if probing or blind else SPEC_BURST)
+        self.stats.bursts.update({"spec_bursts": 1, "spec_steps": steps, "probes": int(probing),
+                                  "spec_ms": (time.perf_counter() - t0) * 1e3})
         self.policy.probing = False
-        # Every other burst teaches the policy what speculating costs, an AR stretch's context store,
-        # start and drain included: at a large batch, switching in from AR for a step or two cost several times the
-        # table's step (the H200 at a6a15cd: auto at C=16-128 ran 0.67-0.95x AR on such switches).
-        if timed:
+        # Only whole bursts teach the policy host time: a short one is mostly its start and drain,
+        # which the AR burst before and after it pay too (the table's steps are pipelined shares).
+        if timed and steps >= TIMED_BURST:
             t = self.policy.table
-            self.policy.observe_time("spec", R, elapsed / steps, t.draft_ms(R) + t.verify_ms(budget, R))
+            self.policy.observe_time("spec", R, (time.perf_counter() - t0) * 1e3 / steps,
+                                     t.draft_ms(R) + t.verify_ms(budget, R))
 
     def _burst_step_done(self, budget: int, rows: list[list[int]]) -> None:
-        """A burst step's E(b) of every budget into the policy's averages, and its acceptance."""
+        """A burst step's E(b) of every budget into the policy's averages, and its acceptance against
+        what the plan expected: the averages it chose the budget on (a probe's: its own draft). The
+        plan picks speculation where the averages run high, and the steps after regress toward the
+        mean; measured against each step's own draft that optimism went unseen (the H200 at a6a15cd:
+        at C=16 auto chose budget 8 on 45% of request-steps, where fixed budget 8 ran 0.86x AR)."""
         if not rows:
             return
         n, first = len(rows), super().packed_width
         expected = {b: sum(r[first + j] for r in rows) / EXPECTED_SCALE for j, b in enumerate(self.budgets[1:])}
+        planned = self.policy.planned_expected
+        predicted = expected[budget] if self.policy.probing or planned is None else planned * n
         self.policy.record_draft(n, expected)
-        self.policy.observe(budget, n, expected[budget], sum(r[0] for r in rows))
+        self.policy.observe(budget, n, predicted, sum(r[0] for r in rows))
 
     def _fake_context(self) -> int:
         ps = self.runner.page_size
