@@ -80,18 +80,23 @@ def kernel_table(fn, label: str, steps: int = 3) -> None:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60))
 
 
-def busy_share(llm: LLM, prompts, max_tokens: int, label: str) -> None:
-    """GPU kernel time over wall time while generating (graphs on)."""
-    P = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts, P)
+def profiled_generate(llm: LLM, prompts, params: SamplingParams):
+    """One generate after a warm-up one, under the torch profiler: (profile, wall ms, kernel ms, kernels)."""
+    llm.generate(prompts, params)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        llm.generate(prompts, P)
+        llm.generate(prompts, params)
         torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = (time.perf_counter() - t0) * 1e3
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy = sum(e.time_range.elapsed_us() for e in kernels)
+    return prof, wall, sum(e.time_range.elapsed_us() for e in kernels) / 1e3, len(kernels)
+
+
+def busy_share(llm: LLM, prompts, max_tokens: int, label: str) -> None:
+    """GPU kernel time over wall time while generating (graphs on)."""
+    prof, wall, busy, _ = profiled_generate(llm, prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    wall, busy = wall / 1e3, busy * 1e3  # (s, us: as below)
     cpu = {}
     for e in prof.key_averages():
         if e.device_type == DeviceType.CPU:

@@ -1,14 +1,14 @@
-"""Where an eager multi-prompt prefill spends its time on the GPU (random model of the default
-target's shapes, the shipped drafter; no download). On the H200 at a6a15cd such a prefill cost
-~20 ms of host time per call whatever the batch (the `prefill_ms` of the sweep's rows at C=2..16),
-against ~1.7 ms for a graphed single-prompt one.
+"""Where a multi-prompt prefill spends its time on the GPU (random model of the default target's
+shapes, the shipped drafter; no download). On the H200 at a6a15cd an eager one cost ~20 ms of host
+time per step whatever the batch (the `prefill_ms` of the sweep's rows at C=2..16), against ~1.7 ms
+for a graphed single-prompt one; since 4a24bbf such steps replay prefill graphs too.
 
     python benchmarks/prefill_profile.py OUT_DIR
 
 Writes OUT_DIR/profile.jsonl (and prints): ms per `generate(max_tokens=1)` call (schedule, prefill,
-first token) by batch, plain AR and auto (taps), with the compiled element-wise ops on and off; the
-ops with the most host time in one such call (torch profiler); and the cost of auto's context store
-for requests holding many one-row pending features against one block each.
+first token) by batch, plain AR and auto (taps, context stored), on the prefill graphs and eager;
+the ops with the most host time in such a call (torch profiler); and the cost of auto's context
+store for requests holding many one-row pending features against one block each.
 """
 from __future__ import annotations
 
@@ -20,15 +20,13 @@ import time
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from gpu_profile import default_shaped_model, emit  # noqa: E402
+from gpu_profile import default_shaped_model, emit, profiled_generate  # noqa: E402
 
 from ddtree import LLM, SamplingParams  # noqa: E402
 from ddtree.models.hub import DEFAULT_DRAFT_DIR  # noqa: E402
-from ddtree.ops import fused  # noqa: E402
 
 
 def prompts_of(n: int, seed: int) -> list[list[int]]:
@@ -50,19 +48,10 @@ def ms_per_call(llm: LLM, batches: list[list[list[int]]]) -> float:
 
 
 def host_table(llm: LLM, batch: list[list[int]], label: str) -> None:
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
-    llm.generate(batch, params)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        llm.generate(batch, params)
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+    prof, wall, busy, kernels = profiled_generate(llm, batch, SamplingParams(max_tokens=1, ignore_eos=True))
     rows = sorted((e for e in prof.key_averages() if e.device_type == DeviceType.CPU),
                   key=lambda e: -e.self_cpu_time_total)[:30]
-    emit(f"host-{label}", wall_ms=round(wall, 2), kernel_ms=round(busy, 2), kernels=len(kernels),
+    emit(f"host-{label}", wall_ms=round(wall, 2), kernel_ms=round(busy, 2), kernels=kernels,
          self_cpu_top=[(e.key[:70], e.count, round(e.self_cpu_time_total / 1e3, 2)) for e in rows])
     total = sorted((e for e in prof.key_averages() if e.device_type == DeviceType.CPU),
                    key=lambda e: -e.cpu_time_total)[:30]
@@ -108,15 +97,17 @@ def main() -> int:
     sizes = (1, 2, 4, 16, 64)
     for spec in ("none", "auto"):
         kw = {"spec": "ddtree", "budget": "auto", "topk": 4} if spec == "auto" else {"spec": "none"}
-        llm = LLM(d, draft=DEFAULT_DRAFT_DIR, max_num_seqs=64, dtype="bfloat16", **kw)
-        for compiled in (True, False):
-            fused.COMPILE = compiled
+        # (a fixed cache: the first engine's memory is not all back when the second starts)
+        llm = LLM(d, draft=DEFAULT_DRAFT_DIR, max_num_seqs=64, dtype="bfloat16", num_pages=8192, **kw)
+        graphs = llm.engine.prefill_graphs
+        for graphed in (True, False):
+            llm.engine.prefill_graphs = graphs if graphed else {}  # (none: every prefill eager)
             for r in sizes:
                 batches = [prompts_of(r, 1000 * r + k) for k in range(8)]
-                emit("prefill", spec=spec, compiled=compiled, batch=r, ms=ms_per_call(llm, batches))
-        fused.COMPILE = True
-        for r in (2, 16):
-            host_table(llm, prompts_of(r, 7), f"{spec}-{r}")
+                emit("prefill", spec=spec, graphed=graphed, batch=r, ms=ms_per_call(llm, batches))
+            for r in (2, 16):
+                host_table(llm, prompts_of(r, 7), f"{spec}-{'graphed' if graphed else 'eager'}-{r}")
+        llm.engine.prefill_graphs = graphs
         if spec == "auto":
             store_cost(llm)
         del llm
