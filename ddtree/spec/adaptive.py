@@ -10,17 +10,21 @@ a running ratio of observed to predicted accepted lengths. One budget per step f
 The table times the device work (graph replays); a real step also pays host work around it: building
 inputs, the read-backs mid-step, committing tokens. `observe_time` keeps, per kind of step (AR or
 speculative) and batch bucket, a running mean of what steps really took beyond the table's figure,
-and every cost the policy compares includes it, so a step kind whose host side is slow on this
-machine loses to one that pipelines.
+and every cost the model compares includes it.
+
+That model (`spec_rate`) is only the prior. On the GPU the plan runs as pipelined bursts of
+whole-step graphs (spec/decode.py), and what each whole burst of a budget realized at a batch size,
+tokens per ms and request with its context store, start and drain, is what the plan compares with
+the AR step there (`request_rate`), scaled by part of how the drafter's E(b) now compares with the
+bursts'; a budget not yet measured at a batch size counts at its modelled rate times what the model
+was worth for the budgets that were. On the H200 the model alone chose speculation where it lost
+(regression to the mean after high averages, switching costs).
 
 Choosing AR skips the draft, so the budget is planned before drafting, on the running averages of
-past drafts (`plan`), with a probe (one step of the budget that looks best) after `probe_every` AR steps so
-the estimate can recover, and after longer waits while probes find AR still better, as long as
-what they lose is small next to the AR time (`probe_cap`). On the GPU the planned budget runs as a
-pipelined burst of whole-step graphs (spec/decode.py), each step reading back its drafter's E(b)
-for every budget, which keeps the averages current. Without graphs (the CPU, sampled requests) a step drafts first and then picks the
-budget on the current draft's probabilities among the remaining costs: verify(b) for b > 0, or the
-AR step for 0 (`choose`).
+past drafts (`plan`), with a probe (a burst of the budget that looks best) as often as keeps what
+probes lose within PROBE_LOSS of the AR time at that batch size (`probe_cap`). Without graphs (the
+CPU, sampled requests) a step drafts first and then picks the budget on the current draft's
+probabilities among the remaining costs: verify(b) for b > 0, or the AR step for 0 (`choose`).
 """
 from __future__ import annotations
 
@@ -32,10 +36,13 @@ from dataclasses import dataclass
 BUDGETS = (4, 8, 16, 32)  # speculative candidates; 0 (AR) is always one too
 AR_TIMING_BURST = 8
 SWITCH_MARGIN = 1.05  # the rate another mode (AR or speculation) must beat the current one by
-PROBE_EVERY = 16  # AR steps before a probe draft ...
-MAX_PROBE_EVERY = 256  # ... doubling after each probe that AR still wins, up to this, and up to
-PROBE_LOSS = 0.01  # ... as many as keep what losing probes cost within this share of the AR time
-SWITCH_STEPS = 8  # speculative steps a switch from AR (its context store) is paid for, in the plan
+PROBE_EVERY = 16  # AR steps at least between probes (a burst of the budget that looks best) ...
+MAX_PROBE_EVERY = 1024  # ... and at most, within which as many as keep what losing probes cost
+PROBE_LOSS = 0.01  # ... within this share of the AR time
+PROBE_STEPS = 8  # a probe's steps: a whole burst (spec/decode.py SPEC_BURST), whose rate means something
+SWITCH_STEPS = 8  # speculative steps a switch from AR (its context store) is paid for, in the model
+RATE_DECAY = 0.25  # weight of a speculative burst in its budget's realized rate at its batch size
+E_WEIGHT = 0.5  # share of the drafter's now-vs-then E(b) ratio that scales a realized rate
 # A budget's calibration is its own observed/predicted ratio shrunk toward the ratio over all budgets,
 # the overall one weighing as much as this many of its own recent steps: a budget tried a few times on
 # hard text (0.39 on the H200 at efd2b47, where fixed budget 32 ran 6% above AR) is not shut out.
@@ -110,7 +117,9 @@ class AdaptivePolicy:
         self.ar_streak = 0
         self.intervals: dict[int, int] = {}  # batch bucket -> AR steps before the next probe
         self.interval = probe_every  # ... the current batch's
-        self.planned_expected: float | None = None  # E(b) per request the last plan chose budget b on
+        # (batch bucket, budget) -> running means over its bursts of the tokens per ms and request they
+        # realized, their drafts' E(b), and the realized rate over the model's for that E
+        self.realized: dict[tuple[int, int], tuple[float, float, float]] = {}
         self.max_probe_every = max_probe_every
         self.probing = False  # this draft is a probe: AR looked better on past averages
         self.speculating = False  # the last plan chose a budget > 0 (not a probe)
@@ -159,11 +168,45 @@ class AdaptivePolicy:
         own = acc / pred if pred > 0 else 1.0
         return (w * own + CALIBRATION_PRIOR * overall) / (w + CALIBRATION_PRIOR)
 
-    def spec_rate(self, budget: int, batch: int, switching: bool = False) -> float:
-        """Expected committed tokens per ms of a whole speculative step of `budget` (draft included),
-        on past drafts' averages; `switching` from AR, with a share of the switch's context store."""
+    def observe_burst(self, budget: int, batch: int, tokens: int, ms: float, expected: float) -> None:
+        """A burst of `budget` committed `tokens` to `batch` requests in `ms` (host, from its context
+        store, if any, to its last commit), its drafts expecting E(b) = `expected` per request and step."""
+        key, a = (_bucket(batch), budget), RATE_DECAY
+        rate = tokens / (max(ms, 1e-3) * batch)
+        sample = (rate, expected, rate / self.spec_rate(budget, batch, expected=expected))
+        old = self.realized.get(key)
+        self.realized[key] = sample if old is None else tuple((1 - a) * o + a * x for o, x in zip(old, sample))
+
+    def correction(self, batch: int) -> float:
+        """Realized over modelled rate, over the budgets tried at this batch size (else at any)."""
+        here = [c for (k, _), (_, _, c) in self.realized.items() if k == _bucket(batch)]
+        every = here or [c for _, _, c in self.realized.values()]
+        return sum(every) / len(every) if every else 1.0
+
+    def request_rate(self, budget: int, batch: int, switching: bool = False) -> float:
+        """Expected committed tokens per ms and request of speculating with `budget` at this batch size:
+        what its bursts here realized (stores, starts, drains and all), scaled by part of how the
+        drafter's E(b) now compares with theirs; never tried here, the model (`spec_rate`) times what
+        the budgets tried here (else anywhere) realized over it.
+
+        The model alone went wrong on the H200: at C=16 the plan chose budget 8 on 45% of request-steps
+        where fixed budget 8 ran 0.86x AR (it speculates where the averages run high, and the steps
+        after regress toward the mean; host costs of switching), while measuring acceptance against the
+        averages it planned on instead (0.35 at C=1) kept C=1 on AR where fixed budget 32 ran 1.08x."""
+        got = self.realized.get((_bucket(batch), budget))
+        if got is None:
+            return self.spec_rate(budget, batch, switching) * self.correction(batch)
+        rate, then, _ = got
+        c = self.calibration(budget)
+        ratio = (1 + c * self.expected[budget]) / (1 + c * then)
+        return rate * (1 + E_WEIGHT * (ratio - 1))
+
+    def spec_rate(self, budget: int, batch: int, switching: bool = False, expected: float | None = None) -> float:
+        """The model's committed tokens per ms and request of a whole speculative step of `budget` (draft
+        included): the table, the learned host extra and the calibrated E(b) (`expected`, default the
+        running mean); `switching` from AR, with a share of the switch's context store."""
         t = self.table
-        gain = batch * (1 + self.calibration(budget) * self.expected[budget])
+        gain = 1 + self.calibration(budget) * (self.expected[budget] if expected is None else expected)
         device = t.draft_ms(batch) + t.verify_ms(budget, batch)
         switch = self.switch_ms(batch) / SWITCH_STEPS if switching else 0.0
         return gain / max(device + self.spec_extra_ms(batch) + switch, 0.5 * device)
@@ -177,43 +220,43 @@ class AdaptivePolicy:
         if self.expected is None:
             return self.budgets[0]
         switching = not self.speculating
-        best, best_rate = self.budgets[0], self.spec_rate(self.budgets[0], batch, switching)
+        best, best_rate = self.budgets[0], self.request_rate(self.budgets[0], batch, switching)
         for b in self.budgets[1:]:  # ascending: a larger budget must be strictly better
-            rate = self.spec_rate(b, batch, switching)
+            rate = self.request_rate(b, batch, switching)
             if rate > best_rate:
                 best, best_rate = b, rate
         # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
         # catch-up, so near break-even the policy keeps the mode it is in.
-        ar_rate = batch / self.ar_ms(batch)
-        bucket = _bucket(batch)
-        self.interval = self.intervals.get(bucket, self.probe_every)
+        ar_rate = 1 / self.ar_ms(batch)
         if best_rate > ar_rate * (SWITCH_MARGIN if switching else 1 / SWITCH_MARGIN):
             self.probing, self.ar_streak, self.speculating = False, 0, True
-            self.interval = self.intervals[bucket] = self.probe_every
-            self.planned_expected = self.expected[best]
             return best
         self.speculating = False
+        # A probe when due: as often as keeps what probes lose at this batch size within PROBE_LOSS
+        # of the AR time (`probe_cap`; per batch bucket: the one or two requests left at the end of a
+        # batch may well speculate, which says nothing about the next full batch).
+        bucket = _bucket(batch)
+        if bucket not in self.intervals:
+            self.intervals[bucket] = self.probe_cap(batch, best)
+        self.interval = self.intervals[bucket]
         if self.ar_streak >= self.interval:
-            # A probe. A drafter that keeps losing at this batch size is probed less and less often:
-            # every probe doubles the wait for the next, until one pays again, or up to what probes
-            # cost (`probe_cap`). (Per batch bucket: the batch of 1-2 that is left at the end of a run
-            # may speculate; that says nothing about the next full batch.)
             self.probing, self.ar_streak = True, 0
-            self.interval = self.intervals[bucket] = min(2 * self.interval, self.probe_cap(batch, best))
+            self.interval = self.intervals[bucket] = self.probe_cap(batch, best)
             return best
         self.ar_streak += 1
         return 0
 
     def probe_cap(self, batch: int, budget: int | None = None) -> int:
-        """The most AR steps between probes: enough that a probe's loss against AR (a step of `budget`,
-        default the smallest, less the AR time of the tokens it commits) stays within `PROBE_LOSS` of
-        the AR time. At batch 1 on the H200 a probe costs about two AR steps and commits about two
-        tokens, so it can come every 16 steps; at 128, ~3.6 AR steps for the same: ~90."""
-        b, t = budget or self.budgets[0], self.table
+        """AR steps between probes: enough that a probe's loss against AR (a burst of `budget`, default
+        the smallest, less the AR time of the tokens it commits) stays within `PROBE_LOSS` of the AR
+        time, from PROBE_EVERY to `max_probe_every`. On the H200 a probe at batch 1 costs about what it
+        commits (every 16 steps); at 32 and more, its steps cost ~3 AR steps for ~2 tokens (256)."""
+        b = budget or self.budgets[0]
         ar = self.ar_ms(batch)
-        spec = t.draft_ms(batch) + t.verify_ms(b, batch) + max(self.spec_extra_ms(batch), 0.0) + self.switch_ms(batch)
-        tokens = 1 + self.calibration(b) * (self.expected or {}).get(b, 0.0)
-        loss = max(spec - tokens * ar, 0.0)
+        tokens = PROBE_STEPS * (1 + self.calibration(b) * (self.expected or {}).get(b, 0.0))  # per request
+        got = self.realized.get((_bucket(batch), b))  # (its bursts' rate as measured: steadier than now's E)
+        rate = got[0] if got else self.request_rate(b, batch, switching=True)
+        loss = max(tokens / rate - tokens * ar, 0.0)
         return int(min(self.max_probe_every, max(self.probe_every, loss / (PROBE_LOSS * ar))))
 
     def ar_steps_ahead(self) -> int:
@@ -230,6 +273,7 @@ class AdaptivePolicy:
         return {"table": self.table.as_dict(), "extra_ms": {f"{k}@{b}": v for (k, b), v in sorted(self.extra.items())},
                 "switch_ms": dict(sorted(self.switch.items())), "expected": self.expected,
                 "calibration": {b: self.calibration(b) for b in self.budgets},
+                "realized": {f"{b}@{k}": [round(x, 4) for x in v] for (k, b), v in sorted(self.realized.items())},
                 "probe_intervals": dict(sorted(self.intervals.items()))}
 
     def record_draft(self, batch: int, expected: dict[int, float]) -> None:

@@ -298,6 +298,7 @@ class AdaptiveSpeculator(Speculator):
         super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
         self.ctx_rows = drafter.block_size  # a burst's context width: the last accepted path (more: stored first)
         self.max_pages, self.planned = max_pages, 0
+        self.burst_expected: list[float] = []  # the current burst's E(b) per request, step by step
         self.draft_graphs, self.ar_graphs, self.step_graphs = None, None, {}
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
             pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
@@ -411,47 +412,52 @@ class AdaptiveSpeculator(Speculator):
         """A pipelined burst of the planned budget's whole-step graph (one step for a probe)."""
         budget, R = self.planned or self.budgets[1], len(seqs)
         graphs = self.step_graphs[budget]
-        # Not a time to learn from: a burst that captures its graph, or runs behind a context store
-        # (device work not waited for).
-        timed = self.timed and next(b for b in graphs.buckets if b >= R) in graphs.graphs
+        captured = next(b for b in graphs.buckets if b >= R) in graphs.graphs  # (not a burst that captures)
+        stored = False
         t0 = time.perf_counter()
         if any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
             # an AR stretch's context (or a prompt's, where the prefill did not store it), wider than
-            # the graph's: a cost of switching from AR, which the policy weighs
+            # the graph's: a cost of switching from AR, counted in the burst's rate
             self.drafter.store_pending(seqs)
-            timed = False
+            stored = True
             store_ms = (time.perf_counter() - t0) * 1e3
             self.stats.bursts["store_ms"] += store_ms
-            if self.timed:
+            if self.timed and captured:
                 self.policy.observe_switch(R, store_ms)
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         probing = self.policy.probing
+        committed, self.burst_expected = self.stats.committed, []
         blind = self.policy.expected is None  # no draft seen yet: one step to learn from
-        steps = self._burst(seqs, commit, graphs, budget, most=1 if probing or blind else SPEC_BURST)
+        steps = self._burst(seqs, commit, graphs, budget, most=1 if blind else SPEC_BURST)
+        t2 = time.perf_counter()
         self.stats.bursts.update({"spec_bursts": 1, "spec_steps": steps, "probes": int(probing),
-                                  "spec_ms": (time.perf_counter() - t0) * 1e3})
+                                  "spec_ms": (t2 - t1) * 1e3})
         self.policy.probing = False
-        # Only whole bursts teach the policy host time: a short one is mostly its start and drain,
-        # which the AR burst before and after it pay too (the table's steps are pipelined shares).
-        if timed and steps >= TIMED_BURST:
+        if not (self.timed and captured):  # (a prefill chunk in flight, or a graph captured: no lesson)
+            return
+        # What a whole burst realized, store, start and drain included, is what the plan compares next
+        # time at this batch size; those without a store also teach the model a step's host time. (A
+        # short burst, the first blind step or one cut short by a finishing request, is mostly its start
+        # and drain, which the AR bursts around it pay too.)
+        if steps < TIMED_BURST:
+            return
+        self.policy.observe_burst(budget, R, self.stats.committed - committed, (t2 - t0) * 1e3,
+                                  sum(self.burst_expected) / len(self.burst_expected))
+        if not stored:
             t = self.policy.table
-            self.policy.observe_time("spec", R, (time.perf_counter() - t0) * 1e3 / steps,
-                                     t.draft_ms(R) + t.verify_ms(budget, R))
+            self.policy.observe_time("spec", R, (t2 - t1) * 1e3 / steps, t.draft_ms(R) + t.verify_ms(budget, R))
 
     def _burst_step_done(self, budget: int, rows: list[list[int]]) -> None:
-        """A burst step's E(b) of every budget into the policy's averages, and its acceptance against
-        what the plan expected: the averages it chose the budget on (a probe's: its own draft). The
-        plan picks speculation where the averages run high, and the steps after regress toward the
-        mean; measured against each step's own draft that optimism went unseen (the H200 at a6a15cd:
-        at C=16 auto chose budget 8 on 45% of request-steps, where fixed budget 8 ran 0.86x AR)."""
+        """A burst step's E(b) of every budget into the policy's averages (a probe's first step
+        replaces them), and its acceptance against its own draft's E(b)."""
         if not rows:
             return
         n, first = len(rows), super().packed_width
         expected = {b: sum(r[first + j] for r in rows) / EXPECTED_SCALE for j, b in enumerate(self.budgets[1:])}
-        planned = self.policy.planned_expected
-        predicted = expected[budget] if self.policy.probing or planned is None else planned * n
         self.policy.record_draft(n, expected)
-        self.policy.observe(budget, n, predicted, sum(r[0] for r in rows))
+        self.policy.probing = False
+        self.policy.observe(budget, n, expected[budget], sum(r[0] for r in rows))
+        self.burst_expected.append(expected[budget] / n)
 
     def _fake_context(self) -> int:
         ps = self.runner.page_size
