@@ -63,7 +63,7 @@ def run_policy(r: Regime, tokens: int, policy: AdaptivePolicy | None = None) -> 
             policy.skip_ar(steps - 1)
             pos, ms, from_ar = pos + steps, ms + steps * r.ar_ms, True
             continue
-        start, t = pos, (r.switch_ms if from_ar else 0.0)
+        start, stored, t = pos, from_ar, (r.switch_ms if from_ar else 0.0)
         drafts = []
         for _ in range(1 if policy.expected is None else SPEC_BURST):
             accepted = r.mean_accepted(int(pos), budget)
@@ -74,6 +74,6 @@ def run_policy(r: Regime, tokens: int, policy: AdaptivePolicy | None = None) -> 
             drafts.append(expected[budget])
             pos, t = pos + 1 + accepted, t + r.step_ms[budget]
         if len(drafts) > 1:  # (as spec/decode.py: not the first, blind, one-step burst)
-            policy.observe_burst(budget, r.batch, (pos - start) * r.batch, t, sum(drafts) / len(drafts))
+            policy.observe_burst(budget, r.batch, (pos - start) * r.batch, t, sum(drafts) / len(drafts), stored)
         ms, from_ar = ms + t, False
     return pos * r.batch / ms, policy

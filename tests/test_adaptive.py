@@ -421,7 +421,7 @@ class Scripted:
     def observe_switch(self, batch, ms):
         pass
 
-    def observe_burst(self, budget, batch, tokens, ms, expected):
+    def observe_burst(self, budget, batch, tokens, ms, expected, stored=False):
         pass
 
     def observe_time(self, kind, batch, measured_ms, table_ms):
@@ -662,10 +662,15 @@ def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out,
     monkeypatch.setattr(eng, "_commit_decoded", lambda *a: calls.__setitem__("steps", calls["steps"] + 1) or read(*a))
     monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed, "
                                                                  "a new prompt's context stored first"))
+    finished = []
+    finish = eng.scheduler.finish
+    monkeypatch.setattr(eng.scheduler, "finish", lambda seq, reason: finished.append(seq) or finish(seq, reason))
     outs, hist = check_lossless(llm, prompts, ref)
     assert hist.get(0, 0) > 3 * sum(n for b, n in hist.items() if b), hist  # mostly AR ...
     assert len(set(hist)) > 1, hist  # ... with probes
     assert calls["steps"] > 3 * calls["bursts"] > 0, calls  # AR steps ran in pipelined bursts
+    # a request that finished in a burst keeps no feature rows (a view would hold the burst's buffer)
+    assert finished and not any(seq.pending_features for seq in finished)
 
 
 def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, ar_out, monkeypatch):
@@ -679,7 +684,7 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     llm = LLM(path, draft=d, spec="none", max_num_seqs=4, **ENGINE)
     llm.set_mode("ddtree", "auto", 4, cost_table=table(lambda n, bs: 1.0 + 0.01 * n))
     spec = llm.engine.speculator
-    learned = []  # what whole bursts teach the policy: (budget, batch, tokens, ms, E per request)
+    learned = []  # what whole bursts teach the policy: (budget, batch, tokens, ms, E per request, stored)
     spec.policy.observe_time, spec.policy.observe_burst = (lambda *a: None), (lambda *a: learned.append(a))
     plant_by_position(llm, noisy_oracle(continuation(prompts, longer), vocab=llm.config.vocab_size))
     monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed"))
@@ -694,7 +699,7 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     accepted = [a for o in outs for a in o.accept_lengths]
     assert sum(accepted) / len(accepted) > 1.5, accepted
     assert learned and all(b in BUDGETS[1:] and 1 <= n <= 4 and tokens >= decode.TIMED_BURST * n and ms > 0 and e >= 0
-                           for b, n, tokens, ms, e in learned), learned
+                           for b, n, tokens, ms, e, _ in learned), learned
 
 
 def plant_by_position(llm: LLM, choose) -> None:
@@ -737,7 +742,7 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
     assert set(spec.graphs.graphs) == set(spec.graphs.buckets)  # every bucket captured at start-up
     monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed, "
                                                                  "a new prompt's context stored first"))
-    prefills = []  # single-prompt prefills replay graphs that also return the drafter's features
+    prefills = []  # prefills replay graphs that also store the drafter's context
     real = llm.engine._prefill_graphed
     monkeypatch.setattr(llm.engine, "_prefill_graphed",
                         lambda chunks, taps=None: (lambda r: prefills.append(r is not None) or r)(real(chunks, taps)))

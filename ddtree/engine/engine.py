@@ -118,7 +118,8 @@ class LLMEngine:
             for T in PREFILL_WIDTHS:
                 if T > min(engine_cfg.max_num_batched_tokens, max_pages * engine_cfg.page_size, cfg.max_position):
                     break
-                rows = min(engine_cfg.max_num_seqs, max(1, PREFILL_GRAPH_TOKENS // T))
+                rows = min(engine_cfg.max_num_seqs,
+                           max(1, min(PREFILL_GRAPH_TOKENS, engine_cfg.max_num_batched_tokens) // T))
                 graphs = GraphPool(partial(self._graph_prefill, taps), rows,
                                    pad={"block_tables": self.runner.scratch_page},
                                    widths={"block_tables": max_pages, "ids": T}, mempool=pool)
@@ -346,8 +347,10 @@ class LLMEngine:
         if feats_buf is not None:
             # One pending block per request and burst (not a row per step: a store then concatenates
             # thousands of tiny tensors at a large batch, ~10 ms of host time at 128 requests).
+            # (Not to a request that finished in the burst: its cache is dropped, and a view would keep
+            # the whole buffer alive as long as the request object.)
             for seq, row, n in zip(seqs, feats_buf, kept):
-                if n:
+                if n and not seq.is_finished:
                     seq.pending_features.append(row[:n])
         return steps
 

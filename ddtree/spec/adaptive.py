@@ -79,14 +79,6 @@ class CostTable:
         assert n and self.batch == sorted(self.batch) and len(self.ar) == len(self.draft) == n
         assert all(len(v) == n for v in self.verify.values())
 
-    def observe_switch(self, batch: int, ms: float) -> None:
-        """A switch from AR to speculation stored the AR stretch's drafter context in `ms` (host)."""
-        old = self.switch.get(_bucket(batch))
-        self.switch[_bucket(batch)] = ms if old is None else (1 - self.decay) * old + self.decay * ms
-
-    def switch_ms(self, batch: int) -> float:
-        return self.switch.get(_bucket(batch), 0.0)
-
     def ar_ms(self, batch: int) -> float:
         return interpolate(self.batch, self.ar, batch)
 
@@ -168,12 +160,14 @@ class AdaptivePolicy:
         own = acc / pred if pred > 0 else 1.0
         return (w * own + CALIBRATION_PRIOR * overall) / (w + CALIBRATION_PRIOR)
 
-    def observe_burst(self, budget: int, batch: int, tokens: int, ms: float, expected: float) -> None:
+    def observe_burst(self, budget: int, batch: int, tokens: int, ms: float, expected: float,
+                      stored: bool = False) -> None:
         """A burst of `budget` committed `tokens` to `batch` requests in `ms` (host, from its context
-        store, if any, to its last commit), its drafts expecting E(b) = `expected` per request and step."""
+        store, if it `stored` one, to its last commit), its drafts expecting E(b) = `expected` per
+        request and step."""
         key, a = (_bucket(batch), budget), RATE_DECAY
         rate = tokens / (max(ms, 1e-3) * batch)
-        sample = (rate, expected, rate / self.spec_rate(budget, batch, expected=expected))
+        sample = (rate, expected, rate / self.spec_rate(budget, batch, switching=stored, expected=expected))
         old = self.realized.get(key)
         self.realized[key] = sample if old is None else tuple((1 - a) * o + a * x for o, x in zip(old, sample))
 
@@ -251,6 +245,8 @@ class AdaptivePolicy:
         the smallest, less the AR time of the tokens it commits) stays within `PROBE_LOSS` of the AR
         time, from PROBE_EVERY to `max_probe_every`. On the H200 a probe at batch 1 costs about what it
         commits (every 16 steps); at 32 and more, its steps cost ~3 AR steps for ~2 tokens (256)."""
+        if self.expected is None:  # (nothing drafted yet: `plan` drafts blind first)
+            return self.probe_every
         b = budget or self.budgets[0]
         ar = self.ar_ms(batch)
         tokens = PROBE_STEPS * (1 + self.calibration(b) * (self.expected or {}).get(b, 0.0))  # per request

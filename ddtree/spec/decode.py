@@ -442,7 +442,7 @@ class AdaptiveSpeculator(Speculator):
         if steps < TIMED_BURST:
             return
         self.policy.observe_burst(budget, R, self.stats.committed - committed, (t2 - t0) * 1e3,
-                                  sum(self.burst_expected) / len(self.burst_expected))
+                                  sum(self.burst_expected) / len(self.burst_expected), stored)
         if not stored:
             t = self.policy.table
             self.policy.observe_time("spec", R, (t2 - t1) * 1e3 / steps, t.draft_ms(R) + t.verify_ms(budget, R))
