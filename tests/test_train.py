@@ -72,6 +72,10 @@ def test_sharegpt_prompts_are_first_human_turns_below_index_15000():
     prompts = sharegpt_prompts(limit=3)
     assert len(prompts) == 3 and all(isinstance(p, str) and p for p in prompts)
     assert prompts[0].startswith("Summarize the main ideas of Jeff Walker")
+    every = sharegpt_prompts(limit=20, every=True)  # ... or every human turn: more prompts per conversation
+    firsts = sharegpt_prompts(limit=20)
+    assert len(every) == 20 and every[0] == firsts[0] and set(firsts[:3]) <= set(every)
+    assert len(set(every)) > len(set(every) & set(firsts))
 
 
 def test_records_hold_prompt_plus_greedy_answer_with_response_loss_mask(target, records):

@@ -402,7 +402,7 @@ def main(args) -> int:
         if args.prompt_file:
             prompts = read_prompt_file(args.prompt_file)[:args.prompts]
         else:
-            prompts = sharegpt_prompts(args.prompts)
+            prompts = sharegpt_prompts(args.prompts, every=args.every_turn)
         if not prompts:
             raise ValueError("no prompts")
         from ddtree import LLM
