@@ -77,3 +77,101 @@ def run_policy(r: Regime, tokens: int, policy: AdaptivePolicy | None = None) -> 
             policy.observe_burst(budget, r.batch, (pos - start) * r.batch, t, sum(drafts) / len(drafts), stored)
         ms, from_ar = ms + t, False
     return pos * r.batch / ms, policy
+
+
+# ----------------------------------------------------------------------------- batches run to completion
+
+# The cost table auto measured on the H200 at 72bc674 (ms; `results/h200_72bc674/`).
+H200_TABLE = CostTable(
+    [1, 2, 4, 8, 16, 32, 64, 128],
+    [0.871, 1.065, 1.064, 1.067, 1.104, 1.168, 1.267, 1.412],
+    [0.552, 0.586, 0.604, 0.653, 0.780, 1.034, 1.559, 2.554],
+    {4: [1.296, 1.279, 1.300, 1.363, 1.473, 1.779, 2.395, 3.104],
+     8: [1.398, 1.290, 1.352, 1.580, 1.665, 2.073, 2.956, 4.677],
+     16: [1.313, 1.335, 1.451, 1.642, 2.087, 2.824, 4.646, 7.479],
+     32: [1.460, 1.432, 1.678, 2.018, 2.682, 4.635, 7.344, 12.981]})
+
+
+@dataclass
+class Batches:
+    """`batches` batches of `concurrency` requests run to completion, as `ddtree bench sweep` runs them:
+    each request wants a length drawn from `lengths` and has text of its own (segments as in `Regime`);
+    a switch from AR stores `switch_ms` + `switch_row_ms` per request."""
+    concurrency: int
+    batches: int = 6
+    lengths: tuple[int, int] = (60, 128)
+    accepted: tuple[float, float] = (0.8, 2.2)
+    segment: int = 48
+    over: float = 1.4
+    noise: float = 0.5
+    switch_ms: float = 2.0
+    switch_row_ms: float = 0.02
+    seed: int = 0
+    table: CostTable = field(default_factory=lambda: H200_TABLE)
+
+    def mean_accepted(self, request: int, pos: float, budget: int) -> float:
+        rng = random.Random(f"{self.seed}-{request}-{int(pos) // self.segment}")
+        return rng.uniform(*self.accepted) * SHARE[budget]
+
+    def length(self, request: int) -> int:
+        return random.Random(f"{self.seed}-{request}-length").randint(*self.lengths)
+
+    def step_ms(self, budget: int, batch: int) -> float:
+        t = self.table
+        return t.ar_ms(batch) if budget == 0 else t.draft_ms(batch) + t.verify_ms(budget, batch)
+
+
+def run_batches(w: Batches, budget: int | None, policy: AdaptivePolicy | None = None):
+    """Tokens per ms over all the batches: AR (`budget` 0), a fixed budget, or (`budget` None) the policy
+    driving bursts as the engine does (an AR burst or a speculative one ends a step after a request
+    finishes)."""
+    if budget is None:
+        policy = policy or AdaptivePolicy(w.table, [0, 4, 8, 16, 32])
+    noise = random.Random(w.seed + 1)
+    tokens, ms = 0.0, 0.0
+    for k in range(w.batches):
+        ids = [k * w.concurrency + i for i in range(w.concurrency)]
+        want = {i: w.length(i) for i in ids}
+        pos = {i: 0.0 for i in ids}
+        from_ar = False
+        while any(pos[i] < want[i] for i in ids):
+            live = [i for i in ids if pos[i] < want[i]]
+            B = len(live)
+            b = budget if budget is not None else policy.plan(B)
+            if b == 0:
+                steps = 1 if budget is not None else min(16, 1 + policy.ar_steps_ahead())
+                n = 0
+                for _ in range(steps):
+                    n += 1
+                    for i in live:
+                        pos[i] += 1
+                    if any(pos[i] >= want[i] for i in live):
+                        break
+                if budget is None:
+                    policy.skip_ar(n - 1)
+                tokens, ms, from_ar = tokens + n * B, ms + n * w.step_ms(0, B), True
+                continue
+            stored = budget is None and from_ar
+            t = (w.switch_ms + w.switch_row_ms * B) if stored else 0.0
+            if stored:
+                policy.observe_switch(B, t)
+            steps = 1 if budget is not None or policy.expected is None else SPEC_BURST
+            got, drafts = 0.0, []
+            for _ in range(steps):
+                acc = {i: w.mean_accepted(i, pos[i], b) for i in live}
+                if budget is None:
+                    e = {c: sum(w.over * w.mean_accepted(i, pos[i], c) * noise.lognormvariate(0, w.noise)
+                                for i in live) for c in SHARE}
+                    policy.record_draft(B, e)
+                    policy.probing = False
+                    policy.observe(b, B, e[b], sum(acc.values()))
+                    drafts.append(e[b] / B)
+                for i in live:
+                    pos[i] += 1 + acc[i]
+                got, t = got + sum(1 + a for a in acc.values()), t + w.step_ms(b, B)
+                if any(pos[i] >= want[i] for i in live):
+                    break
+            if budget is None and len(drafts) >= 4:
+                policy.observe_burst(b, B, got, t, sum(drafts) / len(drafts), stored)
+            tokens, ms, from_ar = tokens + got, ms + t, False
+    return tokens / ms

@@ -22,7 +22,7 @@ from ddtree.spec.adaptive import (MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, PROB
                                   candidate_budgets)
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
 from emulated import emulated_pool, fake_gpu_graphs
-from policy_sim import Regime, run_fixed, run_policy
+from policy_sim import H200_TABLE, Batches, Regime, run_batches, run_fixed, run_policy
 from test_spec import assert_idle, continuation, hook_draft_logits, noisy_oracle, plant
 from test_tree import worked_example_logprobs
 from tiny import make_tiny_model
@@ -833,3 +833,35 @@ def test_policy_keeps_up_with_the_best_fixed_mode(regime, accepted, seed):
     fixed = {b: run_fixed(r, b, 2000) for b in [0, *r.step_ms]}
     rate, _ = run_policy(r, 2000)
     assert rate >= 0.93 * max(fixed.values()), (rate / fixed[0], {b: v / fixed[0] for b, v in fixed.items()})
+
+
+def test_speculation_chosen_at_one_batch_size_is_not_kept_at_another():
+    # AR 1 ms a token; speculation 2% below AR at batch 4: a policy speculating at batch 4 stays (within
+    # SWITCH_MARGIN); one that chose speculation for the last request of a batch (batch 1) does not keep
+    # it for the next full batch of 4.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0), BUDGETS)
+    policy.expected = {b: 1.0 for b in BUDGETS[1:]}  # 2 tokens / 1.1 ms: 1.82x AR
+    assert policy.plan(4) > 0 and policy.plan(1) > 0
+    policy.expected = {b: 0.078 for b in BUDGETS[1:]}  # 1.078 tokens / 1.1 ms: 0.98x AR
+    assert policy.plan(1) > 0  # (speculating at batch 1: it stays)
+    assert policy.plan(4) == 0  # a new batch size: no hysteresis toward what batch 1 chose
+    policy.expected = {b: 1.0 for b in BUDGETS[1:]}
+    assert policy.plan(4) > 0
+    policy.expected = {b: 0.078 for b in BUDGETS[1:]}
+    assert policy.plan(4) > 0  # chosen at this batch size: it stays
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_policy_keeps_up_in_batches_run_to_completion(seed):
+    # As `bench sweep` runs them (batches of C requests of different lengths, each batch to its end, the
+    # batch shrinking through smaller sizes), on the H200's cost table, one policy through C = 1-8
+    # and another through 16-128 as in the two halves of the H200 grid, each C after a warm-up batch:
+    # auto stays within 10% of the best of AR and each fixed budget at every C.
+    for phase in ((1, 2, 4, 8), (16, 32, 64, 128)):
+        policy = AdaptivePolicy(H200_TABLE, BUDGETS)
+        for c in phase:
+            run_batches(Batches(c, batches=1, seed=seed + 100), None, policy)  # warm-up
+            w = Batches(c, batches=max(1, 32 // c), seed=seed)
+            fixed = {b: run_batches(w, b) for b in BUDGETS}
+            auto = run_batches(w, None, policy)
+            assert auto >= 0.9 * max(fixed.values()), (c, auto / fixed[0], {b: v / fixed[0] for b, v in fixed.items()})

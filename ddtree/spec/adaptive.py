@@ -114,7 +114,8 @@ class AdaptivePolicy:
         self.realized: dict[tuple[int, int], tuple[float, float, float]] = {}
         self.max_probe_every = max_probe_every
         self.probing = False  # this draft is a probe: AR looked better on past averages
-        self.speculating = False  # the last plan chose a budget > 0 (not a probe)
+        self.speculating = False  # the last plan chose a budget > 0 (not a probe) ...
+        self.spec_bucket = 0  # ... for this batch bucket
         self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
         self.switch: dict[int, float] = {}  # batch bucket -> ms of an AR stretch's context store
 
@@ -220,10 +221,14 @@ class AdaptivePolicy:
             if rate > best_rate:
                 best, best_rate = b, rate
         # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
-        # catch-up, so near break-even the policy keeps the mode it is in.
+        # catch-up, so near break-even the policy keeps the mode it is in, at the batch size it chose
+        # it for (speculation chosen for the few requests left at the end of a batch is not kept on
+        # for the full batch after it).
         ar_rate = 1 / self.ar_ms(batch)
-        if best_rate > ar_rate * (SWITCH_MARGIN if switching else 1 / SWITCH_MARGIN):
+        staying = not switching and self.spec_bucket == _bucket(batch)
+        if best_rate > ar_rate * (SWITCH_MARGIN if switching else 1 / SWITCH_MARGIN if staying else 1.0):
             self.probing, self.ar_streak, self.speculating = False, 0, True
+            self.spec_bucket = _bucket(batch)
             return best
         self.speculating = False
         # A probe when due: as often as keeps what probes lose at this batch size within PROBE_LOSS
