@@ -207,9 +207,9 @@ class AdaptivePolicy:
         return gain / max(device + self.spec_extra_ms(batch) + switch, 0.5 * device)
 
     def plan(self, batch: int) -> int:
-        """Before drafting: the budget to speculate with next (0: AR) on past drafts' averages; a probe
-        (one step of the budget that looks best, `probing` set) when one is due. Nothing known yet:
-        the smallest budget."""
+        """Before drafting: the budget to speculate with next (0: AR) on past drafts' averages and past
+        bursts' rates; a probe (a burst of the budget that looks best, `probing` set) when one is due.
+        Nothing known yet: the smallest budget (one blind step)."""
         if not self.budgets:
             return 0
         if self.expected is None:
@@ -249,12 +249,12 @@ class AdaptivePolicy:
         """AR steps between probes: enough that a probe's loss against AR (a burst of `budget`, default
         the smallest, less the AR time of the tokens it commits) stays within `PROBE_LOSS` of the AR
         time, from PROBE_EVERY to `max_probe_every`. On the H200 a probe at batch 1 costs about what it
-        commits (every 16 steps); at 32 and more, its steps cost ~3 AR steps for ~2 tokens (256)."""
+        commits (every 16 steps); at 32 and more its steps cost ~3 AR steps for ~2 tokens (hundreds)."""
         if self.expected is None:  # (nothing drafted yet: `plan` drafts blind first)
             return self.probe_every
         b = budget or self.budgets[0]
         ar = self.ar_ms(batch)
-        tokens = PROBE_STEPS * (1 + self.calibration(b) * (self.expected or {}).get(b, 0.0))  # per request
+        tokens = PROBE_STEPS * (1 + self.calibration(b) * self.expected[b])  # per request
         got = self.realized.get((_bucket(batch), b))  # (its bursts' rate as measured: steadier than now's E)
         rate = got[0] if got else self.request_rate(b, batch, switching=True)
         loss = max(tokens / rate - tokens * ar, 0.0)
