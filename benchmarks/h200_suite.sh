@@ -30,10 +30,11 @@ case $1 in
     "${sweep[@]}" --concurrency 1,2,4 > "$OUT/sweep_low.log" 2>&1 ;;
   high)
     "${sweep[@]}" --concurrency 8,16,32,64,128 > "$OUT/sweep_high.log" 2>&1 ;;
-  auto)  # WARMUP=0: without the untimed AR pass over every batch first (as at 0d6f2ff and efd2b47)
+  auto)  # WARMUP=0: without the untimed AR pass over every batch first (as at 0d6f2ff and efd2b47);
+         # REPEATS=3: the median of three runs per row (the single-batch rows at C >= 64 vary by ~8%)
     warm=(--warmup-pass); [ "${WARMUP:-1}" = 0 ] && warm=()
     "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4 \
-      --with-auto --repeats 1 --concurrency "${2:-1,2,4,8,16,32,64,128}" --num-pages 16384 "${warm[@]}" \
+      --with-auto --repeats "${REPEATS:-1}" --concurrency "${2:-1,2,4,8,16,32,64,128}" --num-pages 16384 "${warm[@]}" \
       --out "$OUT/sweep_auto_h200.jsonl" > "$OUT/sweep_auto.log" 2>&1 ;;
   checks)  # float32: every kernel rounds alike, so a divergence is a real near-tie or a bug
     python3 benchmarks/gpu_checks.py --draft ddtree/models/default_drafter --dtype float32 \
