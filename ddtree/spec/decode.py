@@ -142,7 +142,7 @@ class Speculator:
         greedy = all(s.params.greedy for s in seqs)
         if self.graphs is not None and greedy and len(seqs) <= self.graphs.max_batch:
             if any(s.num_cached - s.draft_len > self.drafter.block_size for s in seqs):
-                # a new prompt's context is wider than the graph's: into the drafter cache first
+                # context wider than the graph's (prefills store a prompt's themselves): the cache first
                 self.drafter.store_pending(seqs)
             self._burst(seqs, commit)
             return
@@ -284,8 +284,9 @@ class AdaptiveSpeculator(Speculator):
     before the next draft (or by an AR burst, once a request holds `PENDING_ROWS` of them). A budget
     b > 0 runs as a pipelined burst (`_burst`) of one whole-step graph per budget: draft, candidates
     for the largest budget, the tree of b cut from them, verify, accept; each step also reads back
-    the drafter's E(b) of every budget, which keeps the averages current. A probe is a burst of one
-    step.
+    the drafter's E(b) of every budget, which keeps the averages current, and what each whole burst
+    realized (tokens per ms, its context store included) is what the policy plans on next time at
+    that batch size. A probe is a whole burst of the budget that looks best.
 
     Without graphs (the CPU, sampled requests) a step is split in two at the budget choice: draft
     (candidates and E(b) of every budget), one read-back, the budget chosen on the current draft
@@ -409,7 +410,8 @@ class AdaptiveSpeculator(Speculator):
                                          t.draft_ms(R) + t.verify_ms(budget, R))
 
     def _auto_burst(self, seqs: list[Sequence], commit) -> None:
-        """A pipelined burst of the planned budget's whole-step graph (one step for a probe)."""
+        """A pipelined burst of the planned budget's whole-step graph (a probe's too; the first draft,
+        with nothing known yet, is one step)."""
         budget, R = self.planned or self.budgets[1], len(seqs)
         graphs = self.step_graphs[budget]
         captured = next(b for b in graphs.buckets if b >= R) in graphs.graphs  # (not a burst that captures)

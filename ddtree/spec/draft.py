@@ -75,8 +75,8 @@ class DraftRunner:
 
     def store_pending(self, seqs: list[Sequence]) -> None:
         """Moves every request's pending target features into the drafter cache now, outside a draft
-        (a prompt's, and an AR stretch's: more rows than a draft's context). Positions and slots are
-        computed on the device: after a prefill a request may have thousands of rows."""
+        (an AR stretch's, or a prompt's after an eager prefill: more rows than a draft's context).
+        Positions and slots are computed on the device: a prompt may have thousands of rows."""
         counts = [s.num_cached - s.draft_len for s in seqs]
         total = sum(counts)
         assert total == sum(f.shape[0] for s in seqs for f in s.pending_features), "drafter context out of sync"
