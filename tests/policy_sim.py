@@ -1,5 +1,5 @@
 """A synthetic serving loop for `AdaptivePolicy`: the policy plans, AR runs in bursts, speculation in
-bursts of SPEC_BURST steps, as spec/decode.py and the engine drive it on the GPU, against text whose
+bursts of SPEC_BURST steps, as spec/auto.py and the engine drive it on the GPU, against text whose
 difficulty changes every segment and a drafter that is overconfident and noisy. The same text runs
 under plain AR and every fixed budget, so the policy's tokens per ms can be compared with theirs.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from ddtree.spec.adaptive import AdaptivePolicy, CostTable
+from ddtree.spec.adaptive import BURST_STEPS as SPEC_BURST, AdaptivePolicy, CostTable
 
-SPEC_BURST, AR_BURST = 8, 16
+AR_BURST = 16  # (ddtree/engine/engine.py DECODE_BURST)
 SHARE = {4: 0.6, 8: 0.8, 16: 0.92, 32: 1.0}  # a budget's accepted length, as a share of budget 32's
 
 
@@ -73,7 +73,7 @@ def run_policy(r: Regime, tokens: int, policy: AdaptivePolicy | None = None) -> 
             policy.observe(budget, r.batch, expected[budget] * r.batch, accepted * r.batch)
             drafts.append(expected[budget])
             pos, t = pos + 1 + accepted, t + r.step_ms[budget]
-        if len(drafts) > 1:  # (as spec/decode.py: not the first, blind, one-step burst)
+        if len(drafts) > 1:  # (as spec/auto.py: not the first, blind, one-step burst)
             policy.observe_burst(budget, r.batch, (pos - start) * r.batch, t, sum(drafts) / len(drafts), stored)
         ms, from_ar = ms + t, False
     return pos * r.batch / ms, policy

@@ -1,4 +1,4 @@
-"""Adaptive speculation (spec/adaptive.py, AdaptiveSpeculator in spec/decode.py, `budget="auto"`).
+"""Adaptive speculation (spec/adaptive.py, AdaptiveSpeculator in spec/auto.py, `budget="auto"`).
 
 The policy is pinned on synthetic cost tables: AR when verification is expensive, the largest useful
 budget when it is cheap, smaller budgets (then AR) as the batch grows. The expected accepted length
@@ -18,7 +18,7 @@ from ddtree.config import ModelConfig
 from ddtree.llm import LLM
 from ddtree.models.dflash import random_drafter, save_drafter
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.adaptive import (MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, PROBE_STEPS, AdaptivePolicy, CostTable,
+from ddtree.spec.adaptive import (MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS, AdaptivePolicy, CostTable,
                                   candidate_budgets)
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
 from emulated import emulated_pool, fake_gpu_graphs
@@ -144,12 +144,12 @@ def test_policy_calibrates_the_drafter_and_probes_while_on_ar():
 
 
 def test_costly_probes_come_as_rarely_as_they_cost():
-    # A probe is a burst of PROBE_STEPS steps (draft 0.1 ms + verify of 5 nodes, 1 ms), each committing
+    # A probe is a burst of BURST_STEPS steps (draft 0.1 ms + verify of 5 nodes, 1 ms), each committing
     # one token where an AR step takes 1 ms: it loses 0.8 ms, so to keep that within PROBE_LOSS of the
     # AR time probes come every ~80 AR steps, from the first; never more than `max_probe_every` apart.
     policy = AdaptivePolicy(table(lambda n, bs: 1.0), BUDGETS)
     policy.record_draft(1, {b: 0.0 for b in BUDGETS[1:]})
-    cap = int(PROBE_STEPS * 0.1 / PROBE_LOSS)
+    cap = int(BURST_STEPS * 0.1 / PROBE_LOSS)
     assert 4 * PROBE_EVERY < cap < MAX_PROBE_EVERY and policy.probe_cap(1) == cap
     pattern = [will_draft(policy, 1) for _ in range(3 * (cap + 1))]
     assert pattern == ([False] * cap + [True]) * 3
@@ -162,7 +162,7 @@ def test_costly_probes_come_as_rarely_as_they_cost():
 def test_a_costly_switch_from_ar_needs_a_clearer_win_and_spaces_probes():
     # AR 1 ms a token; a speculative step 1.1 ms for 1 + E tokens. With no switch cost, E = 0.3 (18%
     # above AR) is worth speculating from AR; once a switch's context store is known to cost 4 ms
-    # (0.5 ms a step over SWITCH_STEPS), it is not, while a policy already speculating keeps going.
+    # (0.5 ms a step over BURST_STEPS), it is not, while a policy already speculating keeps going.
     # A probe's loss counts the store too, so probes come less often.
     policy = AdaptivePolicy(table(lambda n, bs: 1.0), BUDGETS)
     policy.expected = {b: 0.0 for b in BUDGETS[1:]}
@@ -510,7 +510,7 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
     # holds `pending_rows`); the next draft must see exactly the context a fresh engine builds by
     # prefilling the same tokens.
     import ddtree.engine.engine as engine_mod
-    import ddtree.spec.decode as decode
+    import ddtree.spec.auto as auto
     family = "qwen2"
     if pending_rows is not None:
         monkeypatch.setattr(engine_mod, "PENDING_ROWS", pending_rows)
@@ -518,7 +518,7 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
         fake_gpu_graphs(monkeypatch)
         # speculative bursts of one step: the recorder keys each draft by its request's tokens on the
         # host, which a burst's later steps (inputs prepared on the device) run ahead of
-        monkeypatch.setattr(decode, "SPEC_BURST", 1)
+        monkeypatch.setattr(auto, "SPEC_BURST", 1)
     llm = auto_llm(pairs, family, cost_table=table(roofline))
     seen = {}
     hook_draft_logits(llm, recorder(seen))
@@ -605,14 +605,14 @@ def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, mon
     # whole-step graph reading back E(b) with the packed rows, the cost table measured on the graphs)
     # run on CPU with graph replays emulated; more requests than the graphs' largest bucket take the
     # eager step (draft, choose, verify).
-    import ddtree.spec.decode as decode
+    import ddtree.spec.auto as auto
     family = "llama"
     ref = ar_out(family)
     llm = auto_llm(pairs, family, cost_table=table(roofline))
-    monkeypatch.setattr(decode, "GraphPool", emulated_pool())
+    monkeypatch.setattr(auto, "GraphPool", emulated_pool())
     eng = llm.engine
     old = eng.speculator
-    spec = decode.AdaptiveSpeculator(eng.runner, old.drafter, 4, True, 3, old.max_pages)  # buckets 1, 2, 3
+    spec = auto.AdaptiveSpeculator(eng.runner, old.drafter, 4, True, 3, old.max_pages)  # buckets 1, 2, 3
     assert spec.draft_graphs is not None and spec.policy.table.batch == [1, 2, 3]
     assert all(set(spec.step_graphs[b].graphs) == {1, 2, 3} for b in BUDGETS[1:])  # captured while measuring
     eng.speculator = llm.engine.speculator = spec
@@ -676,6 +676,7 @@ def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out,
 def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, ar_out, monkeypatch):
     # Verification priced cheap and an oracle drafter: the real policy plans budgets > 0, which run as
     # pipelined bursts of whole-step graphs; the output is AR's exactly.
+    import ddtree.spec.auto as auto
     import ddtree.spec.decode as decode
     family = "qwen2"
     ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)
@@ -698,7 +699,7 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     assert bursts["spec_bursts"] > 0 and bursts["spec_steps"] > bursts["spec_bursts"], bursts
     accepted = [a for o in outs for a in o.accept_lengths]
     assert sum(accepted) / len(accepted) > 1.5, accepted
-    assert learned and all(b in BUDGETS[1:] and 1 <= n <= 4 and tokens >= decode.TIMED_BURST * n and ms > 0 and e >= 0
+    assert learned and all(b in BUDGETS[1:] and 1 <= n <= 4 and tokens >= auto.TIMED_BURST * n and ms > 0 and e >= 0
                            for b, n, tokens, ms, e, _ in learned), learned
 
 

@@ -31,9 +31,9 @@ def load_prompts(name: str, limit: int | None = None) -> list[dict]:
 def sharegpt_heldout(limit: int | None = None) -> list[dict]:
     """First human turns of ShareGPT conversations with index >= 15000: drafters trained by
     `ddtree train-drafter` never saw them."""
-    from ddtree.train.data import SHAREGPT_MAX_INDEX, sharegpt_first_turns
+    from ddtree.train.data import SHAREGPT_MAX_INDEX, sharegpt_human_turns
     rows: list[dict] = []
-    for index, text in sharegpt_first_turns():
+    for index, text in sharegpt_human_turns():
         if limit is not None and len(rows) >= limit:
             break
         if index >= SHAREGPT_MAX_INDEX:

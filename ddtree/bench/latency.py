@@ -148,7 +148,7 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
     requests with `context` cached tokens (fake requests; their pages are returned afterwards)."""
     from ddtree.engine.engine import DecodeInputs
     from ddtree.engine.sequence import Sequence
-    from ddtree.spec.decode import AdaptiveSpeculator
+    from ddtree.spec.auto import AdaptiveSpeculator
     from ddtree.spec.draft import StepInputs
 
     eng = llm.engine

@@ -22,7 +22,8 @@ from ddtree.models.transformer import CausalLM
 from ddtree.ops.attention import pack_rows, page_slots
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import CostTable, candidate_budgets
-from ddtree.spec.decode import SHORT_BURST, SPEC_BURST, AdaptiveSpeculator, Speculator
+from ddtree.spec.auto import AdaptiveSpeculator
+from ddtree.spec.decode import SHORT_BURST, SPEC_BURST, Speculator
 from ddtree.spec.draft import DraftRunner
 
 
@@ -94,6 +95,9 @@ class LLMEngine:
                 if self.use_graphs:
                     with torch.inference_mode():
                         self.speculator.graphs.capture_all(self.speculator.padding_inputs)
+        # Padding inputs for capturing graphs ahead of serving: zeros, and page tables of the scratch page.
+        scratch = torch.full((1, 1), self.runner.scratch_page, dtype=torch.long, device=device)
+        zeros = lambda bs: torch.zeros(bs, dtype=torch.long, device=device)  # noqa: E731
         self.decode_graphs = None
         if self.use_graphs and (self.speculator is None or auto):
             # auto's AR steps are the engine's, and each also reads out its target features (the
@@ -103,8 +107,6 @@ class LLMEngine:
                                            pad={"block_tables": self.runner.scratch_page},
                                            widths={"block_tables": max_pages})
             # (under auto a bucket could first come up after the warm-up, mid-run)
-            scratch = torch.full((1, 1), self.runner.scratch_page, dtype=torch.long, device=device)
-            zeros = lambda bs: torch.zeros(bs, dtype=torch.long, device=device)  # noqa: E731
             with torch.inference_mode():  # (padding rows: their K/V go to the scratch page)
                 self.decode_graphs.capture_all(lambda bs: DecodeInputs(zeros(bs), zeros(bs), scratch.expand(bs, 1)))
         self.prefill_graphs: dict[int, GraphPool] = {}
@@ -113,8 +115,6 @@ class LLMEngine:
             self.max_pages = max_pages
             pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # (CPU: tests)
             self.prefill_taps = taps
-            scratch = torch.full((1, 1), self.runner.scratch_page, dtype=torch.long, device=device)
-            zeros = lambda bs: torch.zeros(bs, dtype=torch.long, device=device)  # noqa: E731
             for T in PREFILL_WIDTHS:
                 if T > min(engine_cfg.max_num_batched_tokens, max_pages * engine_cfg.page_size, cfg.max_position):
                     break
@@ -294,8 +294,8 @@ class LLMEngine:
         """AR steps chosen by auto (at most `most`): a graphed AR burst whose steps also read out their
         target features, kept as each request's pending drafter context."""
         spec = self.speculator
-        # The context rows wait (a prompt's, a verified path's, earlier AR steps'), to be stored in one
-        # go before the next draft: an AR step that stored its own row spent ~7 small kernels, 4-5% of
+        # The context rows wait (a verified path's, earlier AR steps'), to be stored in one go before
+        # the next draft: an AR step that stored its own row spent ~7 small kernels, 4-5% of
         # an AR step on the H200. Only rows piling up are stored now (not a time to learn from: device
         # work not waited for).
         if any(s.num_cached - s.draft_len > PENDING_ROWS for s in seqs):

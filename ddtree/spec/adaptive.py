@@ -13,7 +13,7 @@ speculative) and batch bucket, a running mean of what steps really took beyond t
 and every cost the model compares includes it.
 
 That model (`spec_rate`) is only the prior. On the GPU the plan runs as pipelined bursts of
-whole-step graphs (spec/decode.py), and what each whole burst of a budget realized at a batch size,
+whole-step graphs (spec/auto.py), and what each whole burst of a budget realized at a batch size,
 tokens per ms and request with its context store, start and drain, is what the plan compares with
 the AR step there (`request_rate`), scaled by part of how the drafter's E(b) now compares with the
 bursts'; a budget not yet measured at a batch size counts at its modelled rate times what the model
@@ -39,8 +39,9 @@ SWITCH_MARGIN = 1.05  # the rate another mode (AR or speculation) must beat the 
 PROBE_EVERY = 16  # AR steps at least between probes (a burst of the budget that looks best) ...
 MAX_PROBE_EVERY = 1024  # ... and at most, within which as many as keep what losing probes cost
 PROBE_LOSS = 0.01  # ... within this share of the AR time
-PROBE_STEPS = 8  # a probe's steps: a whole burst (spec/decode.py SPEC_BURST), whose rate means something
-SWITCH_STEPS = 8  # speculative steps a switch from AR (its context store) is paid for, in the model
+# Steps of a speculative burst (spec/decode.py runs them): a probe is one whole burst, whose rate means
+# something, and the model spreads a switch's context store over one
+BURST_STEPS = 8
 RATE_DECAY = 0.25  # weight of a speculative burst in its budget's realized rate at its batch size
 E_WEIGHT = 0.5  # share of the drafter's now-vs-then E(b) ratio that scales a realized rate
 # A budget's calibration is its own observed/predicted ratio shrunk toward the ratio over all budgets,
@@ -203,7 +204,7 @@ class AdaptivePolicy:
         t = self.table
         gain = 1 + self.calibration(budget) * (self.expected[budget] if expected is None else expected)
         device = t.draft_ms(batch) + t.verify_ms(budget, batch)
-        switch = self.switch_ms(batch) / SWITCH_STEPS if switching else 0.0
+        switch = self.switch_ms(batch) / BURST_STEPS if switching else 0.0
         return gain / max(device + self.spec_extra_ms(batch) + switch, 0.5 * device)
 
     def plan(self, batch: int) -> int:
@@ -254,7 +255,7 @@ class AdaptivePolicy:
             return self.probe_every
         b = budget or self.budgets[0]
         ar = self.ar_ms(batch)
-        tokens = PROBE_STEPS * (1 + self.calibration(b) * self.expected[b])  # per request
+        tokens = BURST_STEPS * (1 + self.calibration(b) * self.expected[b])  # per request
         got = self.realized.get((_bucket(batch), b))  # (its bursts' rate as measured: steadier than now's E)
         rate = got[0] if got else self.request_rate(b, batch, switching=True)
         loss = max(tokens / rate - tokens * ar, 0.0)

