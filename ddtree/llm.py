@@ -144,7 +144,7 @@ class LLM:
             raise
         spec = self.engine.speculator
         hist_before = dict(spec.stats.budget_hist) if spec is not None else {}
-        bursts_before = dict(spec.stats.bursts) if spec is not None else {}
+        timing_before = dict(self.engine.timing)
         t0, steps = time.perf_counter(), 0
         bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate")
         unfinished = seqs
@@ -167,8 +167,8 @@ class LLM:
         if spec is not None:  # request-steps per budget (0: AR steps of budget "auto")
             hist = {b: n - hist_before.get(b, 0) for b, n in sorted(spec.stats.budget_hist.items())}
             self.last_stats["budget_hist"] = {b: n for b, n in hist.items() if n}
-            bursts = {k: n - bursts_before.get(k, 0) for k, n in sorted(spec.stats.bursts.items())}
-            if any(bursts.values()):  # where the wall time went (auto: and how its steps were grouped)
-                self.last_stats["bursts"] = bursts
+        bursts = {k: n - timing_before.get(k, 0) for k, n in sorted(self.engine.timing.items())}
+        if any(bursts.values()):  # where the wall time went, and how steps were grouped into bursts
+            self.last_stats["bursts"] = bursts
         return [RequestOutput(s.prompt_ids, s.text, list(s.output_ids), s.finish_reason, list(s.accept_lengths))
                 for s in seqs]

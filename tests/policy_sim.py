@@ -63,7 +63,10 @@ def run_policy(r: Regime, tokens: int, policy: AdaptivePolicy | None = None) -> 
             policy.skip_ar(steps - 1)
             pos, ms, from_ar = pos + steps, ms + steps * r.ar_ms, True
             continue
-        start, stored, t = pos, from_ar, (r.switch_ms if from_ar else 0.0)
+        start, store = pos, (r.switch_ms if from_ar else 0.0)
+        if from_ar:
+            policy.observe_switch(r.batch, store)
+        t = 0.0
         drafts = []
         for _ in range(1 if policy.expected is None else SPEC_BURST):
             accepted = r.mean_accepted(int(pos), budget)
@@ -74,8 +77,8 @@ def run_policy(r: Regime, tokens: int, policy: AdaptivePolicy | None = None) -> 
             drafts.append(expected[budget])
             pos, t = pos + 1 + accepted, t + r.step_ms[budget]
         if len(drafts) > 1:  # (as spec/auto.py: not the first, blind, one-step burst)
-            policy.observe_burst(budget, r.batch, (pos - start) * r.batch, t, sum(drafts) / len(drafts), stored)
-        ms, from_ar = ms + t, False
+            policy.observe_burst(budget, r.batch, (pos - start) * r.batch, t, sum(drafts) / len(drafts))
+        ms, from_ar = ms + store + t, False
     return pos * r.batch / ms, policy
 
 
@@ -151,10 +154,10 @@ def run_batches(w: Batches, budget: int | None, policy: AdaptivePolicy | None = 
                     policy.skip_ar(n - 1)
                 tokens, ms, from_ar = tokens + n * B, ms + n * w.step_ms(0, B), True
                 continue
-            stored = budget is None and from_ar
-            t = (w.switch_ms + w.switch_row_ms * B) if stored else 0.0
-            if stored:
-                policy.observe_switch(B, t)
+            store = (w.switch_ms + w.switch_row_ms * B) if budget is None and from_ar else 0.0
+            if store:
+                policy.observe_switch(B, store)
+            t = 0.0
             steps = 1 if budget is not None or policy.expected is None else SPEC_BURST
             got, drafts = 0.0, []
             for _ in range(steps):
@@ -172,6 +175,6 @@ def run_batches(w: Batches, budget: int | None, policy: AdaptivePolicy | None = 
                 if any(pos[i] >= want[i] for i in live):
                     break
             if budget is None and len(drafts) >= 4:
-                policy.observe_burst(b, B, got, t, sum(drafts) / len(drafts), stored)
-            tokens, ms, from_ar = tokens + got, ms + t, False
+                policy.observe_burst(b, B, got, t, sum(drafts) / len(drafts))
+            tokens, ms, from_ar = tokens + got, ms + store + t, False
     return tokens / ms

@@ -198,7 +198,7 @@ def test_realized_rates_overrule_the_model_per_batch_size():
     # 4 realized 0.5 tokens per ms and request where an AR step gives 1: AR from then on at batch 4,
     # and at batch 1, where nothing was measured yet, the model counts at what it was worth at batch 4.
     # A budget measured at batch 1 brings batch 1's own measure. A realized rate is scaled by half of
-    # how the drafter's E(b) now compares with then.
+    # how the drafter's E(b) now compares with then, while that E is fresh (not after AR steps).
     policy = AdaptivePolicy(table(lambda n, bs: 1.0 + 0.001 * n), BUDGETS)
     policy.record_draft(1, E_PER_REQUEST)
     assert policy.plan(4) == 32 and policy.plan(1) == 32
@@ -213,9 +213,11 @@ def test_realized_rates_overrule_the_model_per_batch_size():
     assert policy.plan(1) == 32 and policy.plan(4) == 0
     assert policy.state()["realized"]["32@4"][:2] == [0.5, E_PER_REQUEST[32]]
     c = policy.calibration(32)
-    policy.expected = {b: 2 * e for b, e in E_PER_REQUEST.items()}
+    policy.expected, policy.fresh = {b: 2 * e for b, e in E_PER_REQUEST.items()}, True  # (as after drafts)
     ratio = (1 + c * 2 * E_PER_REQUEST[32]) / (1 + c * E_PER_REQUEST[32])
     assert policy.request_rate(32, 4) == pytest.approx(0.5 * (1 + 0.5 * (ratio - 1)))
+    assert policy.plan(4) == 0  # (AR next: the drafts' E grows stale, the realized rate counts alone)
+    assert policy.request_rate(32, 4) == pytest.approx(0.5)
 
 
 def test_a_budget_tried_on_hard_text_is_not_shut_out():
@@ -421,7 +423,7 @@ class Scripted:
     def observe_switch(self, batch, ms):
         pass
 
-    def observe_burst(self, budget, batch, tokens, ms, expected, stored=False):
+    def observe_burst(self, budget, batch, tokens, ms, expected):
         pass
 
     def observe_time(self, kind, batch, measured_ms, table_ms):
@@ -685,7 +687,7 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     llm = LLM(path, draft=d, spec="none", max_num_seqs=4, **ENGINE)
     llm.set_mode("ddtree", "auto", 4, cost_table=table(lambda n, bs: 1.0 + 0.01 * n))
     spec = llm.engine.speculator
-    learned = []  # what whole bursts teach the policy: (budget, batch, tokens, ms, E per request, stored)
+    learned = []  # what whole bursts teach the policy: (budget, batch, tokens, ms, E per request)
     spec.policy.observe_time, spec.policy.observe_burst = (lambda *a: None), (lambda *a: learned.append(a))
     plant_by_position(llm, noisy_oracle(continuation(prompts, longer), vocab=llm.config.vocab_size))
     monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed"))
@@ -700,7 +702,7 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     accepted = [a for o in outs for a in o.accept_lengths]
     assert sum(accepted) / len(accepted) > 1.5, accepted
     assert learned and all(b in BUDGETS[1:] and 1 <= n <= 4 and tokens >= auto.TIMED_BURST * n and ms > 0 and e >= 0
-                           for b, n, tokens, ms, e, _ in learned), learned
+                           for b, n, tokens, ms, e in learned), learned
 
 
 def plant_by_position(llm: LLM, choose) -> None:

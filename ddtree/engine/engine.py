@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 
@@ -70,6 +71,9 @@ class LLMEngine:
         capacity = self.runner.num_pages * engine_cfg.page_size
         self.use_graphs = engine_cfg.cuda_graphs and self._graphs_supported()
         self.speculator = None
+        # Host ms of prefills and whole steps, and how AR steps were grouped into bursts, in every mode
+        # (a speculator adds its own bursts and context stores here): benchmark rows split the wall time.
+        self.timing: Counter = Counter()
         # Graphed AR decodes (also auto's AR steps) run in bursts of up to `burst` steps (_decode_graphed).
         self.burst = DECODE_BURST if self.use_graphs and (auto or not speculative) else 1
         # K/V slots a decode step writes past a request's cached tokens: the tree or the draft block,
@@ -95,6 +99,7 @@ class LLMEngine:
                 if self.use_graphs:
                     with torch.inference_mode():
                         self.speculator.graphs.capture_all(self.speculator.padding_inputs)
+            self.speculator.stats.bursts = self.timing
         # Padding inputs for capturing graphs ahead of serving: zeros, and page tables of the scratch page.
         scratch = torch.full((1, 1), self.runner.scratch_page, dtype=torch.long, device=device)
         zeros = lambda bs: torch.zeros(bs, dtype=torch.long, device=device)  # noqa: E731
@@ -183,17 +188,23 @@ class LLMEngine:
         if step.empty:
             self._unblock()
             return []
+        timing = self.timing
         if self.speculator is None:
             if self.decode_graphs is not None and step.decode and len(step.decode) <= self.decode_graphs.max_batch:
                 touched = self._forward_and_sample(step.prefill) if step.prefill else []
-                self._decode_graphed(step.decode)
+                t1 = time.perf_counter()
+                steps = self._decode_graphed(step.decode)
+                t2 = time.perf_counter()
+                timing.update({"prefill_ms": (t1 - t0) * 1e3 if step.prefill else 0.0, "ar_bursts": 1,
+                               "ar_steps": steps, "ar_ms": (t2 - t1) * 1e3, "engine_ms": (t2 - t0) * 1e3})
                 return touched + step.decode
             # AR: prompt chunks and single-token decodes share one forward
-            return self._forward_and_sample(step.prefill + [(seq, 1) for seq in step.decode])
+            touched = self._forward_and_sample(step.prefill + [(seq, 1) for seq in step.decode])
+            ms = (time.perf_counter() - t0) * 1e3
+            timing.update({"prefill_ms": ms if step.prefill else 0.0, "engine_ms": ms})
+            return touched
         spec = self.speculator
         touched = self._forward_and_sample(step.prefill, spec.drafter.layer_ids) if step.prefill else []
-        # Host ms of prefills and whole steps, beside auto's bursts and context stores: rows split the wall time.
-        timing = spec.stats.bursts
         if step.prefill:
             timing["prefill_ms"] += (time.perf_counter() - t0) * 1e3
         if step.decode:
@@ -213,6 +224,7 @@ class LLMEngine:
     def _forward_and_sample(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
         logits = self._prefill_graphed(chunks, taps)  # (with taps, the graph also stores the context)
         if logits is None:
+            self.timing["eager_prefills"] += 1
             logits, feats = self.runner.run(chunks, taps)
             if feats is not None:
                 for (seq, _), f in zip(chunks, feats.split([n for _, n in chunks])):

@@ -103,6 +103,7 @@ class AdaptivePolicy:
         self.budgets = [b for b in budgets if b > 0]  # the speculative candidates
         assert all(b in table.verify for b in self.budgets), (self.budgets, list(table.verify))
         self.expected: dict[int, float] | None = None  # running mean over requests of the drafter's E(b)
+        self.fresh = False  # ... and it comes from the steps just taken (not from before an AR stretch)
         self.accepted: dict[int, float] = {}  # running mean accepted length per request, per chosen budget
         self.predicted: dict[int, float] = {}  # ... and the drafter's E(b) for those same steps
         self.weight: dict[int, float] = {}  # ... and how many steps that is, decayed by every later step
@@ -162,14 +163,13 @@ class AdaptivePolicy:
         own = acc / pred if pred > 0 else 1.0
         return (w * own + CALIBRATION_PRIOR * overall) / (w + CALIBRATION_PRIOR)
 
-    def observe_burst(self, budget: int, batch: int, tokens: int, ms: float, expected: float,
-                      stored: bool = False) -> None:
-        """A burst of `budget` committed `tokens` to `batch` requests in `ms` (host, from its context
-        store, if it `stored` one, to its last commit), its drafts expecting E(b) = `expected` per
-        request and step."""
+    def observe_burst(self, budget: int, batch: int, tokens: int, ms: float, expected: float) -> None:
+        """A burst of `budget` committed `tokens` to `batch` requests in `ms` (host, from its first launch
+        to its last commit; a context store before it is a switch's cost, `observe_switch`), its drafts
+        expecting E(b) = `expected` per request and step."""
         key, a = (_bucket(batch), budget), RATE_DECAY
         rate = tokens / (max(ms, 1e-3) * batch)
-        sample = (rate, expected, rate / self.spec_rate(budget, batch, switching=stored, expected=expected))
+        sample = (rate, expected, rate / self.spec_rate(budget, batch, expected=expected))
         old = self.realized.get(key)
         self.realized[key] = sample if old is None else tuple((1 - a) * o + a * x for o, x in zip(old, sample))
 
@@ -181,9 +181,11 @@ class AdaptivePolicy:
 
     def request_rate(self, budget: int, batch: int, switching: bool = False) -> float:
         """Expected committed tokens per ms and request of speculating with `budget` at this batch size:
-        what its bursts here realized (stores, starts, drains and all), scaled by part of how the
-        drafter's E(b) now compares with theirs; never tried here, the model (`spec_rate`) times what
-        the budgets tried here (else anywhere) realized over it.
+        what its bursts here realized (starts and drains included), scaled by part of how the drafter's
+        E(b) now compares with theirs while that E is fresh (after an AR stretch it is as old as the
+        stretch: a dip on hard text kept the H200 on AR for whole easy prompts, math at C=1 ran 0.84x
+        fixed budget 32); never tried here, the model (`spec_rate`) times what the budgets tried here
+        (else anywhere) realized over it. `switching` from AR adds the context store to one burst.
 
         The model alone went wrong on the H200: at C=16 the plan chose budget 8 on 45% of request-steps
         where fixed budget 8 ran 0.86x AR (it speculates where the averages run high, and the steps
@@ -194,8 +196,12 @@ class AdaptivePolicy:
             return self.spec_rate(budget, batch, switching) * self.correction(batch)
         rate, then, _ = got
         c = self.calibration(budget)
-        ratio = (1 + c * self.expected[budget]) / (1 + c * then)
-        return rate * (1 + E_WEIGHT * (ratio - 1))
+        if self.fresh:
+            rate *= 1 + E_WEIGHT * ((1 + c * self.expected[budget]) / (1 + c * then) - 1)
+        if switching and self.switch_ms(batch) > 0:  # a burst's tokens per request, over its time and the store's
+            tokens = BURST_STEPS * (1 + c * self.expected[budget])
+            rate = tokens / (tokens / rate + self.switch_ms(batch))
+        return rate
 
     def spec_rate(self, budget: int, batch: int, switching: bool = False, expected: float | None = None) -> float:
         """The model's committed tokens per ms and request of a whole speculative step of `budget` (draft
@@ -244,6 +250,7 @@ class AdaptivePolicy:
             self.interval = self.intervals[bucket] = self.probe_cap(batch, best)
             return best
         self.ar_streak += 1
+        self.fresh = False  # AR steps next: no drafts, the averages grow stale
         return 0
 
     def probe_cap(self, batch: int, budget: int | None = None) -> int:
@@ -284,6 +291,7 @@ class AdaptivePolicy:
         `decay` one probe could hardly move them, which kept the policy on AR where speculation paid."""
         a = self.decay
         mean = {b: e / batch for b, e in expected.items()}
+        self.fresh = True
         self.expected = mean if self.expected is None or self.probing else \
             {b: (1 - a) * self.expected[b] + a * mean[b] for b in self.budgets}
 

@@ -190,8 +190,8 @@ class AdaptiveSpeculator(Speculator):
         stored = False
         t0 = time.perf_counter()
         if any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
-            # an AR stretch's context, wider than the graph's: a cost of switching from AR, counted in
-            # the burst's rate
+            # an AR stretch's context, wider than the graph's: a cost of switching from AR, which the
+            # plan adds to a switch (not to the burst's rate: a store comes only after AR steps)
             self.drafter.store_pending(seqs)
             stored = True
             store_ms = (time.perf_counter() - t0) * 1e3
@@ -209,14 +209,14 @@ class AdaptiveSpeculator(Speculator):
         self.policy.probing = False
         if not (self.timed and captured):  # (a prefill chunk in flight, or a graph captured: no lesson)
             return
-        # What a whole burst realized, store, start and drain included, is what the plan compares next
-        # time at this batch size; those without a store also teach the model a step's host time. (A
-        # short burst, the first blind step or one cut short by a finishing request, is mostly its start
-        # and drain, which the AR bursts around it pay too.)
+        # What a whole burst realized, start and drain included, is what the plan compares next time at
+        # this batch size; those without a store before them (whose device work it may still wait on)
+        # also teach the model a step's host time. (A short burst, the first blind step or one cut short
+        # by a finishing request, is mostly its start and drain, which the AR bursts around it pay too.)
         if steps < TIMED_BURST:
             return
-        self.policy.observe_burst(budget, R, self.stats.committed - committed, (t2 - t0) * 1e3,
-                                  sum(self.burst_expected) / len(self.burst_expected), stored)
+        self.policy.observe_burst(budget, R, self.stats.committed - committed, (t2 - t1) * 1e3,
+                                  sum(self.burst_expected) / len(self.burst_expected))
         if not stored:
             t = self.policy.table
             self.policy.observe_time("spec", R, (t2 - t1) * 1e3 / steps, t.draft_ms(R) + t.verify_ms(budget, R))
