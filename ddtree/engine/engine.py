@@ -358,12 +358,13 @@ class LLMEngine:
         self._commit_decoded(seqs, pending, kept)
         if feats_buf is not None:
             # One pending block per request and burst (not a row per step: a store then concatenates
-            # thousands of tiny tensors at a large batch, ~10 ms of host time at 128 requests).
-            # (Not to a request that finished in the burst: its cache is dropped, and a view would keep
-            # the whole buffer alive as long as the request object.)
-            for seq, row, n in zip(seqs, feats_buf, kept):
+            # thousands of tiny tensors at a large batch, ~10 ms of host time at 128 requests), and not
+            # cut out as a view here (spec/draft.py `pending_tensors`). (Not to a request that finished
+            # in the burst: its cache is dropped, and the entry would keep the whole buffer alive as
+            # long as the request object.)
+            for i, (seq, n) in enumerate(zip(seqs, kept)):
                 if n and not seq.is_finished:
-                    seq.pending_features.append(row[:n])
+                    seq.pending_features.append((feats_buf, i, n))
         return steps
 
     def _burst_length(self, seqs: list[Sequence]) -> int:

@@ -35,9 +35,11 @@ class Sequence:
     generator: torch.Generator | None = None
     text: str = ""  # detokenized output, cut at a stop string
     # Speculative decoding: the drafter's context K/V cover positions [0, draft_len); target features
-    # of positions [draft_len, num_cached) wait in pending_features until the next draft step.
+    # of positions [draft_len, num_cached) wait in pending_features until the next draft step: tensors
+    # [n, K*D], or (buffer, i, n), the first n of row i of an AR burst's buffer [R, steps, K*D]
+    # (spec/draft.py `pending_tensors`).
     draft_len: int = 0
-    pending_features: list[torch.Tensor] = field(default_factory=list)
+    pending_features: list = field(default_factory=list)
 
     def drop_cache(self) -> None:
         """Forget all cached state (pages were released): everything is recomputed on readmission."""
