@@ -42,7 +42,11 @@ PROBE_LOSS = 0.01  # ... within this share of the AR time
 # Steps of a speculative burst (spec/decode.py runs them): a probe is one whole burst, whose rate means
 # something, and the model spreads a switch's context store over one
 BURST_STEPS = 8
-RATE_DECAY = 0.25  # weight of a speculative burst in its budget's realized rate at its batch size
+# Weight of a speculative burst in its budget's realized rate at its batch size. At 0.25 an estimate was
+# mostly the last few bursts, and the plan stops speculating after bad ones, so it sat low: at C=1 on the
+# H200 (5634d33) each budget's read 0.95-1.05 tokens per ms, where all of auto's bursts together realized
+# 1.28 and AR steps 1.16.
+RATE_DECAY = 0.1
 E_WEIGHT = 0.5  # share of the drafter's now-vs-then E(b) ratio that scales a realized rate
 # A budget's calibration is its own observed/predicted ratio shrunk toward the ratio over all budgets,
 # the overall one weighing as much as this many of its own recent steps: a budget tried a few times on
@@ -111,9 +115,11 @@ class AdaptivePolicy:
         self.ar_streak = 0
         self.intervals: dict[int, int] = {}  # batch bucket -> AR steps before the next probe
         self.interval = probe_every  # ... the current batch's
-        # (batch bucket, budget) -> running means over its bursts of the tokens per ms and request they
-        # realized, their drafts' E(b), and the realized rate over the model's for that E
+        # (batch bucket, budget) -> over its bursts: the tokens per ms and request they realized (a ratio of
+        # running sums, `burst_sums`: tokens per request, ms), the running means of their drafts' E(b) and
+        # of their rate over the model's for that E
         self.realized: dict[tuple[int, int], tuple[float, float, float]] = {}
+        self.burst_sums: dict[tuple[int, int], tuple[float, float]] = {}
         self.max_probe_every = max_probe_every
         self.probing = False  # this draft is a probe: AR looked better on past averages
         self.speculating = False  # the last plan chose a budget > 0 (not a probe) ...
@@ -168,10 +174,13 @@ class AdaptivePolicy:
         to its last commit; a context store before it is a switch's cost, `observe_switch`), its drafts
         expecting E(b) = `expected` per request and step."""
         key, a = (_bucket(batch), budget), RATE_DECAY
-        rate = tokens / (max(ms, 1e-3) * batch)
-        sample = (rate, expected, rate / self.spec_rate(budget, batch, expected=expected))
-        old = self.realized.get(key)
-        self.realized[key] = sample if old is None else tuple((1 - a) * o + a * x for o, x in zip(old, sample))
+        tokens, ms = tokens / batch, max(ms, 1e-3)
+        old_sums, old = self.burst_sums.get(key), self.realized.get(key)
+        sums = (tokens, ms) if old_sums is None else ((1 - a) * old_sums[0] + a * tokens, (1 - a) * old_sums[1] + a * ms)
+        self.burst_sums[key] = sums
+        sample = (expected, tokens / ms / self.spec_rate(budget, batch, expected=expected))
+        e, c = sample if old is None else ((1 - a) * old[1] + a * sample[0], (1 - a) * old[2] + a * sample[1])
+        self.realized[key] = (sums[0] / sums[1], e, c)
 
     def correction(self, batch: int) -> float:
         """Realized over modelled rate, over the budgets tried at this batch size (else at any)."""
@@ -264,8 +273,11 @@ class AdaptivePolicy:
         ar = self.ar_ms(batch)
         tokens = BURST_STEPS * (1 + self.calibration(b) * self.expected[b])  # per request
         got = self.realized.get((_bucket(batch), b))  # (its bursts' rate as measured: steadier than now's E)
-        rate = got[0] if got else self.request_rate(b, batch, switching=True)
-        loss = max(tokens / rate - tokens * ar, 0.0)
+        if got:  # a probe comes from AR: it pays the context store too
+            spent = tokens / got[0] + self.switch_ms(batch)
+        else:
+            spent = tokens / self.request_rate(b, batch, switching=True)
+        loss = max(spent - tokens * ar, 0.0)  # ms per request
         return int(min(self.max_probe_every, max(self.probe_every, loss / (PROBE_LOSS * ar))))
 
     def ar_steps_ahead(self) -> int:
