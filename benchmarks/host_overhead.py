@@ -7,6 +7,9 @@ out so that what is timed is only the host code around it:
   so a step is schedule -> pack inputs -> (stub) -> sample + read-back -> commit, as on the H200.
 - `ar-eager`: the CPU path (`ModelRunner.run`: prepare inputs and attention metadata), with the
   model's forward and LM head stubbed.
+- `auto-ar`: `--budget auto` on a cost table where speculation never pays, so every step is one of its
+  graphed AR bursts (the stub also returns the target features each step reads out, kept as pending
+  drafter context): what auto's AR costs on the host beyond `ar`'s.
 - `ddtree`: the GPU speculative path (budget 16, topk 4, block 16). The step's graph pool is replaced
   by a stub returning a fixed outcome (3 draft tokens accepted + bonus), so a step is schedule ->
   drafter inputs -> (stub) -> read-back -> commit.
@@ -34,10 +37,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
+from ddtree.engine.engine import DECODE_BURST  # noqa: E402
 from ddtree.engine.graphs import GraphPool  # noqa: E402
 from ddtree.llm import LLM  # noqa: E402
 from ddtree.models.dflash import random_drafter  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
+from ddtree.spec.adaptive import CostTable  # noqa: E402
 from ddtree.spec.decode import StepOutputs  # noqa: E402
 from tiny import make_tiny_model  # noqa: E402
 
@@ -77,10 +82,15 @@ class StubModel:
 def make_llm(path: str, mode: str) -> LLM:
     kw = dict(device="cpu", dtype="float32", page_size=16, num_pages=2048, max_num_seqs=64,
               max_num_batched_tokens=4096, cuda_graphs=False)
-    if mode.startswith("ddtree"):
+    if mode.startswith("ddtree") or mode == "auto-ar":
         llm = LLM(path, spec="none", **kw)
         llm.drafter = random_drafter(llm.config, num_layers=1, block_size=16, target_layer_ids=[0])
-        llm.set_mode("ddtree", budget=16, topk=4)
+        if mode == "auto-ar":  # verifying costs 100 AR steps: auto plans AR (probes far apart)
+            sizes = [1, 8, 64]
+            llm.set_mode("ddtree", budget="auto", topk=4, cost_table=CostTable(
+                sizes, [1.0] * 3, [1.0] * 3, {b: [100.0] * 3 for b in (4, 8, 16, 32)}))
+        else:
+            llm.set_mode("ddtree", budget=16, topk=4)
     else:
         llm = LLM(path, **kw)
     engine, V = llm.engine, llm.config.vocab_size
@@ -91,6 +101,11 @@ def make_llm(path: str, mode: str) -> LLM:
     logits[:, 100] = 1.0  # every row's argmax: an ordinary token
     if mode == "ar":
         engine.decode_graphs = StubPool(logits, {"block_tables": engine.runner.scratch_page}, widths)
+        engine.burst = DECODE_BURST  # (as with graphs: pipelined bursts of AR steps)
+    elif mode == "auto-ar":
+        feats = torch.zeros(64, engine.speculator.drafter.feat_dim)
+        engine.decode_graphs = StubPool((logits, feats), {"block_tables": engine.runner.scratch_page}, widths)
+        engine.burst = DECODE_BURST
     elif mode == "ar-eager":
         engine.runner.model = StubModel(engine.runner.model, logits)
     elif mode == "ddtree":
