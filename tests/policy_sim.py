@@ -193,21 +193,27 @@ def run_noisy_bursts(advantage: float, seed: int, plans: int = 3000, sigma: floa
     policy = AdaptivePolicy(table, [0, *SHARE])
     rng = random.Random(seed)
     ms = tokens = 0.0
+    from_ar = False  # (the prefill stored the prompt's context)
     for _ in range(plans):
         budget = policy.plan(1)
         if budget == 0:
             steps = min(AR_BURST, 1 + policy.ar_steps_ahead())
             policy.skip_ar(steps - 1)
-            ms, tokens = ms + steps * ar, tokens + steps
+            ms, tokens, from_ar = ms + steps * ar, tokens + steps, True
             continue
+        if from_ar:  # a switch: the AR stretch's context store first
+            policy.observe_switch(1, 2.5)
+            ms, from_ar = ms + 2.5, False
+        blind = policy.expected is None
+        steps = 1 if blind else SPEC_BURST
         expected = {b: 1.5 * rng.lognormvariate(0, 0.3) for b in SHARE}
-        for _ in range(SPEC_BURST if policy.expected is not None else 1):
+        for _ in range(steps):
             policy.record_draft(1, expected)
             policy.probing = False
             policy.observe(budget, 1, expected[budget], 1.4)
-        t = SPEC_BURST * 2.0
+        t = steps * 2.0
         got = t * advantage / ar * rng.lognormvariate(0, sigma)
-        policy.observe_switch(1, 2.5)
-        policy.observe_burst(budget, 1, got, t, expected[budget])
+        if not blind:  # (as spec/auto.py: not the first, one-step burst)
+            policy.observe_burst(budget, 1, got, t, expected[budget])
         ms, tokens = ms + t, tokens + got
     return tokens / ms * ar

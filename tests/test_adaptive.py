@@ -220,6 +220,21 @@ def test_realized_rates_overrule_the_model_per_batch_size():
     assert policy.request_rate(32, 4) == pytest.approx(0.5)
 
 
+def test_a_switch_pays_the_context_store_once():
+    # Bursts of every budget realized 1.3 tokens per ms at batch 1, AR 1.15, a switch from AR stores
+    # 2.5 ms of context first: from AR that store weighs on one burst (1.08: AR stays), but a probe's
+    # burst has paid it, so after one (its drafts fresh) speculation is taken.
+    policy = AdaptivePolicy(table(lambda n, bs: 0.87 if n == 1 else 1.45), BUDGETS)
+    policy.record_draft(1, {b: 1.0 for b in BUDGETS[1:]})
+    for b in BUDGETS[1:]:
+        policy.observe_burst(b, 1, tokens=1.3 * 16, ms=16.0, expected=1.0)
+    policy.observe_switch(1, 2.5)
+    policy.fresh = False  # (AR steps since)
+    assert policy.plan(1) == 0
+    policy.record_draft(1, {b: 1.0 for b in BUDGETS[1:]})  # a probe's drafts
+    assert policy.plan(1) > 0
+
+
 def test_a_budget_tried_on_hard_text_is_not_shut_out():
     # Budget 32 verified a few times where little was accepted, then budget 16 for a long stretch where
     # the drafter's predictions held: 32's calibration drifts back to the overall ratio (its own old

@@ -71,8 +71,9 @@ class LLMEngine:
         capacity = self.runner.num_pages * engine_cfg.page_size
         self.use_graphs = engine_cfg.cuda_graphs and self._graphs_supported()
         self.speculator = None
-        # Host ms of prefills and whole steps, and how AR steps were grouped into bursts, in every mode
-        # (a speculator adds its own bursts and context stores here): benchmark rows split the wall time.
+        # Host ms of prefills and whole steps in every mode, and how graphed AR steps were grouped into
+        # bursts (auto adds its speculative bursts and context stores: spec/decode.py `SpecStats`):
+        # benchmark rows split the wall time with it.
         self.timing: Counter = Counter()
         # Graphed AR decodes (also auto's AR steps) run in bursts of up to `burst` steps (_decode_graphed).
         self.burst = DECODE_BURST if self.use_graphs and (auto or not speculative) else 1
@@ -224,7 +225,8 @@ class LLMEngine:
     def _forward_and_sample(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
         logits = self._prefill_graphed(chunks, taps)  # (with taps, the graph also stores the context)
         if logits is None:
-            self.timing["eager_prefills"] += 1
+            if self.prefill_graphs:  # (a miss: a chunk too long for the graphs)
+                self.timing["eager_prefills"] += 1
             logits, feats = self.runner.run(chunks, taps)
             if feats is not None:
                 for (seq, _), f in zip(chunks, feats.split([n for _, n in chunks])):

@@ -39,7 +39,7 @@ class Sequence:
     # [n, K*D], or (buffer, i, n), the first n of row i of an AR burst's buffer [R, steps, K*D]
     # (spec/draft.py `pending_tensors`).
     draft_len: int = 0
-    pending_features: list = field(default_factory=list)
+    pending_features: list[torch.Tensor | tuple[torch.Tensor, int, int]] = field(default_factory=list)
 
     def drop_cache(self) -> None:
         """Forget all cached state (pages were released): everything is recomputed on readmission."""

@@ -13,11 +13,11 @@ speculative) and batch bucket, a running mean of what steps really took beyond t
 and every cost the model compares includes it.
 
 That model (`spec_rate`) is only the prior. On the GPU the plan runs as pipelined bursts of
-whole-step graphs (spec/auto.py), and what each whole burst of a budget realized at a batch size,
-tokens per ms and request with its context store, start and drain, is what the plan compares with
-the AR step there (`request_rate`), scaled by part of how the drafter's E(b) now compares with the
-bursts'; a budget not yet measured at a batch size counts at its modelled rate times what the model
-was worth for the budgets that were. On the H200 the model alone chose speculation where it lost
+whole-step graphs (spec/auto.py), and what the bursts of a budget realized at a batch size, tokens
+per ms and request with their starts and drains (a ratio of running sums), is what the plan compares
+with the AR step there (`request_rate`), scaled by part of how the drafter's fresh E(b) compares with
+the bursts', plus the context store a switch from AR pays first; a budget not yet measured at a batch
+size counts at its modelled rate times what the model was worth for the budgets that were. On the H200 the model alone chose speculation where it lost
 (regression to the mean after high averages, switching costs).
 
 Choosing AR skips the draft, so the budget is planned before drafting, on the running averages of
@@ -99,7 +99,8 @@ class CostTable:
 
 
 class AdaptivePolicy:
-    """The per-step budget choice for a batch; its state is running averages (EMA, weight `decay`)."""
+    """The per-step budget choice for a batch; its state is running averages (weight `decay` per step
+    for drafts and acceptance, RATE_DECAY per burst for realized rates)."""
 
     def __init__(self, table: CostTable, budgets: list[int], probe_every: int = PROBE_EVERY, decay: float = 0.1,
                  max_probe_every: int = MAX_PROBE_EVERY):
@@ -116,8 +117,8 @@ class AdaptivePolicy:
         self.intervals: dict[int, int] = {}  # batch bucket -> AR steps before the next probe
         self.interval = probe_every  # ... the current batch's
         # (batch bucket, budget) -> over its bursts: the tokens per ms and request they realized (a ratio of
-        # running sums, `burst_sums`: tokens per request, ms), the running means of their drafts' E(b) and
-        # of their rate over the model's for that E
+        # running sums, `burst_sums`: tokens per request, ms), the running mean of their drafts' E(b), and
+        # that rate over the model's at that E
         self.realized: dict[tuple[int, int], tuple[float, float, float]] = {}
         self.burst_sums: dict[tuple[int, int], tuple[float, float]] = {}
         self.max_probe_every = max_probe_every
@@ -178,9 +179,9 @@ class AdaptivePolicy:
         old_sums, old = self.burst_sums.get(key), self.realized.get(key)
         sums = (tokens, ms) if old_sums is None else ((1 - a) * old_sums[0] + a * tokens, (1 - a) * old_sums[1] + a * ms)
         self.burst_sums[key] = sums
-        sample = (expected, tokens / ms / self.spec_rate(budget, batch, expected=expected))
-        e, c = sample if old is None else ((1 - a) * old[1] + a * sample[0], (1 - a) * old[2] + a * sample[1])
-        self.realized[key] = (sums[0] / sums[1], e, c)
+        e = expected if old is None else (1 - a) * old[1] + a * expected
+        rate = max(sums[0] / sums[1], 1e-6)
+        self.realized[key] = (rate, e, rate / self.spec_rate(budget, batch, expected=e))
 
     def correction(self, batch: int) -> float:
         """Realized over modelled rate, over the budgets tried at this batch size (else at any)."""
@@ -188,13 +189,13 @@ class AdaptivePolicy:
         every = here or [c for _, _, c in self.realized.values()]
         return sum(every) / len(every) if every else 1.0
 
-    def request_rate(self, budget: int, batch: int, switching: bool = False) -> float:
+    def request_rate(self, budget: int, batch: int, store: bool = False) -> float:
         """Expected committed tokens per ms and request of speculating with `budget` at this batch size:
         what its bursts here realized (starts and drains included), scaled by part of how the drafter's
         E(b) now compares with theirs while that E is fresh (after an AR stretch it is as old as the
         stretch: a dip on hard text kept the H200 on AR for whole easy prompts, math at C=1 ran 0.84x
         fixed budget 32); never tried here, the model (`spec_rate`) times what the budgets tried here
-        (else anywhere) realized over it. `switching` from AR adds the context store to one burst.
+        (else anywhere) realized over it. With a `store` due (after AR steps), one burst also pays it.
 
         The model alone went wrong on the H200: at C=16 the plan chose budget 8 on 45% of request-steps
         where fixed budget 8 ran 0.86x AR (it speculates where the averages run high, and the steps
@@ -202,24 +203,24 @@ class AdaptivePolicy:
         averages it planned on instead (0.35 at C=1) kept C=1 on AR where fixed budget 32 ran 1.08x."""
         got = self.realized.get((_bucket(batch), budget))
         if got is None:
-            return self.spec_rate(budget, batch, switching) * self.correction(batch)
+            return self.spec_rate(budget, batch, store) * self.correction(batch)
         rate, then, _ = got
         c = self.calibration(budget)
         if self.fresh:
             rate *= 1 + E_WEIGHT * ((1 + c * self.expected[budget]) / (1 + c * then) - 1)
-        if switching and self.switch_ms(batch) > 0:  # a burst's tokens per request, over its time and the store's
+        if store and self.switch_ms(batch) > 0:  # a burst's tokens per request, over its time and the store's
             tokens = BURST_STEPS * (1 + c * self.expected[budget])
             rate = tokens / (tokens / rate + self.switch_ms(batch))
         return rate
 
-    def spec_rate(self, budget: int, batch: int, switching: bool = False, expected: float | None = None) -> float:
+    def spec_rate(self, budget: int, batch: int, store: bool = False, expected: float | None = None) -> float:
         """The model's committed tokens per ms and request of a whole speculative step of `budget` (draft
         included): the table, the learned host extra and the calibrated E(b) (`expected`, default the
-        running mean); `switching` from AR, with a share of the switch's context store."""
+        running mean); with a `store` due (after AR steps), a burst's share of it."""
         t = self.table
         gain = 1 + self.calibration(budget) * (self.expected[budget] if expected is None else expected)
         device = t.draft_ms(batch) + t.verify_ms(budget, batch)
-        switch = self.switch_ms(batch) / BURST_STEPS if switching else 0.0
+        switch = self.switch_ms(batch) / BURST_STEPS if store else 0.0
         return gain / max(device + self.spec_extra_ms(batch) + switch, 0.5 * device)
 
     def plan(self, batch: int) -> int:
@@ -231,9 +232,10 @@ class AdaptivePolicy:
         if self.expected is None:
             return self.budgets[0]
         switching = not self.speculating
-        best, best_rate = self.budgets[0], self.request_rate(self.budgets[0], batch, switching)
+        store = switching and not self.fresh  # (after a probe its burst stored the AR stretch already)
+        best, best_rate = self.budgets[0], self.request_rate(self.budgets[0], batch, store)
         for b in self.budgets[1:]:  # ascending: a larger budget must be strictly better
-            rate = self.request_rate(b, batch, switching)
+            rate = self.request_rate(b, batch, store)
             if rate > best_rate:
                 best, best_rate = b, rate
         # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
@@ -276,7 +278,7 @@ class AdaptivePolicy:
         if got:  # a probe comes from AR: it pays the context store too
             spent = tokens / got[0] + self.switch_ms(batch)
         else:
-            spent = tokens / self.request_rate(b, batch, switching=True)
+            spent = tokens / self.request_rate(b, batch, store=True)
         loss = max(spent - tokens * ar, 0.0)  # ms per request
         return int(min(self.max_probe_every, max(self.probe_every, loss / (PROBE_LOSS * ar))))
 

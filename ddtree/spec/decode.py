@@ -37,8 +37,10 @@ class SpecStats:
     depth_accepted: list[int] = field(default_factory=list)  # [d]: request-steps that accepted depth >= d + 1
     drafted: int = 0  # tree nodes sent to verification (root excluded)
     budget_hist: Counter = field(default_factory=Counter)  # budget -> request-steps (0: AR steps of `auto`)
-    # The engine's `timing` (host ms of prefills and whole steps, AR bursts), shared: auto also counts its
-    # bursts ({"ar"|"spec"}_{bursts|steps|ms}: ms from launch to commit), "probes", and context stores
+    # The engine's `timing`, shared: host ms of prefills and whole steps ("prefill_ms", "engine_ms"),
+    # prefills that missed the graphs ("eager_prefills"), graphed AR bursts ("ar_bursts", "ar_steps",
+    # "ar_ms": launch to last commit); auto adds its speculative bursts ("spec_*"), "probes", and the
+    # AR stretches' context stores ("store_ms")
     bursts: Counter = field(default_factory=Counter)
 
     def add(self, length: int, committed: int) -> None:

@@ -69,13 +69,12 @@ class DraftRunner:
         R, C, ps = len(seqs), max(ctx_rows or 0, max(counts), 1), self.page_size
         # Positions and slots as host lists and the features in one cat + one indexed write: a few tensor
         # ops per step instead of a dozen per request (the host cost of a large batch).
-        pos, slots, chunks, rows = [], [], [], []
+        pos, slots, chunks, rows = [], [], pending_tensors(seqs), []
         for i, (seq, n) in enumerate(zip(seqs, counts)):
             table, new = seq.block_table, range(seq.draft_len, seq.num_cached)
             pos += [*new] + [0] * (C - n)
             slots += [table[q // ps] * ps + q % ps for q in new] + [self.scratch_slot] * (C - n)
             rows += range(i * C, i * C + n)
-            chunks += pending_tensors([seq])
             seq.draft_len, seq.pending_features = seq.num_cached, []
         feats = torch.zeros(R * C, self.feat_dim, dtype=self.dtype, device=self.device)
         if chunks:
