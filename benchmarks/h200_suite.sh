@@ -9,6 +9,7 @@
 #   bash benchmarks/h200_suite.sh auto      # auto vs AR, DFlash and DDTree 8/16/32 (topk 4) at C=1..128:
 #   bash benchmarks/h200_suite.sh auto 1,2,4,8   # ... more than one 10-minute call holds: split it
 #   bash benchmarks/h200_suite.sh auto 16,32,64,128
+#   bash benchmarks/h200_suite.sh grid      # both halves in one call, C >= 16 with --repeats 3 (~7.5 min)
 #   bash benchmarks/h200_suite.sh checks    # greedy DDTree and DFlash vs AR on HumanEval in float32
 #   bash benchmarks/h200_suite.sh ab        # bench latency at C=1 without, then with, graphed prefill
 #   bash benchmarks/h200_suite.sh kernels   # the tree kernels against torch (real shapes), draft times with the
@@ -17,6 +18,11 @@ set -u
 cli=(python3 -m ddtree.cli)
 sweep=("${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4
        --with-auto --repeats 1 --out "$OUT/sweep_h200.jsonl")
+auto_sweep() {  # REPEATS CONCURRENCIES: auto vs AR, DFlash and DDTree 8/16/32 (topk 4), rows appended
+  local warm=(--warmup-pass); [ "${WARMUP:-1}" = 0 ] && warm=()
+  "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4 \
+    --with-auto --repeats "$1" --concurrency "$2" --num-pages 16384 "${warm[@]}" --out "$OUT/sweep_auto_h200.jsonl"
+}
 case $1 in
   tune)
     python3 benchmarks/linear_tune.py "$OUT/linear_tune.jsonl" > "$OUT/linear_tune.log" 2>&1
@@ -32,10 +38,9 @@ case $1 in
     "${sweep[@]}" --concurrency 8,16,32,64,128 > "$OUT/sweep_high.log" 2>&1 ;;
   auto)  # WARMUP=0: without the untimed AR pass over every batch first (as at 0d6f2ff and efd2b47);
          # REPEATS=3: the median of three runs per row (the single-batch rows at C >= 64 vary by ~8%)
-    warm=(--warmup-pass); [ "${WARMUP:-1}" = 0 ] && warm=()
-    "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4 \
-      --with-auto --repeats "${REPEATS:-1}" --concurrency "${2:-1,2,4,8,16,32,64,128}" --num-pages 16384 "${warm[@]}" \
-      --out "$OUT/sweep_auto_h200.jsonl" > "$OUT/sweep_auto.log" 2>&1 ;;
+    auto_sweep "${REPEATS:-1}" "${2:-1,2,4,8,16,32,64,128}" > "$OUT/sweep_auto.log" 2>&1 ;;
+  grid)  # the whole auto grid in one call (~7.5 minutes on the H200): C=1-8 once, C=16-128 median of 3
+    { auto_sweep 1 1,2,4,8 && auto_sweep 3 16,32,64,128; } > "$OUT/sweep_auto.log" 2>&1 ;;
   checks)  # float32: every kernel rounds alike, so a divergence is a real near-tie or a bug
     python3 benchmarks/gpu_checks.py --draft ddtree/models/default_drafter --dtype float32 \
       --skip kernels,transformers --out "$OUT/gpu_checks_fp32.jsonl" > "$OUT/checks_fp32.log" 2>&1 ;;
