@@ -121,6 +121,9 @@ class AdaptivePolicy:
         # that rate over the model's at that E
         self.realized: dict[tuple[int, int], tuple[float, float, float]] = {}
         self.burst_sums: dict[tuple[int, int], tuple[float, float]] = {}
+        # ... and what every timed burst of it (0: AR) added up to, undecayed, for benchmark rows:
+        # [bursts, tokens per request, ms] (`tally`)
+        self.totals: dict[tuple[int, int], list[float]] = {}
         self.max_probe_every = max_probe_every
         self.probing = False  # this draft is a probe: AR looked better on past averages
         self.speculating = False  # the last plan chose a budget > 0 (not a probe) ...
@@ -175,13 +178,19 @@ class AdaptivePolicy:
         to its last commit; a context store before it is a switch's cost, `observe_switch`), its drafts
         expecting E(b) = `expected` per request and step."""
         key, a = (_bucket(batch), budget), RATE_DECAY
-        tokens, ms = tokens / batch, max(ms, 1e-3)
         old_sums, old = self.burst_sums.get(key), self.realized.get(key)
+        self.tally(budget, batch, tokens, ms)
+        tokens, ms = tokens / batch, max(ms, 1e-3)
         sums = (tokens, ms) if old_sums is None else ((1 - a) * old_sums[0] + a * tokens, (1 - a) * old_sums[1] + a * ms)
         self.burst_sums[key] = sums
         e = expected if old is None else (1 - a) * old[1] + a * expected
         rate = max(sums[0] / sums[1], 1e-6)
         self.realized[key] = (rate, e, rate / self.spec_rate(budget, batch, expected=e))
+
+    def tally(self, budget: int, batch: int, tokens: int, ms: float) -> None:
+        """Counts a burst of `budget` (0: AR) that committed `tokens` to `batch` requests in `ms`."""
+        t = self.totals.setdefault((_bucket(batch), budget), [0, 0.0, 0.0])
+        t[0], t[1], t[2] = t[0] + 1, t[1] + tokens / batch, t[2] + ms
 
     def correction(self, batch: int) -> float:
         """Realized over modelled rate, over the budgets tried at this batch size (else at any)."""
@@ -297,7 +306,10 @@ class AdaptivePolicy:
                 "switch_ms": dict(sorted(self.switch.items())), "expected": self.expected,
                 "calibration": {b: self.calibration(b) for b in self.budgets},
                 "realized": {f"{b}@{k}": [round(x, 4) for x in v] for (k, b), v in sorted(self.realized.items())},
-                "probe_intervals": dict(sorted(self.intervals.items()))}
+                "probe_intervals": dict(sorted(self.intervals.items())),
+                # every timed burst's budget at each batch bucket: bursts, tokens per ms and request
+                "totals": {f"{b}@{k}": [n, round(tokens / ms, 4)] for (k, b), (n, tokens, ms)
+                           in sorted(self.totals.items()) if ms > 0}}
 
     def record_draft(self, batch: int, expected: dict[int, float]) -> None:
         """A draft's E(b) summed over the batch, into the running means `plan` compares. A probe's

@@ -137,6 +137,7 @@ class AdaptiveSpeculator(Speculator):
         self.stats.bursts.update({"ar_bursts": 1, "ar_steps": steps, "ar_ms": elapsed_ms})
         if self.timed and steps >= TIMED_BURST:
             self.policy.observe_time("ar", batch, elapsed_ms / steps, self.policy.table.ar_ms(batch))
+            self.policy.tally(0, batch, request_steps, elapsed_ms)
 
     @torch.inference_mode()
     def ar_step(self, seqs: list[Sequence], commit) -> None:
