@@ -17,8 +17,9 @@ whole-step graphs (spec/auto.py), and what the bursts of a budget realized at a 
 per ms and request with their starts and drains (a ratio of running sums), is what the plan compares
 with the AR step there (`request_rate`), scaled by part of how the drafter's fresh E(b) compares with
 the bursts', plus the context store a switch from AR pays first; a budget not yet measured at a batch
-size counts at its modelled rate times what the model was worth for the budgets that were. On the H200 the model alone chose speculation where it lost
-(regression to the mean after high averages, switching costs).
+size counts at its modelled rate times what the model was worth for the budgets that were. On the
+H200 the model alone chose speculation where it lost (regression to the mean after high averages,
+switching costs).
 
 Choosing AR skips the draft, so the budget is planned before drafting, on the running averages of
 past drafts (`plan`), with a probe (a burst of the budget that looks best) as often as keeps what
@@ -181,10 +182,11 @@ class AdaptivePolicy:
         old_sums, old = self.burst_sums.get(key), self.realized.get(key)
         self.tally(budget, batch, tokens, ms)
         tokens, ms = tokens / batch, max(ms, 1e-3)
-        sums = (tokens, ms) if old_sums is None else ((1 - a) * old_sums[0] + a * tokens, (1 - a) * old_sums[1] + a * ms)
-        self.burst_sums[key] = sums
+        if old_sums is not None:
+            tokens, ms = (1 - a) * old_sums[0] + a * tokens, (1 - a) * old_sums[1] + a * ms
+        self.burst_sums[key] = (tokens, ms)
         e = expected if old is None else (1 - a) * old[1] + a * expected
-        rate = max(sums[0] / sums[1], 1e-6)
+        rate = max(tokens / ms, 1e-6)
         self.realized[key] = (rate, e, rate / self.spec_rate(budget, batch, expected=e))
 
     def tally(self, budget: int, batch: int, tokens: int, ms: float) -> None:
