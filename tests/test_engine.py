@@ -307,6 +307,23 @@ def test_generate_with_one_params_per_prompt_checks_the_count(make_llm):
     assert_engine_idle(llm)
 
 
+def test_generate_collects_no_garbage_mid_loop_and_restores_collection_even_on_error(make_llm, monkeypatch):
+    import gc
+
+    llm = make_llm()
+    step, seen = llm.engine.step, []
+    monkeypatch.setattr(llm.engine, "step", lambda: seen.append(gc.isenabled()) or step())
+    llm.generate("a", greedy(4))
+    assert seen and not any(seen) and gc.isenabled()
+
+    def broken():
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(llm.engine, "step", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate("a", greedy(4))
+    assert gc.isenabled()
+
+
 def test_generate_rejects_an_empty_params_list(make_llm):
     with pytest.raises(ValueError, match="0 SamplingParams for 1 prompts"):
         make_llm(max_model_len=8).generate(["a"], [])  # (short context: the defaults would run 256 tokens)
