@@ -212,7 +212,7 @@ def test_realized_rates_overrule_the_model_per_batch_size():
     policy.observe_burst(32, 1, tokens=24, ms=8.0, expected=E_PER_REQUEST[32])  # 3 per ms: batch 1's own
     assert policy.plan(1) == 32 and policy.plan(4) == 0
     assert policy.state()["realized"]["32@4"][:2] == [0.5, E_PER_REQUEST[32]]
-    assert policy.state()["totals"]["32@4"] == [1, 0.5]  # (bursts, tokens per ms and request)
+    assert policy.state()["totals"]["32@4"] == [1, 4.0, 8.0]  # (bursts, tokens per request, ms)
     c = policy.calibration(32)
     policy.expected, policy.fresh = {b: 2 * e for b, e in E_PER_REQUEST.items()}, True  # (as after drafts)
     ratio = (1 + c * 2 * E_PER_REQUEST[32]) / (1 + c * E_PER_REQUEST[32])

@@ -184,3 +184,15 @@ def test_report_writes_markdown_and_plots_and_says_what_it_skipped(sweep_file, s
     assert "_No plot: needs AR and speculative rows with per-category results" in md
     assert "TTFT p50 / p99 ms" in md and "## Hardware and commits" in md
     assert "| mode | roleplay | writing |" in md  # the per-category speedup table
+
+
+def test_report_tables_what_autos_bursts_realized_by_batch_size():
+    # Each command's last row holds its engine's totals (bursts, tokens per request, ms); commands add up.
+    from ddtree.bench.report import auto_bursts_table
+    rows = [{"time": "t1", "policy": {"totals": {"0@1": [9, 9.0, 9.0]}}},  # (superseded by the next row)
+            {"time": "t1", "policy": {"totals": {"0@1": [10, 11.6, 10.0], "32@1": [5, 64.0, 50.0]}}},
+            {"time": "t2", "policy": {"totals": {"0@1": [10, 11.6, 10.0], "8@2": [3, 9.0, 10.0]}}}]
+    md = auto_bursts_table(rows)
+    assert md[2:6] == ["| batch | AR | b8 | b32 |", "|---|---|---|---|", "| 1 | 1.160 (20) | - | 1.280 (5) |",
+                       "| 2 | - | 0.900 (3) | - |"]
+    assert auto_bursts_table([{"time": "t", "policy": {}}]) == []

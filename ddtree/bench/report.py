@@ -204,6 +204,30 @@ def plot_categories(speedups: dict[str, dict[str, float]], title: str, path: str
     plt.close(fig)
 
 
+def auto_bursts_table(rows: list[dict]) -> list[str]:
+    """What auto's timed bursts realized by batch bucket and budget (0: AR), tokens per ms and request.
+    A row's policy state adds up over the rows one engine ran (one command: one `time`), so the last
+    row of each command counts; empty without any."""
+    last = {r.get("time"): r["policy"]["totals"] for r in rows if r.get("policy", {}).get("totals")}
+    sums = {}  # (bucket, budget) -> [bursts, tokens per request, ms]
+    for totals in last.values():
+        for key, (n, tokens, ms) in totals.items():
+            budget, bucket = (int(x) for x in key.split("@"))
+            s = sums.setdefault((bucket, budget), [0, 0.0, 0.0])
+            s[0], s[1], s[2] = s[0] + n, s[1] + tokens, s[2] + ms
+    if not sums:
+        return []
+    cells = {}  # bucket -> budget -> "rate (bursts)"
+    for (bucket, budget), (n, tokens, ms) in sums.items():
+        cells.setdefault(bucket, {})[budget] = f"{tokens / ms:.3f} ({n})" if ms > 0 else f"- ({n})"
+    budgets = sorted({b for row in cells.values() for b in row})
+    md = ["What auto's bursts realized, tokens per ms and request (bursts), by batch size (up to):", "",
+          "| batch | " + " | ".join("AR" if b == 0 else f"b{b}" for b in budgets) + " |",
+          "|---" * (len(budgets) + 1) + "|"]
+    md += [f"| {k} | " + " | ".join(cells[k].get(b, "-") for b in budgets) + " |" for k in sorted(cells)]
+    return md + [""]
+
+
 def throughput_table(rows: list[dict]) -> list[str]:
     levels = sorted({r["concurrency"] for r in rows if r["mode"] in SPEED_MODES})
     lines = ["| C | AR tok/s | DFlash tok/s (tau) | best fixed (tau) | auto tok/s (tau) | auto / AR | auto / best |",
@@ -290,6 +314,7 @@ def main(args) -> int:
                 md.append(f"| {r['concurrency']} | " + ", ".join(f"{b}: {n / total:.0%}"
                                                                for b, n in r["budget_hist"].items()) + " |")
             md += [""]
+            md += auto_bursts_table(chosen)
         if source == "serve":
             md += ["### Latency (serve)", ""] + serve_table(g) + [""]
         figure("Budget x topk at C=1", "heatmap", plot_heatmap, "no DDTree rows at concurrency 1")

@@ -309,9 +309,9 @@ class AdaptivePolicy:
                 "calibration": {b: self.calibration(b) for b in self.budgets},
                 "realized": {f"{b}@{k}": [round(x, 4) for x in v] for (k, b), v in sorted(self.realized.items())},
                 "probe_intervals": dict(sorted(self.intervals.items())),
-                # every timed burst's budget at each batch bucket: bursts, tokens per ms and request
-                "totals": {f"{b}@{k}": [n, round(tokens / ms, 4)] for (k, b), (n, tokens, ms)
-                           in sorted(self.totals.items()) if ms > 0}}
+                # every timed burst of each budget at each batch bucket: bursts, tokens per request, ms
+                "totals": {f"{b}@{k}": [n, round(tokens, 2), round(ms, 2)] for (k, b), (n, tokens, ms)
+                           in sorted(self.totals.items())}}
 
     def record_draft(self, batch: int, expected: dict[int, float]) -> None:
         """A draft's E(b) summed over the batch, into the running means `plan` compares. A probe's
