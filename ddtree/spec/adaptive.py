@@ -117,11 +117,10 @@ class AdaptivePolicy:
         self.ar_streak = 0
         self.intervals: dict[int, int] = {}  # batch bucket -> AR steps before the next probe
         self.interval = probe_every  # ... the current batch's
-        # (batch bucket, budget) -> over its bursts: the tokens per ms and request they realized (a ratio of
-        # running sums, `burst_sums`: tokens per request, ms), the running mean of their drafts' E(b), and
-        # that rate over the model's at that E
-        self.realized: dict[tuple[int, int], tuple[float, float, float]] = {}
-        self.burst_sums: dict[tuple[int, int], tuple[float, float]] = {}
+        # (batch bucket, budget) -> running sums over its bursts of tokens per request and ms (their ratio
+        # is the rate they realized, `_rate`), the running mean of their drafts' E(b), and that rate over
+        # the model's at that E
+        self.realized: dict[tuple[int, int], tuple[float, float, float, float]] = {}
         # ... and what every timed burst of it (0: AR) added up to, undecayed, for benchmark rows:
         # [bursts, tokens per request, ms] (`tally`)
         self.totals: dict[tuple[int, int], list[float]] = {}
@@ -179,15 +178,13 @@ class AdaptivePolicy:
         to its last commit; a context store before it is a switch's cost, `observe_switch`), its drafts
         expecting E(b) = `expected` per request and step."""
         key, a = (_bucket(batch), budget), RATE_DECAY
-        old_sums, old = self.burst_sums.get(key), self.realized.get(key)
         self.tally(budget, batch, tokens, ms)
-        tokens, ms = tokens / batch, max(ms, 1e-3)
-        if old_sums is not None:
-            tokens, ms = (1 - a) * old_sums[0] + a * tokens, (1 - a) * old_sums[1] + a * ms
-        self.burst_sums[key] = (tokens, ms)
-        e = expected if old is None else (1 - a) * old[1] + a * expected
-        rate = max(tokens / ms, 1e-6)
-        self.realized[key] = (rate, e, rate / self.spec_rate(budget, batch, expected=e))
+        tokens, ms, e = tokens / batch, max(ms, 1e-3), expected
+        old = self.realized.get(key)
+        if old is not None:
+            tokens, ms, e = ((1 - a) * o + a * x for o, x in zip(old, (tokens, ms, e)))
+        rate = _rate((tokens, ms))
+        self.realized[key] = (tokens, ms, e, rate / self.spec_rate(budget, batch, expected=e))
 
     def tally(self, budget: int, batch: int, tokens: int, ms: float) -> None:
         """Counts a burst of `budget` (0: AR) that committed `tokens` to `batch` requests in `ms`."""
@@ -196,8 +193,8 @@ class AdaptivePolicy:
 
     def correction(self, batch: int) -> float:
         """Realized over modelled rate, over the budgets tried at this batch size (else at any)."""
-        here = [c for (k, _), (_, _, c) in self.realized.items() if k == _bucket(batch)]
-        every = here or [c for _, _, c in self.realized.values()]
+        here = [got[3] for (k, _), got in self.realized.items() if k == _bucket(batch)]
+        every = here or [got[3] for got in self.realized.values()]
         return sum(every) / len(every) if every else 1.0
 
     def request_rate(self, budget: int, batch: int, store: bool = False) -> float:
@@ -215,8 +212,7 @@ class AdaptivePolicy:
         got = self.realized.get((_bucket(batch), budget))
         if got is None:
             return self.spec_rate(budget, batch, store) * self.correction(batch)
-        rate, then, _ = got
-        c = self.calibration(budget)
+        rate, then, c = _rate(got), got[2], self.calibration(budget)
         if self.fresh:
             rate *= 1 + E_WEIGHT * ((1 + c * self.expected[budget]) / (1 + c * then) - 1)
         if store and self.switch_ms(batch) > 0:  # a burst's tokens per request, over its time and the store's
@@ -287,7 +283,7 @@ class AdaptivePolicy:
         tokens = BURST_STEPS * (1 + self.calibration(b) * self.expected[b])  # per request
         got = self.realized.get((_bucket(batch), b))  # (its bursts' rate as measured: steadier than now's E)
         if got:  # a probe comes from AR: it pays the context store too
-            spent = tokens / got[0] + self.switch_ms(batch)
+            spent = tokens / _rate(got) + self.switch_ms(batch)
         else:
             spent = tokens / self.request_rate(b, batch, store=True)
         loss = max(spent - tokens * ar, 0.0)  # ms per request
@@ -307,7 +303,9 @@ class AdaptivePolicy:
         return {"table": self.table.as_dict(), "extra_ms": {f"{k}@{b}": v for (k, b), v in sorted(self.extra.items())},
                 "switch_ms": dict(sorted(self.switch.items())), "expected": self.expected,
                 "calibration": {b: self.calibration(b) for b in self.budgets},
-                "realized": {f"{b}@{k}": [round(x, 4) for x in v] for (k, b), v in sorted(self.realized.items())},
+                # rate, E(b), rate over the model's
+                "realized": {f"{b}@{k}": [round(x, 4) for x in (_rate(v), v[2], v[3])]
+                             for (k, b), v in sorted(self.realized.items())},
                 "probe_intervals": dict(sorted(self.intervals.items())),
                 # every timed burst of each budget at each batch bucket: bursts, tokens per request, ms
                 "totals": {f"{b}@{k}": [n, round(tokens, 2), round(ms, 2)] for (k, b), (n, tokens, ms)
@@ -358,6 +356,11 @@ class AdaptivePolicy:
         self.weight[budget] = self.weight.get(budget, 0.0) + 1.0
         acc, pred = self.total or (q, p)
         self.total = ((1 - a) * acc + a * q, (1 - a) * pred + a * p)
+
+
+def _rate(realized: tuple[float, ...]) -> float:
+    """Tokens per ms and request of a `realized` entry: its running sums' ratio."""
+    return max(realized[0] / realized[1], 1e-6)
 
 
 def _bucket(batch: int) -> int:
