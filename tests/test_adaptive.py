@@ -102,9 +102,12 @@ def test_policy_plans_bursts_from_past_drafts_by_batch_size():
     planned = [policy.plan(bs) for bs in BATCHES]
     assert planned == sorted(planned, reverse=True) and planned[0] == 32 and planned[-1] == 0, planned
     assert len(set(planned)) >= 3, planned
-    assert policy.plan(128) == 0 and policy.interval > PROBE_EVERY  # costly probes: spaced out from the start
-    ar = [policy.plan(128) for _ in range(policy.interval)]
-    assert len(ar) - ar.count(0) == 1 and ar.index(max(ar)) > PROBE_EVERY, ar  # one probe among AR steps
+    # At 128 even HOPE times the best budget's rate stays below AR's: the engine's AR bursts skip
+    # reading out the drafter's context, and probes come only every MAX_PROBE_EVERY AR steps
+    policy.ar_streak = 0
+    ar = [policy.plan(128) for _ in range(2 * MAX_PROBE_EVERY + 2)]
+    assert policy.hopeless and [i for i, b in enumerate(ar) if b] == [MAX_PROBE_EVERY, 2 * MAX_PROBE_EVERY + 1]
+    assert policy.plan(1) == 32 and not policy.hopeless
 
 
 def test_policy_keeps_its_mode_near_break_even():
@@ -180,17 +183,18 @@ def test_a_costly_switch_from_ar_needs_a_clearer_win_and_spaces_probes():
 
 
 def test_probe_intervals_are_kept_per_batch_size():
-    # Probes at batch 128 (roofline: verification is compute-bound there) cost far more than at batch
+    # Probes at batch 16 (roofline: verification is compute-bound there) cost far more than at batch
     # 1, so they come far more rarely; speculation at batch 1 (the requests left at the end of a run)
-    # leaves batch 128's interval alone.
+    # leaves batch 16's interval alone. At 128 speculation has no chance (`HOPE`): probes at the longest spacing.
     policy = AdaptivePolicy(table(roofline), BUDGETS)
     policy.record_draft(1, {b: 0.1 for b in BUDGETS[1:]})
-    assert policy.plan(128) == 0 and policy.plan(1) == 0
-    assert policy.intervals[128] > 4 * policy.intervals[1], policy.intervals
-    wide = policy.intervals[128]
+    assert policy.plan(16) == 0 and policy.plan(1) == 0 and policy.plan(128) == 0
+    assert policy.intervals[16] > 4 * policy.intervals[1], policy.intervals
+    assert policy.hopeless and policy.interval == MAX_PROBE_EVERY
+    wide = policy.intervals[16]
     policy.record_draft(1, E_PER_REQUEST)
-    assert policy.plan(1) > 0 and policy.intervals[128] == wide
-    assert policy.state()["probe_intervals"][128] == wide
+    assert policy.plan(1) > 0 and policy.intervals[16] == wide
+    assert policy.state()["probe_intervals"][16] == wide
 
 
 def test_realized_rates_overrule_the_model_per_batch_size():
@@ -407,16 +411,18 @@ def plant_noisy_oracle(llm: LLM, ref: dict) -> None:
 
 
 class Scripted:
-    """A policy that follows a fixed cycle: "ar" (no draft), "wasted" (draft, then AR) or a budget."""
+    """A policy that follows a fixed cycle: "ar" (no draft), "gap" (AR that reads out no drafter context),
+    "wasted" (draft, then AR) or a budget."""
     def __init__(self, plan):
         self.plan_, self.now, self.seen = itertools.cycle(plan), None, []
 
     table = table(lambda n, bs: 1.0)
-    probing, expected = False, {}
+    probing, expected, hopeless = False, {}, False
 
     def plan(self, batch):  # "wasted": the largest budget (drafted; `choose` then throws it away)
         self.now = next(self.plan_)
-        return {"ar": 0, "wasted": BUDGETS[-1]}.get(self.now, self.now)
+        self.hopeless = self.now == "gap"
+        return {"ar": 0, "gap": 0, "wasted": BUDGETS[-1]}.get(self.now, self.now)
 
     def record_draft(self, batch, expected):
         assert sorted(expected) == BUDGETS[1:]
@@ -523,13 +529,14 @@ class ScriptedBursts(Scripted):
         assert 0 <= steps <= 3
 
 
-@pytest.mark.parametrize("graphed,pending_rows", [(False, None), (True, None), (True, 2)])
-def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, ar_out, graphed, pending_rows,
+@pytest.mark.parametrize("graphed,pending_rows,gap", [(False, None, False), (True, None, False), (True, 2, False),
+                                                     (True, 2, True)])
+def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, ar_out, graphed, pending_rows, gap,
                                                                monkeypatch):
     # AR steps' target features reach the drafter cache (eager: each step stores its row; graphed: the
     # engine's AR bursts keep them pending, stored by the next draft, or by an AR burst once a request
-    # holds `pending_rows`); the next draft must see exactly the context a fresh engine builds by
-    # prefilling the same tokens.
+    # holds `pending_rows`; `gap`: some bursts read none out, and a switch feeds those tokens again);
+    # the next draft must see exactly the context a fresh engine builds by prefilling the same tokens.
     import ddtree.engine.engine as engine_mod
     import ddtree.spec.auto as auto
     family = "qwen2"
@@ -543,10 +550,13 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
     llm = auto_llm(pairs, family, cost_table=table(roofline))
     seen = {}
     hook_draft_logits(llm, recorder(seen))
-    plan = ["ar", "ar", "ar", 4, "ar", "wasted", "ar", 8]
+    plan = ["gap", "ar", "gap", 4, "ar", "gap", "gap", "wasted", "ar", 8] if gap else \
+        ["ar", "ar", "ar", 4, "ar", "wasted", "ar", 8]
     llm.engine.speculator.policy = ScriptedBursts(plan) if graphed else Scripted(plan)
     llm.generate(prompts, [SamplingParams(max_tokens=m) for m in MAX_TOKENS])
     assert (llm.engine.decode_graphs is not None) == graphed
+    stats = llm.last_stats["bursts"]
+    assert (stats.get("refeeds", 0) > 0 and stats.get("tap_free_bursts", 0) > 0) == gap, stats
     keys = [k for k in seen if list(k[:-1]) not in prompts]
     assert len(keys) > (5 if graphed else 10)  # (AR bursts: fewer drafts)
     fresh = auto_llm(pairs, family, cost_table=table(roofline))
@@ -722,6 +732,34 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     assert sum(accepted) / len(accepted) > 1.5, accepted
     assert learned and all(b in BUDGETS[1:] and 1 <= n <= 4 and tokens >= auto.TIMED_BURST * n and ms > 0 and e >= 0
                            for b, n, tokens, ms, e in learned), learned
+
+
+def test_graphed_auto_skips_the_drafter_context_where_speculation_is_hopeless(pairs, prompts, ar_out, monkeypatch):
+    # Verification priced out of reach at 3-4 requests and cheap at 1-2, an oracle drafter: with the
+    # whole batch running the real policy sees no chance (`HOPE`), so its AR bursts run plain AR's
+    # graphs (no target features read out, no probes); once requests finish it speculates, the
+    # skipped tokens fed through the target again first. The output is AR's exactly.
+    family = "qwen2"
+    ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)
+    fake_gpu_graphs(monkeypatch)
+    path, d = pairs(family)
+    llm = LLM(path, draft=d, spec="none", max_num_seqs=4, **ENGINE)
+    cost = table(lambda n, bs: 1.0 if n == 1 or bs <= 2 else 100.0 * n)
+    llm.set_mode("ddtree", "auto", 4, cost_table=cost)
+    spec, eng = llm.engine.speculator, llm.engine
+    assert eng.untapped_decode_graphs is not eng.decode_graphs
+    spec.policy.observe_time = spec.policy.observe_burst = lambda *a: None
+    plant_by_position(llm, noisy_oracle(continuation(prompts, longer), vocab=llm.config.vocab_size))
+    pools = []
+    graphed = eng._decode_graphed
+    monkeypatch.setattr(eng, "_decode_graphed", lambda seqs, most=None, pool=None: pools.append(
+        (len(seqs), pool is eng.untapped_decode_graphs)) or graphed(seqs, most, pool))
+    outs, hist = check_lossless(llm, prompts, ref)
+    bursts = llm.last_stats["bursts"]  # (the last generate call: the four requests batched)
+    assert bursts["tap_free_bursts"] > 0 and bursts["refeeds"] > 0 and bursts["spec_bursts"] > 0, bursts
+    assert all(bs <= 2 for bs, untapped in pools if not untapped), pools  # taps only where speculation may win
+    assert any(bs > 2 for bs, untapped in pools if untapped), pools
+    assert not any(seq.pending_features for seq in eng.scheduler.running)
 
 
 def plant_by_position(llm: LLM, choose) -> None:

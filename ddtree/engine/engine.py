@@ -25,7 +25,7 @@ from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import CostTable, candidate_budgets
 from ddtree.spec.auto import AdaptiveSpeculator
 from ddtree.spec.decode import SHORT_BURST, SPEC_BURST, Speculator
-from ddtree.spec.draft import DraftRunner
+from ddtree.spec.draft import DraftRunner, add_gap, has_gap
 
 
 DECODE_BURST = 16  # graphed AR decode steps per engine step, pipelined (see LLMEngine._decode_graphed)
@@ -104,17 +104,22 @@ class LLMEngine:
         # Padding inputs for capturing graphs ahead of serving: zeros, and page tables of the scratch page.
         scratch = torch.full((1, 1), self.runner.scratch_page, dtype=torch.long, device=device)
         zeros = lambda bs: torch.zeros(bs, dtype=torch.long, device=device)  # noqa: E731
-        self.decode_graphs = None
+        self.decode_graphs = self.untapped_decode_graphs = None
         if self.use_graphs and (self.speculator is None or auto):
             # auto's AR steps are the engine's, and each also reads out its target features (the
-            # drafter's context, kept pending): choosing AR costs about what plain AR does.
-            self.decode_taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
-            self.decode_graphs = GraphPool(self._graph_decode, engine_cfg.max_num_seqs,
-                                           pad={"block_tables": self.runner.scratch_page},
-                                           widths={"block_tables": max_pages})
+            # drafter's context, kept pending): choosing AR costs about what plain AR does. Where the
+            # policy sees no chance for speculation at all, its AR bursts run plain AR's graphs, with no
+            # read-out (the requests' context then has a gap, refed at a switch: spec/auto.py).
+            taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
+            pools = [taps, None] if taps else [None]
+            graphs = [GraphPool(partial(self._graph_decode, t), engine_cfg.max_num_seqs,
+                                pad={"block_tables": self.runner.scratch_page}, widths={"block_tables": max_pages})
+                      for t in pools]
+            self.decode_graphs, self.untapped_decode_graphs = graphs[0], graphs[-1]
             # (under auto a bucket could first come up after the warm-up, mid-run)
             with torch.inference_mode():  # (padding rows: their K/V go to the scratch page)
-                self.decode_graphs.capture_all(lambda bs: DecodeInputs(zeros(bs), zeros(bs), scratch.expand(bs, 1)))
+                for pool in graphs:
+                    pool.capture_all(lambda bs: DecodeInputs(zeros(bs), zeros(bs), scratch.expand(bs, 1)))
         self.prefill_graphs: dict[int, GraphPool] = {}
         if self.use_graphs and PREFILL_GRAPHS:
             taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
@@ -295,9 +300,9 @@ class LLMEngine:
             seq.num_cached += n
         return logits[:len(chunks)].clone()  # a static output, overwritten by the next replay
 
-    def _graph_decode(self, inp: "DecodeInputs"):
-        """logits [R, V], and under auto (taps) also the step's target features [R, K*D]."""
-        logits, feats = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts, self.decode_taps)
+    def _graph_decode(self, taps: list[int] | None, inp: "DecodeInputs"):
+        """logits [R, V], and with taps (auto) also the step's target features [R, K*D]."""
+        logits, feats = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts, taps)
         # The next step's inputs, written by this one: its greedy tokens (sampled rows are overwritten
         # by the host's sampler before the next replay) one position further on.
         inp.ids.copy_(logits.argmax(dim=-1))
@@ -306,31 +311,39 @@ class LLMEngine:
 
     def _auto_ar_burst(self, seqs: list[Sequence], most: int) -> None:
         """AR steps chosen by auto (at most `most`): a graphed AR burst whose steps also read out their
-        target features, kept as each request's pending drafter context."""
+        target features, kept as each request's pending drafter context; or, where the policy sees no
+        chance for speculation (`tap_free`), plain AR's burst, the requests' context left with a gap."""
         spec = self.speculator
+        tap_free = spec.tap_free
         # The context rows wait (a verified path's, earlier AR steps'), to be stored in one go before
         # the next draft: an AR step that stored its own row spent ~7 small kernels, 4-5% of
         # an AR step on the H200. Only rows piling up are stored now (not a time to learn from: device
-        # work not waited for).
-        if any(s.num_cached - s.draft_len > PENDING_ROWS for s in seqs):
+        # work not waited for), and not a request's with a gap (refed only at a switch).
+        full = [s for s in seqs if s.num_cached - s.draft_len > PENDING_ROWS and not has_gap(s)]
+        if full and not tap_free:
             t0 = time.perf_counter()
-            spec.drafter.store_pending(seqs)
+            spec.drafter.store_pending(full)
             spec.timed = False
             spec.stats.bursts["store_ms"] += (time.perf_counter() - t0) * 1e3
         outs = [len(s.output_ids) for s in seqs]
+        starts = [s.num_cached for s in seqs]
         t0 = time.perf_counter()
-        steps = self._decode_graphed(seqs, most)
+        steps = self._decode_graphed(seqs, most, self.untapped_decode_graphs if tap_free else self.decode_graphs)
         spec.after_ar_burst(len(seqs), steps, sum(len(s.output_ids) - n for s, n in zip(seqs, outs)),
                             (time.perf_counter() - t0) * 1e3)
+        if tap_free:
+            for seq, start in zip(seqs, starts):
+                if seq.num_cached > start and not seq.is_finished:
+                    add_gap(seq, start, seq.num_cached - start)
 
-    def _decode_graphed(self, seqs: list[Sequence], most: int | None = None) -> int:
+    def _decode_graphed(self, seqs: list[Sequence], most: int | None = None, pool: GraphPool | None = None) -> int:
         """AR decode steps for a fixed batch, pipelined: step i+1 is launched (its input tokens are step
         i's samples, still on the device) before step i's tokens are read back and committed, so the
         GPU never waits for the host's graph launch, read-back and bookkeeping. The burst ends after
         `_burst_length` steps or one step after a request finishes (that request's last step is wasted;
         its K/V land in pages it held, which nobody reuses before the next schedule). Returns the number
         of steps run."""
-        R, pool = len(seqs), self.decode_graphs
+        R, pool = len(seqs), pool or self.decode_graphs
         rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
                          self.runner.scratch_page, self.device)
         params = [s.params for s in seqs]

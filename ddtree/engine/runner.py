@@ -13,7 +13,7 @@ from ddtree.config import EngineConfig, ModelConfig
 from ddtree.engine.kv_cache import allocate_kv_cache, pages_for_memory
 from ddtree.engine.sequence import Sequence
 from ddtree.models.transformer import CausalLM
-from ddtree.ops.attention import AttentionBatch, make_batch, pack_rows, uniform_batch
+from ddtree.ops.attention import make_batch, pack_rows, uniform_batch
 
 
 class ModelRunner:
@@ -51,24 +51,35 @@ class ModelRunner:
         return pages_for_memory(budget, self.cfg.num_layers, self.page_size, self.cfg.num_kv_heads,
                                 self.cfg.head_dim, self.dtype)
 
-    def batch_for(self, seqs: list[Sequence], q_lens: list[int],
-                  mask: torch.Tensor | None = None) -> AttentionBatch:
-        """Metadata for feeding q_lens[i] new tokens to seqs[i], stored at its cache positions
-        num_cached .. num_cached + q_len - 1 (a tree's nodes in BFS order)."""
-        return make_batch([s.block_table for s in seqs], [s.num_cached for s in seqs], q_lens, mask,
-                          self.page_size, self.device, self.use_triton, self.heads_per_kv, self.cfg.num_kv_heads)
-
     def prepare(self, chunks: list[tuple[Sequence, int]]):
         """Inputs for feeding each request its next n uncached tokens."""
+        return self._inputs([(seq, seq.num_cached, n) for seq, n in chunks])
+
+    def _inputs(self, rows: list[tuple[Sequence, int, int]]):
+        """Token ids, positions and attention metadata for feeding each request its tokens at positions
+        start .. start + n - 1, (request, start, n) per row."""
         ids, pos = [], []
-        for seq, n in chunks:
-            start = seq.num_cached
+        for seq, start, n in rows:
             assert start + n <= len(seq)
             ids.extend(seq.tokens(start, start + n))
             pos.extend(range(start, start + n))
-        batch = self.batch_for([s for s, _ in chunks], [n for _, n in chunks])
+        batch = make_batch([s.block_table for s, _, _ in rows], [start for _, start, _ in rows],
+                           [n for _, _, n in rows], None, self.page_size, self.device, self.use_triton,
+                           self.heads_per_kv, self.cfg.num_kv_heads)
         ids_pos = torch.tensor([ids, pos], dtype=torch.long).to(self.device)  # one host->device copy
         return ids_pos[0], ids_pos[1], batch
+
+    @torch.inference_mode()
+    def refeed(self, rows: list[tuple[Sequence, int, int]], taps: list[int]) -> torch.Tensor:
+        """The tapped layers' outputs [sum of n, len(taps) * D] at tokens already in the cache, (request,
+        start, n) per row: AR steps that did not read them out (auto, spec/auto.py). Their K/V are not
+        written again: the writes go to the scratch page, so every query attends to the cached K/V
+        exactly as the AR steps left them."""
+        input_ids, positions, batch = self._inputs(rows)
+        base = self.scratch_page * self.page_size
+        batch.slot_mapping = base + torch.arange(len(input_ids), device=self.device) % self.page_size
+        _, tapped = self.model(input_ids, positions, batch, taps)
+        return torch.cat(tapped, dim=-1)
 
     @torch.inference_mode()
     def run(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):

@@ -48,6 +48,11 @@ BURST_STEPS = 8
 # H200 (5634d33) each budget's read 0.95-1.05 tokens per ms, where all of auto's bursts together realized
 # 1.28 and AR steps 1.16.
 RATE_DECAY = 0.1
+# Where even this many times the best budget's expected rate stays below AR's, AR steps do not read out
+# the drafter's context (fed again at a switch, should one come), so auto runs plain AR's own steps,
+# and probes come only every `max_probe_every` AR steps. On the H200 those read-outs, stores and
+# probes cost auto 4-6% against AR at C=64-128, where budget 8 ran at 0.46x AR.
+HOPE = 1.3
 E_WEIGHT = 0.5  # share of the drafter's now-vs-then E(b) ratio that scales a realized rate
 # A budget's calibration is its own observed/predicted ratio shrunk toward the ratio over all budgets,
 # the overall one weighing as much as this many of its own recent steps: a budget tried a few times on
@@ -126,6 +131,7 @@ class AdaptivePolicy:
         self.totals: dict[tuple[int, int], list[float]] = {}
         self.max_probe_every = max_probe_every
         self.probing = False  # this draft is a probe: AR looked better on past averages
+        self.hopeless = False  # the last plan saw no chance for speculation at its batch size (`HOPE`)
         self.speculating = False  # the last plan chose a budget > 0 (not a probe) ...
         self.spec_bucket = 0  # ... for this batch bucket
         self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
@@ -236,6 +242,7 @@ class AdaptivePolicy:
         Nothing known yet: the smallest budget (one blind step)."""
         if not self.budgets:
             return 0
+        self.hopeless = False
         if self.expected is None:
             return self.budgets[0]
         switching = not self.speculating
@@ -245,13 +252,18 @@ class AdaptivePolicy:
             rate = self.request_rate(b, batch, store)
             if rate > best_rate:
                 best, best_rate = b, rate
+        ar_rate = 1 / self.ar_ms(batch)
+        # (judged without the switch's store: a long stretch of AR makes that store, refeeds included,
+        # large, and would keep the plan from ever looking again)
+        potential = max(self.request_rate(b, batch) for b in self.budgets) if store else best_rate
+        self.hopeless = potential * HOPE < ar_rate
         # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
         # catch-up, so near break-even the policy keeps the mode it is in, at the batch size it chose
         # it for (speculation chosen for the few requests left at the end of a batch is not kept on
         # for the full batch after it).
-        ar_rate = 1 / self.ar_ms(batch)
         staying = not switching and self.spec_bucket == _bucket(batch)
-        if best_rate > ar_rate * (SWITCH_MARGIN if switching else 1 / SWITCH_MARGIN if staying else 1.0):
+        if not self.hopeless and best_rate > ar_rate * (SWITCH_MARGIN if switching else 1 / SWITCH_MARGIN
+                                                        if staying else 1.0):
             self.probing, self.ar_streak, self.speculating = False, 0, True
             self.spec_bucket = _bucket(batch)
             return best
@@ -259,13 +271,15 @@ class AdaptivePolicy:
         # A probe when due: as often as keeps what probes lose at this batch size within PROBE_LOSS
         # of the AR time (`probe_cap`; per batch bucket: the one or two requests left at the end of a
         # batch may well speculate, which says nothing about the next full batch).
+        # Hopeless: only at the longest spacing (the averages may be stale, from hard text, and only a
+        # probe's draft renews them).
         bucket = _bucket(batch)
         if bucket not in self.intervals:
             self.intervals[bucket] = self.probe_cap(batch, best)
-        self.interval = self.intervals[bucket]
+        self.interval = self.max_probe_every if self.hopeless else self.intervals[bucket]
         if self.ar_streak >= self.interval:
             self.probing, self.ar_streak = True, 0
-            self.interval = self.intervals[bucket] = self.probe_cap(batch, best)
+            self.intervals[bucket] = self.probe_cap(batch, best)
             return best
         self.ar_streak += 1
         self.fresh = False  # AR steps next: no drafts, the averages grow stale

@@ -14,7 +14,7 @@ from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import pack_rows, page_slots
 from ddtree.spec.adaptive import AdaptivePolicy, CostTable, candidate_budgets, measure_costs
 from ddtree.spec.decode import SPEC_BURST, Speculator, StepOutputs, _argmax
-from ddtree.spec.draft import DraftRunner, StepInputs
+from ddtree.spec.draft import DraftRunner, StepInputs, gaps
 from ddtree.spec.tree import Candidates, candidates, cut_tree, expected_accepts
 
 EXPECTED_SCALE = 1024  # auto's burst steps read E(b) back as integers: E * this, rounded
@@ -122,6 +122,24 @@ class AdaptiveSpeculator(Speculator):
         packed = torch.cat([torch.zeros_like(ids), pred_fn(logits).long(), ids], 1)
         return StepOutputs(packed.view(R, 3), feats)
 
+    @property
+    def tap_free(self) -> bool:
+        """The engine's next AR burst skips reading out target features: the policy sees no chance for
+        speculation at this batch size (the requests' context gets a gap, refed at a switch)."""
+        return self.policy.hopeless
+
+    def _refeed_gaps(self, seqs: list[Sequence]) -> bool:
+        """The target features of every gap in the requests' drafter context (AR steps that skipped them),
+        fed again through the target in one forward, into their pending rows. True if there was one."""
+        found = gaps(seqs)
+        if not found:
+            return False
+        feats = self.runner.refeed([(s, start, n) for s, _, start, n in found], self.drafter.layer_ids)
+        for (s, j, _, _), f in zip(found, feats.split([n for *_, n in found])):
+            s.pending_features[j] = f
+        self.stats.bursts["refeeds"] += 1
+        return True
+
     def ar_steps(self, batch: int) -> int:
         """Asked by the engine before each decode step: 0 to speculate now (`step`, with the planned
         budget), else how many AR steps to take first (the engine runs them as a graphed AR burst,
@@ -134,7 +152,8 @@ class AdaptiveSpeculator(Speculator):
         `elapsed_ms`."""
         self.policy.skip_ar(steps - 1)
         self.stats.budget_hist[0] += request_steps
-        self.stats.bursts.update({"ar_bursts": 1, "ar_steps": steps, "ar_ms": elapsed_ms})
+        self.stats.bursts.update({"ar_bursts": 1, "ar_steps": steps, "ar_ms": elapsed_ms,
+                                  "tap_free_bursts": int(self.tap_free)})
         if self.timed and steps >= TIMED_BURST:
             self.policy.observe_time("ar", batch, elapsed_ms / steps, self.policy.table.ar_ms(batch))
             self.policy.tally(0, batch, request_steps, elapsed_ms)
@@ -142,6 +161,7 @@ class AdaptiveSpeculator(Speculator):
     @torch.inference_mode()
     def ar_step(self, seqs: list[Sequence], commit) -> None:
         """One eager AR step that stores its drafter context row itself (no CUDA graphs: the CPU)."""
+        self._refeed_gaps(seqs)
         self.drafter.store_pending(seqs)  # AR steps append to the drafter cache: no gap before them
         rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
                          self.runner.scratch_page, self.runner.device)
@@ -162,6 +182,7 @@ class AdaptiveSpeculator(Speculator):
             self._auto_burst(seqs, commit)
             return
         eager_pred = lambda logits: self._sample(seqs, logits)  # noqa: E731
+        self._refeed_gaps(seqs)
         short = all(s.num_cached - s.draft_len <= self.ctx_rows for s in seqs)
         t0 = time.perf_counter()
         inp = self.drafter.prepare(seqs)
@@ -191,9 +212,10 @@ class AdaptiveSpeculator(Speculator):
         captured = next(b for b in graphs.buckets if b >= R) in graphs.graphs  # (not a burst that captures)
         stored = False
         t0 = time.perf_counter()
-        if any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
-            # an AR stretch's context, wider than the graph's: a cost of switching from AR, which the
-            # plan adds to a switch (not to the burst's rate: a store comes only after AR steps)
+        if self._refeed_gaps(seqs) or any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
+            # an AR stretch's context (fed again where its steps did not read it out), wider than the
+            # graph's: a cost of switching from AR, which the plan adds to a switch (not to the burst's
+            # rate: a store comes only after AR steps)
             self.drafter.store_pending(seqs)
             stored = True
             store_ms = (time.perf_counter() - t0) * 1e3
