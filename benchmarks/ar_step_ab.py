@@ -7,6 +7,7 @@ Prints and writes one JSON line per run: tokens/s, AR ms per step, and the SM cl
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -55,6 +56,14 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 with open(out, "a") as f:
                     f.write(json.dumps(row) + "\n")
+                if os.environ.get("PROFILE") and r == rounds - 1 and c == max(concurrencies):
+                    from torch.profiler import ProfilerActivity, profile
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        llm.generate(batches[0], params)
+                        torch.cuda.synchronize()
+                    for key in ("self_cuda_time_total", "self_cpu_time_total"):
+                        print(f"--- {mode} C={c} by {key}")
+                        print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
 
 
 if __name__ == "__main__":
