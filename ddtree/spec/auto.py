@@ -12,6 +12,7 @@ from ddtree.engine.graphs import GraphPool, buckets_up_to
 from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import pack_rows, page_slots
+from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import AdaptivePolicy, CostTable, candidate_budgets, measure_costs
 from ddtree.spec.decode import SPEC_BURST, Speculator, StepOutputs, _argmax
 from ddtree.spec.draft import DraftRunner, StepInputs, gaps
@@ -90,6 +91,20 @@ class AdaptiveSpeculator(Speculator):
             with torch.inference_mode():
                 table = measure_costs(self, sizes, self._fake_context(), reps=5 if use_graphs else 2)
         self.policy = AdaptivePolicy(table, self.budgets)
+        if use_graphs:
+            with torch.inference_mode():
+                self._warm_refeed(max_batch)
+
+    def _warm_refeed(self, max_batch: int) -> None:
+        """Refeeds of a few widths and batch sizes on the scratch page, ahead of serving: the first refeed
+        of a shape compiles the attention kernel's variant for it (a first one mid-run took 0.5-1 s
+        on the H200)."""
+        ps, scratch = self.runner.page_size, self.runner.scratch_page
+        for n in (2, 4, 33, 100):
+            seq = Sequence([0] * (ps + n), SamplingParams(), None)
+            seq.block_table = [scratch] * (1 + n // ps + 1)
+            for rows in sorted({1, min(4, max_batch), min(16, max_batch), min(64, max_batch)}):
+                self.runner.refeed([(seq, ps, n)] * rows, self.drafter.layer_ids)
 
     def _draft(self, inp: StepInputs) -> tuple[Candidates, torch.Tensor]:
         """Drafter block -> candidates for the largest budget and E(b) [R, budgets] for each b > 0."""
