@@ -709,16 +709,10 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     # pipelined bursts of whole-step graphs; the output is AR's exactly.
     import ddtree.spec.auto as auto
     import ddtree.spec.decode as decode
-    family = "qwen2"
-    ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)
-    fake_gpu_graphs(monkeypatch)
-    path, d = pairs(family)
-    llm = LLM(path, draft=d, spec="none", max_num_seqs=4, **ENGINE)
-    llm.set_mode("ddtree", "auto", 4, cost_table=table(lambda n, bs: 1.0 + 0.01 * n))
+    llm, ref = graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, table(lambda n, bs: 1.0 + 0.01 * n))
     spec = llm.engine.speculator
     learned = []  # what whole bursts teach the policy: (budget, batch, tokens, ms, E per request)
     spec.policy.observe_time, spec.policy.observe_burst = (lambda *a: None), (lambda *a: learned.append(a))
-    plant_by_position(llm, noisy_oracle(continuation(prompts, longer), vocab=llm.config.vocab_size))
     monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed"))
     steps = []
     burst = spec._burst
@@ -739,17 +733,11 @@ def test_graphed_auto_skips_the_drafter_context_where_speculation_is_hopeless(pa
     # whole batch running the real policy sees no chance (`HOPE`), so its AR bursts run plain AR's
     # graphs (no target features read out, no probes); once requests finish it speculates, the
     # skipped tokens fed through the target again first. The output is AR's exactly.
-    family = "qwen2"
-    ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)
-    fake_gpu_graphs(monkeypatch)
-    path, d = pairs(family)
-    llm = LLM(path, draft=d, spec="none", max_num_seqs=4, **ENGINE)
     cost = table(lambda n, bs: 1.0 if n == 1 or bs <= 2 else 100.0 * n)
-    llm.set_mode("ddtree", "auto", 4, cost_table=cost)
+    llm, ref = graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, cost)
     spec, eng = llm.engine.speculator, llm.engine
     assert eng.untapped_decode_graphs is not eng.decode_graphs
     spec.policy.observe_time = spec.policy.observe_burst = lambda *a: None
-    plant_by_position(llm, noisy_oracle(continuation(prompts, longer), vocab=llm.config.vocab_size))
     pools = []
     graphed = eng._decode_graphed
     monkeypatch.setattr(eng, "_decode_graphed", lambda seqs, most=None, pool=None: pools.append(
@@ -760,6 +748,19 @@ def test_graphed_auto_skips_the_drafter_context_where_speculation_is_hopeless(pa
     assert all(bs <= 2 for bs, untapped in pools if not untapped), pools  # taps only where speculation may win
     assert any(bs > 2 for bs, untapped in pools if untapped), pools
     assert not any(seq.pending_features for seq in eng.scheduler.running)
+
+
+def graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, cost: CostTable):
+    """An engine built as on a GPU (graphs emulated) in `auto` on `cost`, its drafter a noisy oracle of
+    AR's continuation; and AR's outputs (made before the graphs are faked)."""
+    family = "qwen2"
+    ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)
+    fake_gpu_graphs(monkeypatch)
+    path, d = pairs(family)
+    llm = LLM(path, draft=d, spec="none", max_num_seqs=4, **ENGINE)
+    llm.set_mode("ddtree", "auto", 4, cost_table=cost)
+    plant_by_position(llm, noisy_oracle(continuation(prompts, longer), vocab=llm.config.vocab_size))
+    return llm, ref
 
 
 def plant_by_position(llm: LLM, choose) -> None:
