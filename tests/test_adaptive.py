@@ -225,19 +225,6 @@ def test_realized_rates_overrule_the_model_per_batch_size():
     assert policy.request_rate(32, 4) == pytest.approx(0.5)
 
 
-def test_probes_are_priced_on_all_their_bursts_not_the_last_ones():
-    # AR: 1 ms a step. Budget 4's bursts realized 1.5 tokens per ms and request 40 times, then 0.4 for 15
-    # bursts: on its decayed estimate the plan goes back to AR, but all its bursts together beat AR,
-    # so probes come every PROBE_EVERY AR steps (priced on the last bursts: ~10x further apart, and
-    # at C=1 on the H200 the plan stayed on AR for 92% of request-steps where budget 32 gained 5%).
-    policy = AdaptivePolicy(table(lambda n, bs: 1.0), BUDGETS)
-    policy.record_draft(1, {b: 1.0 for b in BUDGETS[1:]})
-    for tokens in [15.0] * 40 + [4.0] * 15:
-        policy.observe_burst(4, 1, tokens, 10.0, 1.0)
-    assert policy.plan(1) == 0 and policy.intervals[1] == PROBE_EVERY, policy.intervals
-    assert policy.state()["totals"]["4@1"] == [55, 660.0, 550.0]
-
-
 def test_a_switch_pays_the_context_store_once():
     # Bursts of every budget realized 1.3 tokens per ms at batch 1, AR 1.15, a switch from AR stores
     # 2.5 ms of context first: from AR that store weighs on one burst (1.08: AR stays), but a probe's

@@ -46,10 +46,8 @@ BURST_STEPS = 8
 # Weight of a speculative burst in its budget's realized rate at its batch size. At 0.25 an estimate was
 # mostly the last few bursts, and the plan stops speculating after bad ones, so it sat low: at C=1 on the
 # H200 (5634d33) each budget's read 0.95-1.05 tokens per ms, where all of auto's bursts together realized
-# 1.28 and AR steps 1.16. At 0.1 still (3800c1b): budget 32 read 1.16 where its bursts together
-# realized 1.29 and AR steps 1.17, and auto ran AR on 92% of request-steps at C=1. (The drafter's fresh
-# E(b) scales the rate for the text at hand: this average only has to carry the costs.)
-RATE_DECAY = 0.05
+# 1.28 and AR steps 1.16.
+RATE_DECAY = 0.1
 # Where even this many times the best budget's expected rate stays below AR's, AR steps do not read out
 # the drafter's context (fed again at a switch, should one come), so auto runs plain AR's own steps,
 # and probes come only every `max_probe_every` AR steps. On the H200 those read-outs, stores and
@@ -297,12 +295,9 @@ class AdaptivePolicy:
         b = budget or self.budgets[0]
         ar = self.ar_ms(batch)
         tokens = BURST_STEPS * (1 + self.calibration(b) * self.expected[b])  # per request
-        # Its bursts' rate as measured (steadier than now's E), over all of them: the decayed estimate sits
-        # low after the bursts the plan stopped on, and priced on it probes came 678 AR steps apart at
-        # C=1 on the H200 (3800c1b), where all of budget 32's bursts realized 1.10x the AR steps' rate.
-        got = self.totals.get((_bucket(batch), b))
-        if got and got[2] > 0:  # a probe comes from AR: it pays the context store too
-            spent = tokens / max(got[1] / got[2], 1e-6) + self.switch_ms(batch)
+        got = self.realized.get((_bucket(batch), b))  # (its bursts' rate as measured: steadier than now's E)
+        if got:  # a probe comes from AR: it pays the context store too
+            spent = tokens / _rate(got) + self.switch_ms(batch)
         else:
             spent = tokens / self.request_rate(b, batch, store=True)
         loss = max(spent - tokens * ar, 0.0)  # ms per request
