@@ -10,6 +10,8 @@
 #   bash benchmarks/h200_suite.sh auto 1,2,4,8   # ... more than one 10-minute call holds: split it
 #   bash benchmarks/h200_suite.sh auto 16,32,64,128
 #   bash benchmarks/h200_suite.sh grid      # both halves in one call, C >= 16 with --repeats 3 (~7.5 min)
+#   CONTINUOUS=1 bash benchmarks/h200_suite.sh grid   # ... every prompt queued, at most C running (not
+#                                           # batches run to completion); rows to sweep_auto_continuous_h200.jsonl
 #   bash benchmarks/h200_suite.sh checks    # greedy DDTree and DFlash vs AR on HumanEval in float32
 #   bash benchmarks/h200_suite.sh ab        # bench latency at C=1 without, then with, graphed prefill
 #   bash benchmarks/h200_suite.sh kernels   # the tree kernels against torch (real shapes), draft times with the
@@ -19,9 +21,10 @@ cli=(python3 -m ddtree.cli)
 sweep=("${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4
        --with-auto --repeats 1 --out "$OUT/sweep_h200.jsonl")
 auto_sweep() {  # REPEATS CONCURRENCIES: auto vs AR, DFlash and DDTree 8/16/32 (topk 4), rows appended
-  local warm=(--warmup-pass); [ "${WARMUP:-1}" = 0 ] && warm=()
+  local warm=(--warmup-pass) out=sweep_auto_h200.jsonl cont=(); [ "${WARMUP:-1}" = 0 ] && warm=()
+  [ "${CONTINUOUS:-0}" = 1 ] && cont=(--continuous) && out=sweep_auto_continuous_h200.jsonl
   "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4 \
-    --with-auto --repeats "$1" --concurrency "$2" --num-pages 16384 "${warm[@]}" --out "$OUT/sweep_auto_h200.jsonl"
+    --with-auto --repeats "$1" --concurrency "$2" --num-pages 16384 "${warm[@]}" "${cont[@]}" --out "$OUT/$out"
 }
 case $1 in
   tune)

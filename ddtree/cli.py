@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--warmup-pass", action="store_true",
                     help="before the grid, every batch of every concurrency once in AR, untimed (one-time costs "
                          "of the eager prefill's shapes then land in no mode's row, whichever runs first)")
+    sw.add_argument("--continuous", action="store_true",
+                    help="queue every prompt at once with at most C running (continuous batching), instead of "
+                         "batches of C prompts each run to completion")
     sw.add_argument("--num-pages", type=int, default=None)
     sw.add_argument("--out", default="benchmarks/results/sweep.jsonl")
     sw.set_defaults(func=cmd_bench_sweep)

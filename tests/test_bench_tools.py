@@ -144,6 +144,29 @@ def test_sweep_with_auto_adds_auto_rows_or_fails_clearly(pair, tmp_path, capsys,
         assert rc == 2 and "budget='auto'" in capsys.readouterr().err and not os.path.exists(out)
 
 
+def test_sweep_continuous_queues_every_prompt_with_at_most_c_running(pair, tmp_path, monkeypatch):
+    from ddtree.cli import main
+    from ddtree.engine.scheduler import Scheduler
+    model, draft = pair
+    out = str(tmp_path / "continuous.jsonl")
+    running = []  # (cap, requests running) after every schedule
+    real = Scheduler.schedule
+    monkeypatch.setattr(Scheduler, "schedule", lambda self: (lambda step: running.append(
+        (self.max_num_seqs, len(self.running))) or step)(real(self)))
+    rc = main(["bench", "sweep", "--model", model, "--draft", draft, "--device", "cpu", "--dtype", "float32",
+               "--num-prompts", "5", "--max-tokens", "4", "--ignore-eos", "--concurrency", "2,4", "--budget", "2",
+               "--topk", "1", "--no-dflash", "--repeats", "1", "--num-pages", "256", "--continuous", "--out", out])
+    assert rc == 0
+    rows = read_rows(out)
+    assert [(r["mode"], r["concurrency"], r["batching"]) for r in rows] == \
+        [(m, c, "continuous") for m in ("ar", "ddtree") for c in (2, 4)]
+    # every prompt once, in one queue (cycled to 2C: 8 at C=4)
+    assert [r["generated_tokens"] for r in rows] == [5 * 4, 8 * 4] * 2
+    # (the engine holds up to 4: at C=2 the scheduler's cap keeps the third prompt waiting)
+    assert max(n for cap, n in running if cap == 2) == 2 and max(n for cap, n in running if cap == 4) == 4
+    assert all(n <= cap for cap, n in running)
+
+
 def test_serve_bench_reports_latency_stats_and_acceptance_from_metrics(serve_file):
     rows = read_rows(serve_file)
     assert [r["concurrency"] for r in rows] == [1, 2]

@@ -52,9 +52,10 @@ def full_batches(prompts: list, c: int) -> list[list]:
 
 
 def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, repeats: int,
-             labels: list[str] | None = None) -> dict:
-    """`labels`: the category of each batch (a batch holds one category), for per-category results."""
-    llm.generate(batches[0], params)  # warm-up: graphs, kernels, allocator
+             labels: list[str] | None = None, warmup: list[list[int]] | None = None) -> dict:
+    """`labels`: the category of each batch (a batch holds one category), for per-category results;
+    `warmup`: the untimed first call's prompts (default: the first batch)."""
+    llm.generate(batches[0] if warmup is None else warmup, params)  # warm-up: graphs, kernels, allocator
     speeds, accepts, tokens = [], [], 0
     cats: dict[str, dict] = {}
     budget_hist: dict[str, int] = {}

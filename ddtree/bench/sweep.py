@@ -8,6 +8,7 @@ topk are fastest at each concurrency". With `--with-auto` an adaptive-budget row
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -63,12 +64,21 @@ def main(args) -> int:
         if not (n == 0 and name == "auto"):
             llm.set_mode(spec, budget, topk)
         for c in args.concurrency:
-            batches = full_batches(prompts, c)
+            batches, warmup = full_batches(prompts, c), None
             # per category only at C=1, where a batch is one prompt and its time is that category's alone
             labels = cats if c == 1 and len(set(cats)) > 1 else None
-            r = run_mode(llm, batches, params, args.repeats, labels)
+            if args.continuous and c > 1:
+                # every prompt queued at once (cycled to at least 2c, so that c run for most of the time),
+                # at most c running: a finished request's slot goes to the next prompt (continuous
+                # batching, as a server at concurrency c), where a batch run to completion spends its end
+                # on its slowest request
+                queue = list(itertools.islice(itertools.cycle(prompts), max(len(prompts), 2 * c)))
+                batches, warmup = [queue], prompts[:c]
+                llm.engine.scheduler.max_num_seqs = c
+            r = run_mode(llm, batches, params, args.repeats, labels, warmup)
             row = {**env, "bench": "sweep", "mode": name, "spec": spec, "budget": llm.budget, "topk": llm.topk,
-                   "concurrency": c, "dataset": args.dataset, "num_prompts": len(prompts),
+                   "concurrency": c, "batching": "continuous" if args.continuous else "to completion",
+                   "dataset": args.dataset, "num_prompts": len(prompts),
                    "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, **r}
             results.append(row)
             with open(args.out, "a") as f:  # row by row: a long grid that dies keeps what it measured
