@@ -217,7 +217,7 @@ class LLMEngine:
             # a prefill chunk still running on the device would count in the step times auto measures
             spec.timed = not step.prefill
             spec.short_bursts = self._admitting()
-            ar = spec.ar_steps(len(step.decode)) if isinstance(spec, AdaptiveSpeculator) else 0
+            ar = spec.ar_steps(step.decode) if isinstance(spec, AdaptiveSpeculator) else 0
             if ar and self.decode_graphs is not None and len(step.decode) <= self.decode_graphs.max_batch:
                 self._auto_ar_burst(step.decode, ar)
             elif ar:

@@ -23,6 +23,7 @@ class ModelRunner:
         activations are kept out of the GPU memory the KV cache takes."""
         self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
         self.page_size = engine_cfg.page_size
+        self.max_num_batched_tokens = engine_cfg.max_num_batched_tokens  # (a forward's activations are sized for it)
         # Triton kernels on GPU; DDTREE_ATTENTION=torch forces the reference (debugging).
         self.use_triton = device.type == "cuda" and os.environ.get("DDTREE_ATTENTION", "triton") == "triton"
         self.heads_per_kv = cfg.num_heads // cfg.num_kv_heads
@@ -72,9 +73,23 @@ class ModelRunner:
     @torch.inference_mode()
     def refeed(self, rows: list[tuple[Sequence, int, int]], taps: list[int]) -> torch.Tensor:
         """The tapped layers' outputs [sum of n, len(taps) * D] at tokens already in the cache, (request,
-        start, n) per row: AR steps that did not read them out (auto, spec/auto.py). Their K/V are not
-        written again: the writes go to the scratch page, so every query attends to the cached K/V
-        exactly as the AR steps left them."""
+        start, n) per row: AR steps that did not read them out (auto, spec/auto.py), in forwards of at
+        most `max_num_batched_tokens` tokens. Their K/V are not written again: the writes go to the
+        scratch page, so every query attends to the cached K/V exactly as the AR steps left them."""
+        out, part, size = [], [], 0
+        for seq, start, n in rows:
+            while n:
+                take = min(n, self.max_num_batched_tokens - size)
+                part.append((seq, start, take))
+                start, n, size = start + take, n - take, size + take
+                if size == self.max_num_batched_tokens:
+                    out.append(self._refeed(part, taps))
+                    part, size = [], 0
+        if part:
+            out.append(self._refeed(part, taps))
+        return torch.cat(out)
+
+    def _refeed(self, rows: list[tuple[Sequence, int, int]], taps: list[int]) -> torch.Tensor:
         input_ids, positions, batch = self._inputs(rows)
         base = self.scratch_page * self.page_size
         batch.slot_mapping = base + torch.arange(len(input_ids), device=self.device) % self.page_size

@@ -136,6 +136,12 @@ class AdaptivePolicy:
         self.spec_bucket = 0  # ... for this batch bucket
         self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
         self.switch: dict[int, float] = {}  # batch bucket -> ms of an AR stretch's context store
+        # ms per row of feeding tokens again where tap-free AR steps skipped their features (`HOPE`): a
+        # running mean, from a prior of the table's widest verify per token; and the rows due now
+        n = max(self.budgets, default=0) + 1
+        self.refeed_row_ms = max(table.verify.values(), key=lambda v: v[-1])[-1] / (n * table.batch[-1]) \
+            if self.budgets else 0.0
+        self.gap_ms = 0.0
 
     def observe_time(self, kind: str, batch: int, measured_ms: float, table_ms: float) -> None:
         """A real step of `kind` ("ar": per step of an AR burst, "spec": per step of a speculative burst,
@@ -156,7 +162,12 @@ class AdaptivePolicy:
         self.switch[_bucket(batch)] = ms if old is None else (1 - self.decay) * old + self.decay * ms
 
     def switch_ms(self, batch: int) -> float:
-        return self.switch.get(_bucket(batch), 0.0)
+        """A switch's cost: the context store, and feeding again the rows tap-free AR steps skipped."""
+        return self.switch.get(_bucket(batch), 0.0) + self.gap_ms
+
+    def observe_refeed(self, rows: int, ms: float) -> None:
+        """Tokens of `rows` gap rows were fed through the target again in `ms` (device time included)."""
+        self.refeed_row_ms = (1 - self.decay) * self.refeed_row_ms + self.decay * ms / max(rows, 1)
 
     def ar_ms(self, batch: int) -> float:
         """One AR step as the engine pays it (at least half the table's: the extra is learnt per batch
@@ -236,13 +247,15 @@ class AdaptivePolicy:
         switch = self.switch_ms(batch) / BURST_STEPS if store else 0.0
         return gain / max(device + self.spec_extra_ms(batch) + switch, 0.5 * device)
 
-    def plan(self, batch: int) -> int:
+    def plan(self, batch: int, gap_rows: int = 0) -> int:
         """Before drafting: the budget to speculate with next (0: AR) on past drafts' averages and past
         bursts' rates; a probe (a burst of the budget that looks best, `probing` set) when one is due.
-        Nothing known yet: the smallest budget (one blind step)."""
+        Nothing known yet: the smallest budget (one blind step). `gap_rows`: rows a switch would feed
+        again first (tap-free AR steps')."""
         if not self.budgets:
             return 0
         self.hopeless = False
+        self.gap_ms = gap_rows * self.refeed_row_ms
         if self.expected is None:
             return self.budgets[0]
         switching = not self.speculating
@@ -272,12 +285,15 @@ class AdaptivePolicy:
         # of the AR time (`probe_cap`; per batch bucket: the one or two requests left at the end of a
         # batch may well speculate, which says nothing about the next full batch).
         # Hopeless: only at the longest spacing (the averages may be stale, from hard text, and only a
-        # probe's draft renews them).
+        # probe's draft renews them), and only where feeding the skipped rows again costs at most
+        # PROBE_LOSS of the AR time since the last one (at batch 128 on the H200, ~0.3 ms of refeed per
+        # AR step of 1.6 ms: never).
         bucket = _bucket(batch)
         if bucket not in self.intervals:
             self.intervals[bucket] = self.probe_cap(batch, best)
         self.interval = self.max_probe_every if self.hopeless else self.intervals[bucket]
-        if self.ar_streak >= self.interval:
+        affordable = not self.hopeless or self.gap_ms <= PROBE_LOSS * self.ar_streak * self.ar_ms(batch)
+        if self.ar_streak >= self.interval and affordable:
             self.probing, self.ar_streak = True, 0
             self.intervals[bucket] = self.probe_cap(batch, best)
             return best
@@ -315,7 +331,8 @@ class AdaptivePolicy:
     def state(self) -> dict:
         """What the policy has learned, for benchmark rows (JSON-ready)."""
         return {"table": self.table.as_dict(), "extra_ms": {f"{k}@{b}": v for (k, b), v in sorted(self.extra.items())},
-                "switch_ms": dict(sorted(self.switch.items())), "expected": self.expected,
+                "switch_ms": dict(sorted(self.switch.items())), "refeed_row_ms": self.refeed_row_ms,
+                "expected": self.expected,
                 "calibration": {b: self.calibration(b) for b in self.budgets},
                 # rate, E(b), rate over the model's
                 "realized": {f"{b}@{k}": [round(x, 4) for x in (_rate(v), v[2], v[3])]

@@ -143,23 +143,32 @@ class AdaptiveSpeculator(Speculator):
         speculation at this batch size (the requests' context gets a gap, refed at a switch)."""
         return self.policy.hopeless
 
-    def _refeed_gaps(self, seqs: list[Sequence]) -> bool:
+    def _refeed_gaps(self, seqs: list[Sequence]) -> float:
         """The target features of every gap in the requests' drafter context (AR steps that skipped them),
-        fed again through the target in one forward, into their pending rows. True if there was one."""
+        fed again through the target, into their pending rows; timed to its end (a device sync: the
+        policy prices the next ones on it). Returns the ms it took (0: no gap)."""
         found = gaps(seqs)
         if not found:
-            return False
+            return 0.0
+        t0 = time.perf_counter()
         feats = self.runner.refeed([(s, start, n) for s, _, start, n in found], self.drafter.layer_ids)
         for (s, j, _, _), f in zip(found, feats.split([n for *_, n in found])):
             s.pending_features[j] = f
-        self.stats.bursts["refeeds"] += 1
-        return True
+        _sync(self.runner.device)
+        rows, ms = sum(n for *_, n in found), (time.perf_counter() - t0) * 1e3
+        self.policy.observe_refeed(rows, ms)
+        self.stats.bursts.update({"refeeds": 1, "refeed_rows": rows, "refeed_ms": ms})
+        return ms
 
-    def ar_steps(self, batch: int) -> int:
+    def gap_rows(self, seqs: list[Sequence]) -> int:
+        """Rows a switch would have to feed again first (the policy prices a probe on them)."""
+        return sum(n for *_, n in gaps(seqs))
+
+    def ar_steps(self, seqs: list[Sequence]) -> int:
         """Asked by the engine before each decode step: 0 to speculate now (`step`, with the planned
         budget), else how many AR steps to take first (the engine runs them as a graphed AR burst,
         `ar_step` on the CPU)."""
-        self.planned = self.policy.plan(batch)
+        self.planned = self.policy.plan(len(seqs), self.gap_rows(seqs))
         return 0 if self.planned else 1 + self.policy.ar_steps_ahead()
 
     def after_ar_burst(self, batch: int, steps: int, request_steps: int, elapsed_ms: float) -> None:
@@ -170,7 +179,10 @@ class AdaptiveSpeculator(Speculator):
         self.stats.bursts.update({"ar_bursts": 1, "ar_steps": steps, "ar_ms": elapsed_ms,
                                   "tap_free_bursts": int(self.tap_free)})
         if self.timed and steps >= TIMED_BURST:
-            self.policy.observe_time("ar", batch, elapsed_ms / steps, self.policy.table.ar_ms(batch))
+            # (tap-free bursts, cheaper, do not teach the AR step's cost: the plan weighs speculation
+            # against the AR steps that keep the drafter's context)
+            if not self.tap_free:
+                self.policy.observe_time("ar", batch, elapsed_ms / steps, self.policy.table.ar_ms(batch))
             self.policy.tally(0, batch, request_steps, elapsed_ms)
 
     @torch.inference_mode()
@@ -227,13 +239,15 @@ class AdaptiveSpeculator(Speculator):
         captured = next(b for b in graphs.buckets if b >= R) in graphs.graphs  # (not a burst that captures)
         stored = False
         t0 = time.perf_counter()
-        if self._refeed_gaps(seqs) or any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
+        refeed_ms = self._refeed_gaps(seqs)  # (priced apart, on the rows it feeds again)
+        if refeed_ms or any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
             # an AR stretch's context (fed again where its steps did not read it out), wider than the
             # graph's: a cost of switching from AR, which the plan adds to a switch (not to the burst's
-            # rate: a store comes only after AR steps)
+            # rate: a store comes only after AR steps; waited for, so that the burst's time is its own)
             self.drafter.store_pending(seqs)
+            _sync(self.runner.device)
             stored = True
-            store_ms = (time.perf_counter() - t0) * 1e3
+            store_ms = (time.perf_counter() - t0) * 1e3 - refeed_ms
             self.stats.bursts["store_ms"] += store_ms
             if self.timed and captured:
                 self.policy.observe_switch(R, store_ms)
@@ -290,3 +304,8 @@ class AdaptiveSpeculator(Speculator):
             steps = {"draft": partial(self._draft, inp), 0: partial(self._budget_step, 0, root, _argmax)}
             steps.update({b: partial(self._whole_step, b, inp) for b in self.budgets[1:]})
         return steps
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
