@@ -112,6 +112,7 @@ def test_policy_plans_bursts_from_past_drafts_by_batch_size():
     rows = 128 * MAX_PROBE_EVERY  # every request's every step skipped
     ar = [policy.plan(128, gap_rows=rows) for _ in range(2 * MAX_PROBE_EVERY)]
     assert not any(ar) and policy.gap_ms > PROBE_LOSS * MAX_PROBE_EVERY * ar_ms
+    assert policy.ar_steps_ahead() >= PROBE_EVERY - 1  # (whole AR bursts meanwhile, not single steps)
     for _ in range(100):  # refeeds turn out cheap: the next probe is affordable
         policy.observe_refeed(1000, 1e-3)
     assert policy.plan(128, gap_rows=rows) > 0 and policy.refeed_row_ms < 1e-4

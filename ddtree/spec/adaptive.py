@@ -297,6 +297,8 @@ class AdaptivePolicy:
             self.probing, self.ar_streak = True, 0
             self.intervals[bucket] = self.probe_cap(batch, best)
             return best
+        if self.ar_streak >= self.interval:  # due, but not affordable yet: whole AR bursts until a look again
+            self.interval = self.ar_streak + PROBE_EVERY
         self.ar_streak += 1
         self.fresh = False  # AR steps next: no drafts, the averages grow stale
         return 0
