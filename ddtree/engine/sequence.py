@@ -38,8 +38,11 @@ class Sequence:
     # of positions [draft_len, num_cached) wait in pending_features until the next draft step: tensors
     # [n, K*D], or (buffer, i, n), the first n of row i of an AR burst's buffer [R, steps, K*D]
     # (spec/draft.py `pending_tensors`).
+    # A pending entry (None, start, n) is a gap: AR steps that did not read out their features
+    # (spec/draft.py `add_gap`); gap_rows counts its rows.
     draft_len: int = 0
-    pending_features: list[torch.Tensor | tuple[torch.Tensor, int, int]] = field(default_factory=list)
+    pending_features: list[torch.Tensor | tuple[torch.Tensor | None, int, int]] = field(default_factory=list)
+    gap_rows: int = 0
 
     def drop_cache(self) -> None:
         """Forget all cached state (pages were released): everything is recomputed on readmission."""
@@ -47,6 +50,7 @@ class Sequence:
         self.num_cached = 0
         self.draft_len = 0
         self.pending_features = []
+        self.gap_rows = 0
 
     @property
     def token_ids(self) -> list[int]:

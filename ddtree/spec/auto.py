@@ -154,6 +154,7 @@ class AdaptiveSpeculator(Speculator):
         feats = self.runner.refeed([(s, start, n) for s, _, start, n in found], self.drafter.layer_ids)
         for (s, j, _, _), f in zip(found, feats.split([n for *_, n in found])):
             s.pending_features[j] = f
+            s.gap_rows = 0
         _sync(self.runner.device)
         rows, ms = sum(n for *_, n in found), (time.perf_counter() - t0) * 1e3
         self.policy.observe_refeed(rows, ms)
@@ -162,7 +163,7 @@ class AdaptiveSpeculator(Speculator):
 
     def gap_rows(self, seqs: list[Sequence]) -> int:
         """Rows a switch would have to feed again first (the policy prices a probe on them)."""
-        return sum(n for *_, n in gaps(seqs))
+        return sum(s.gap_rows for s in seqs)
 
     def ar_steps(self, seqs: list[Sequence]) -> int:
         """Asked by the engine before each decode step: 0 to speculate now (`step`, with the planned

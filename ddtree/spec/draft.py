@@ -48,15 +48,16 @@ def add_gap(seq: Sequence, start: int, n: int) -> None:
         seq.pending_features[-1] = (None, last[1], last[2] + n)
     else:
         seq.pending_features.append((None, start, n))
+    seq.gap_rows += n
 
 
 def has_gap(seq: Sequence) -> bool:
-    return any(isinstance(f, tuple) and f[0] is None for f in seq.pending_features)
+    return seq.gap_rows > 0
 
 
-def gaps(seqs: list[Sequence]) -> list[tuple[Sequence, int, int]]:
+def gaps(seqs: list[Sequence]) -> list[tuple[Sequence, int, int, int]]:
     """Every (request, index in its pending_features, start, n) of a gap, in order."""
-    return [(s, j, f[1], f[2]) for s in seqs for j, f in enumerate(s.pending_features)
+    return [(s, j, f[1], f[2]) for s in seqs if s.gap_rows for j, f in enumerate(s.pending_features)
             if isinstance(f, tuple) and f[0] is None]
 
 
