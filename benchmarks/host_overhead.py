@@ -8,8 +8,9 @@ out so that what is timed is only the host code around it:
 - `ar-eager`: the CPU path (`ModelRunner.run`: prepare inputs and attention metadata), with the
   model's forward and LM head stubbed.
 - `auto-ar`: `--budget auto` on a cost table where speculation never pays, so every step is one of its
-  graphed AR bursts (the stub also returns the target features each step reads out, kept as pending
-  drafter context): what auto's AR costs on the host beyond `ar`'s.
+  graphed AR bursts: what auto's AR costs on the host beyond `ar`'s. After its first (blind) draft
+  the policy finds speculation hopeless, so the bursts are tap-free (plain AR's stub, gaps kept per
+  request); the tapped pool's stub also returns the target features each step reads out.
 - `ddtree`: the GPU speculative path (budget 16, topk 4, block 16). The step's graph pool is replaced
   by a stub returning a fixed outcome (3 draft tokens accepted + bonus), so a step is schedule ->
   drafter inputs -> (stub) -> read-back -> commit.
@@ -105,6 +106,7 @@ def make_llm(path: str, mode: str) -> LLM:
     elif mode == "auto-ar":
         feats = torch.zeros(64, engine.speculator.drafter.feat_dim)
         engine.decode_graphs = StubPool((logits, feats), {"block_tables": engine.runner.scratch_page}, widths)
+        engine.untapped_decode_graphs = StubPool(logits, {"block_tables": engine.runner.scratch_page}, widths)
         engine.burst = DECODE_BURST
     elif mode == "ar-eager":
         engine.runner.model = StubModel(engine.runner.model, logits)
