@@ -43,7 +43,7 @@ from ddtree.engine.graphs import GraphPool  # noqa: E402
 from ddtree.llm import LLM  # noqa: E402
 from ddtree.models.dflash import random_drafter  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
-from ddtree.spec.adaptive import CostTable  # noqa: E402
+from ddtree.spec.costs import CostTable  # noqa: E402
 from ddtree.spec.decode import StepOutputs  # noqa: E402
 from tiny import make_tiny_model  # noqa: E402
 

@@ -69,7 +69,7 @@ class LLM:
                  cost_table=None) -> None:
         """(Re)builds the engine for a decoding mode, keeping the loaded weights and drafter. `budget`
         "auto" chooses it per step (0 = AR included) from a table of step costs (`cost_table`, a
-        `ddtree.spec.adaptive.CostTable`; measured on the device when not given)."""
+        `ddtree.spec.costs.CostTable`; measured on the device when not given)."""
         if spec not in SPEC_MODES:
             raise ValueError(f"spec must be one of {SPEC_MODES}, got {spec!r}")
         if spec != "none" and self.drafter is None:

@@ -18,8 +18,9 @@ from ddtree.config import ModelConfig
 from ddtree.llm import LLM
 from ddtree.models.dflash import random_drafter, save_drafter
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.adaptive import (MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS, AdaptivePolicy, CostTable,
+from ddtree.spec.adaptive import (MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS, AdaptivePolicy,
                                   candidate_budgets)
+from ddtree.spec.costs import CostTable
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
 from emulated import emulated_pool, fake_gpu_graphs
 from policy_sim import H200_TABLE, Batches, Regime, run_batches, run_fixed, run_noisy_bursts, run_policy

@@ -22,8 +22,9 @@ from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
 from ddtree.ops.attention import pack_rows, page_slots
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.adaptive import CostTable, candidate_budgets
+from ddtree.spec.adaptive import candidate_budgets
 from ddtree.spec.auto import AdaptiveSpeculator
+from ddtree.spec.costs import CostTable
 from ddtree.spec.decode import SHORT_BURST, SPEC_BURST, Speculator
 from ddtree.spec.draft import DraftRunner, add_gap, has_gap
 

@@ -1,7 +1,7 @@
 """Adaptive speculation (`--budget auto`): each step, the budget (0 = plain AR) that maximizes expected
 committed tokens per second.
 
-Cost: a table of step times measured at start-up on the device (`measure_costs`): one AR step, one
+Cost: a table of step times measured at start-up on the device (spec/costs.py): one AR step, one
 draft step and one verify step of each candidate width, at a few batch sizes (linear in between).
 Gain: the drafter's own probabilities give the expected accepted length E(b) of the best-first tree
 of each budget b (spec/tree.py `expected_accepts`); the drafter is miscalibrated, so E is scaled by
@@ -29,13 +29,9 @@ probabilities among the remaining costs: verify(b) for b > 0, or the AR step for
 """
 from __future__ import annotations
 
-import statistics
-import time
-from bisect import bisect_left
-from dataclasses import dataclass
+from ddtree.spec.costs import CostTable
 
 BUDGETS = (4, 8, 16, 32)  # speculative candidates; 0 (AR) is always one too
-AR_TIMING_BURST = 8
 SWITCH_MARGIN = 1.05  # the rate another mode (AR or speculation) must beat the current one by
 PROBE_EVERY = 16  # AR steps at least between probes (a burst of the budget that looks best) ...
 MAX_PROBE_EVERY = 1024  # ... and at most, within which as many as keep what losing probes cost
@@ -64,44 +60,6 @@ def candidate_budgets(depth: int, topk: int) -> list[int]:
     """[0] + BUDGETS, each capped by the number of nodes a tree of this depth and topk can hold."""
     most = sum(topk ** d for d in range(1, depth + 1))
     return [0] + sorted({min(b, most) for b in BUDGETS})
-
-
-def interpolate(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise linear in x; below the first point its value, past the last the last slope (>= 0)."""
-    if len(xs) == 1 or x <= xs[0]:
-        return ys[0]
-    i = min(bisect_left(xs, x), len(xs) - 1)
-    slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
-    if x > xs[i]:
-        return ys[i] + max(slope, 0.0) * (x - xs[i])
-    return ys[i - 1] + slope * (x - xs[i - 1])
-
-
-@dataclass(slots=True)
-class CostTable:
-    """Step times in milliseconds by batch size (`batch`, ascending)."""
-    batch: list[int]
-    ar: list[float]  # one AR decode step
-    draft: list[float]  # one drafter block
-    verify: dict[int, list[float]]  # budget -> verifying budget + 1 nodes per request
-
-    def __post_init__(self) -> None:
-        n = len(self.batch)
-        assert n and self.batch == sorted(self.batch) and len(self.ar) == len(self.draft) == n
-        assert all(len(v) == n for v in self.verify.values())
-
-    def ar_ms(self, batch: int) -> float:
-        return interpolate(self.batch, self.ar, batch)
-
-    def draft_ms(self, batch: int) -> float:
-        return interpolate(self.batch, self.draft, batch)
-
-    def verify_ms(self, budget: int, batch: int) -> float:
-        return interpolate(self.batch, self.verify[budget], batch)
-
-    def as_dict(self) -> dict:
-        return {"batch": self.batch, "ar": self.ar, "draft": self.draft,
-                "verify": {str(b): v for b, v in self.verify.items()}}
 
 
 class AdaptivePolicy:
@@ -399,35 +357,3 @@ def _rate(realized: tuple[float, ...]) -> float:
 def _bucket(batch: int) -> int:
     """The power of two at or above `batch`: host costs are kept per bucket, as the CUDA graphs are."""
     return 1 << (batch - 1).bit_length()
-
-
-def measure_costs(spec, batch_sizes: list[int], context: int, reps: int) -> CostTable:
-    """Times the speculator's own steps on fake requests (`spec.fake_steps`): on GPU replays of its
-    CUDA graphs (captured here, ahead of serving), on CPU eager calls. Wall-clock milliseconds as the
-    engine pays them, host launch included: a draft, or a whole speculative step of budget b (draft,
-    tree, verify), is timed to a synchronize, and verify(b) is the whole step less the draft; AR steps
-    run in pipelined bursts, so one is timed as a share of a burst of `AR_TIMING_BURST` back-to-back
-    steps (the host launches overlap the device work). Median of `reps` after a warm-up."""
-    import torch
-    sync = torch.cuda.synchronize if spec.runner.device.type == "cuda" else (lambda: None)
-
-    def timed(fn, repeat: int = 1) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(repeat):
-                fn()
-            sync()
-            times.append((time.perf_counter() - t0) * 1e3 / repeat)
-        return statistics.median(times)
-
-    ar, draft, verify = [], [], {b: [] for b in spec.budgets if b > 0}
-    for bs in batch_sizes:
-        steps = spec.fake_steps(bs, context)
-        ar.append(timed(steps[0], AR_TIMING_BURST))
-        draft.append(timed(steps["draft"]))
-        for b in verify:  # (a floor: the two timings are separate medians)
-            verify[b].append(max(timed(steps[b]) - draft[-1], 0.1 * draft[-1]))
-    return CostTable(list(batch_sizes), ar, draft, verify)

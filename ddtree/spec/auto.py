@@ -13,7 +13,8 @@ from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import pack_rows, page_slots
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.adaptive import AdaptivePolicy, CostTable, candidate_budgets, measure_costs
+from ddtree.spec.adaptive import AdaptivePolicy, candidate_budgets
+from ddtree.spec.costs import CostTable, measure_costs
 from ddtree.spec.decode import SPEC_BURST, Speculator, StepOutputs, _argmax
 from ddtree.spec.draft import DraftRunner, StepInputs, gaps
 from ddtree.spec.tree import Candidates, candidates, cut_tree, expected_accepts

@@ -1,0 +1,82 @@
+"""The cost side of adaptive speculation (spec/adaptive.py): step times in milliseconds by batch size,
+measured at start-up on the device (`measure_costs`: one AR step, one draft step and one verify step
+of each candidate width, at a few batch sizes), linear in between."""
+from __future__ import annotations
+
+import statistics
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import torch
+
+AR_TIMING_BURST = 8  # AR steps timed back to back, as the engine's pipelined bursts run them
+
+
+def interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise linear in x; below the first point its value, past the last the last slope (>= 0)."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = min(bisect_left(xs, x), len(xs) - 1)
+    slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+    if x > xs[i]:
+        return ys[i] + max(slope, 0.0) * (x - xs[i])
+    return ys[i - 1] + slope * (x - xs[i - 1])
+
+
+@dataclass(slots=True)
+class CostTable:
+    """Step times in milliseconds by batch size (`batch`, ascending)."""
+    batch: list[int]
+    ar: list[float]  # one AR decode step
+    draft: list[float]  # one drafter block
+    verify: dict[int, list[float]]  # budget -> verifying budget + 1 nodes per request
+
+    def __post_init__(self) -> None:
+        n = len(self.batch)
+        assert n and self.batch == sorted(self.batch) and len(self.ar) == len(self.draft) == n
+        assert all(len(v) == n for v in self.verify.values())
+
+    def ar_ms(self, batch: int) -> float:
+        return interpolate(self.batch, self.ar, batch)
+
+    def draft_ms(self, batch: int) -> float:
+        return interpolate(self.batch, self.draft, batch)
+
+    def verify_ms(self, budget: int, batch: int) -> float:
+        return interpolate(self.batch, self.verify[budget], batch)
+
+    def as_dict(self) -> dict:
+        return {"batch": self.batch, "ar": self.ar, "draft": self.draft,
+                "verify": {str(b): v for b, v in self.verify.items()}}
+
+
+def measure_costs(spec, batch_sizes: list[int], context: int, reps: int) -> CostTable:
+    """Times the speculator's own steps on fake requests (`spec.fake_steps`): on GPU replays of its
+    CUDA graphs (captured here, ahead of serving), on CPU eager calls. Wall-clock milliseconds as the
+    engine pays them, host launch included: a draft, or a whole speculative step of budget b (draft,
+    tree, verify), is timed to a synchronize, and verify(b) is the whole step less the draft; AR steps
+    run in pipelined bursts, so one is timed as a share of a burst of `AR_TIMING_BURST` back-to-back
+    steps (the host launches overlap the device work). Median of `reps` after a warm-up."""
+    sync = torch.cuda.synchronize if spec.runner.device.type == "cuda" else (lambda: None)
+
+    def timed(fn, repeat: int = 1) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                fn()
+            sync()
+            times.append((time.perf_counter() - t0) * 1e3 / repeat)
+        return statistics.median(times)
+
+    ar, draft, verify = [], [], {b: [] for b in spec.budgets if b > 0}
+    for bs in batch_sizes:
+        steps = spec.fake_steps(bs, context)
+        ar.append(timed(steps[0], AR_TIMING_BURST))
+        draft.append(timed(steps["draft"]))
+        for b in verify:  # (a floor: the two timings are separate medians)
+            verify[b].append(max(timed(steps[b]) - draft[-1], 0.1 * draft[-1]))
+    return CostTable(list(batch_sizes), ar, draft, verify)
