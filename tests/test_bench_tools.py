@@ -159,12 +159,15 @@ def test_sweep_continuous_queues_every_prompt_with_at_most_c_running(pair, tmp_p
     assert rc == 0
     rows = read_rows(out)
     assert [(r["mode"], r["concurrency"], r["batching"]) for r in rows] == \
-        [(m, c, "continuous") for m in ("ar", "ddtree") for c in (2, 4)]
+        [(m, c, "continuous") for m in ("ar", "ddtree") for c in (2, 4)]  # (C=1 too: one at a time either way)
     # every prompt once, in one queue (cycled to 2C: 8 at C=4)
     assert [r["generated_tokens"] for r in rows] == [5 * 4, 8 * 4] * 2
     # (the engine holds up to 4: at C=2 the scheduler's cap keeps the third prompt waiting)
     assert max(n for cap, n in running if cap == 2) == 2 and max(n for cap, n in running if cap == 4) == 4
     assert all(n <= cap for cap, n in running)
+    # the report keeps these rows apart from batches run to completion
+    assert main(["bench", "report", out, "--out", str(tmp_path / "report")]) == 0
+    assert "in-process, continuous" in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_serve_bench_reports_latency_stats_and_acceptance_from_metrics(serve_file):

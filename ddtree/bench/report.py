@@ -1,11 +1,12 @@
 """`ddtree bench report`: PNG plots and one Markdown report (`report.md`) from result JSON lines.
 
 Reads rows of `bench sweep`, `bench serve` and `bench latency` (any mix of files) and groups them by
-source (sweep/latency: in process; serve: over HTTP), dataset and device, since only rows of one group
-are comparable. Per group: throughput vs concurrency per mode, the budget x topk heatmap at C=1 (tok/s
-and tau), the acceptance length distribution, per-category speedups vs AR and, for serve rows, the
-latency table; then the hardware and commits the rows came from. A plot without data is skipped and
-the report says so. A configuration measured twice keeps its last row.
+source (sweep/latency: in process, a `--continuous` sweep apart; serve: over HTTP), dataset and
+device, since only rows of one group are comparable. Per group: throughput vs concurrency per mode,
+the budget x topk heatmap at C=1 (tok/s and tau), the acceptance length distribution, per-category
+speedups vs AR and, for serve rows, the latency table; then the hardware and commits the rows came
+from. A plot without data is skipped and the report says so. A configuration measured twice keeps its
+last row.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def load_rows(paths: list[str]) -> tuple[list[dict], list[str]]:
                     continue
                 if not isinstance(r, dict) or r.get("output_tok_per_s") is None or "mode" not in r:
                     continue
-                r["source"] = "serve" if r.get("bench") == "serve" else "in-process"
+                r["source"] = "serve" if r.get("bench") == "serve" else \
+                    "in-process, continuous" if r.get("batching") == "continuous" else "in-process"
                 r["file"] = path
                 key = (r["source"], r.get("dataset"), r.get("device"), r["mode"], str(r.get("budget")),
                        r.get("topk"), r.get("concurrency"))

@@ -77,7 +77,8 @@ def main(args) -> int:
                 llm.engine.scheduler.max_num_seqs = c
             r = run_mode(llm, batches, params, args.repeats, labels, warmup)
             row = {**env, "bench": "sweep", "mode": name, "spec": spec, "budget": llm.budget, "topk": llm.topk,
-                   "concurrency": c, "batching": "continuous" if args.continuous and c > 1 else "to completion",
+                   # (at C=1 one request at a time either way: a --continuous run's rows all say so)
+                   "concurrency": c, "batching": "continuous" if args.continuous else "to completion",
                    "dataset": args.dataset, "num_prompts": len(prompts),
                    "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, **r}
             results.append(row)
