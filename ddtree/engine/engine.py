@@ -111,16 +111,15 @@ class LLMEngine:
             # drafter's context, kept pending): choosing AR costs about what plain AR does. Where the
             # policy sees no chance for speculation at all, its AR bursts run plain AR's graphs, with no
             # read-out (the requests' context then has a gap, refed at a switch: spec/auto.py).
-            taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
-            pools = [taps, None] if taps else [None]
-            graphs = [GraphPool(partial(self._graph_decode, t), engine_cfg.max_num_seqs,
-                                pad={"block_tables": self.runner.scratch_page}, widths={"block_tables": max_pages})
-                      for t in pools]
-            self.decode_graphs, self.untapped_decode_graphs = graphs[0], graphs[-1]
-            # (under auto a bucket could first come up after the warm-up, mid-run)
-            with torch.inference_mode():  # (padding rows: their K/V go to the scratch page)
-                for pool in graphs:
-                    pool.capture_all(lambda bs: DecodeInputs(zeros(bs), zeros(bs), scratch.expand(bs, 1)))
+            def pool(taps):  # (under auto a bucket could first come up after the warm-up, mid-run: captured now)
+                graphs = GraphPool(partial(self._graph_decode, taps), engine_cfg.max_num_seqs,
+                                   pad={"block_tables": self.runner.scratch_page}, widths={"block_tables": max_pages})
+                with torch.inference_mode():  # (padding rows: their K/V go to the scratch page)
+                    graphs.capture_all(lambda bs: DecodeInputs(zeros(bs), zeros(bs), scratch.expand(bs, 1)))
+                return graphs
+            self.untapped_decode_graphs = self.decode_graphs = pool(None)
+            if self.speculator is not None:
+                self.decode_graphs = pool(self.speculator.drafter.layer_ids)
         self.prefill_graphs: dict[int, GraphPool] = {}
         if self.use_graphs and PREFILL_GRAPHS:
             taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
