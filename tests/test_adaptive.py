@@ -250,6 +250,36 @@ def test_a_switch_pays_the_context_store_once():
     assert policy.plan(1) > 0
 
 
+def test_a_switch_is_priced_from_the_table_store_and_a_stall_counts_at_most_4x():
+    # A first store that compiled a kernel (hundreds of ms) no longer seeds the running mean: at
+    # 3800c1b on the H200 a switch at C=1 was priced at 6 ms, so AR stayed and probes came ~680 apart.
+    t = table(lambda n, bs: 1.0)
+    policy = AdaptivePolicy(CostTable(t.batch, t.ar, t.draft, t.verify, [0.5] * len(BATCHES)), BUDGETS)
+    assert policy.switch_ms(1) == 0.5  # nothing stored yet: the table's store
+    policy.observe_switch(1, 600.0)
+    assert policy.switch_ms(1) == pytest.approx(0.9 * 0.5 + 0.1 * 2.0)
+    assert policy.switch_ms(64) == 0.5  # (another batch bucket)
+    untimed = AdaptivePolicy(t, BUDGETS)  # a table without stores: the first sample, as measured
+    assert untimed.switch_ms(1) == 0.0
+    untimed.observe_switch(1, 600.0)
+    assert untimed.switch_ms(1) == 600.0
+
+
+def test_after_a_probe_speculation_needs_no_switch_margin():
+    # Bursts realized 1.03 tokens per ms where AR runs 1.0: from AR that is within the switch margin
+    # (AR stays), but a probe has paid the switch, so right after one speculation is taken.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0), BUDGETS)
+    policy.record_draft(1, {b: 1.0 for b in BUDGETS[1:]})
+    for b in BUDGETS[1:]:
+        policy.observe_burst(b, 1, tokens=1.03 * 16, ms=16.0, expected=1.0)
+    assert policy.plan(1) == 0  # (drafts fresh, no store due: only the margin says AR)
+    policy.ar_streak = MAX_PROBE_EVERY
+    assert policy.plan(1) > 0 and policy.probing
+    policy.record_draft(1, {b: 1.0 for b in BUDGETS[1:]})  # the probe's drafts
+    policy.probing = False
+    assert policy.plan(1) > 0
+
+
 def test_a_budget_tried_on_hard_text_is_not_shut_out():
     # Budget 32 verified a few times where little was accepted, then budget 16 for a long stretch where
     # the drafter's predictions held: 32's calibration drifts back to the overall ratio (its own old
@@ -660,6 +690,7 @@ def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, mon
     old = eng.speculator
     spec = auto.AdaptiveSpeculator(eng.runner, old.drafter, 4, True, 3, old.max_pages)  # buckets 1, 2, 3
     assert spec.draft_graphs is not None and spec.policy.table.batch == [1, 2, 3]
+    assert len(spec.policy.table.store) == 3 and min(spec.policy.table.store) > 0  # a switch's store, timed
     assert all(set(spec.step_graphs[b].graphs) == {1, 2, 3} for b in BUDGETS[1:])  # captured while measuring
     eng.speculator = llm.engine.speculator = spec
     plant_by_position(llm, noisy_oracle(continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)),

@@ -89,6 +89,7 @@ class AdaptivePolicy:
         self.totals: dict[tuple[int, int], list[float]] = {}
         self.max_probe_every = max_probe_every
         self.probing = False  # this draft is a probe: AR looked better on past averages
+        self.probed = False  # the last plan was a probe (its burst has paid the switch already)
         self.hopeless = False  # the last plan saw no chance for speculation at its batch size (`HOPE`)
         self.speculating = False  # the last plan chose a budget > 0 (not a probe) ...
         self.spec_bucket = 0  # ... for this batch bucket
@@ -115,13 +116,20 @@ class AdaptivePolicy:
         self.extra[key] = sample if old is None else (1 - self.decay) * old + self.decay * sample
 
     def observe_switch(self, batch: int, ms: float) -> None:
-        """A switch from AR to speculation stored the AR stretch's drafter context in `ms` (host)."""
-        old = self.switch.get(_bucket(batch))
+        """A switch from AR to speculation stored the AR stretch's drafter context in `ms` (host). Where
+        the table timed a store, it is the running mean's start and one sample counts at most 4x it:
+        at 3800c1b, without either, the plan at C=1 on the H200 priced a switch at 6 ms (a burst of
+        budget 32 takes ~15), which kept it on AR and spaced its probes ~680 steps apart."""
+        table = self.table.store_ms(batch)
+        if table is not None:
+            ms = min(ms, 4 * table)
+        old = self.switch.get(_bucket(batch), table)
         self.switch[_bucket(batch)] = ms if old is None else (1 - self.decay) * old + self.decay * ms
 
     def switch_ms(self, batch: int) -> float:
         """A switch's cost: the context store, and feeding again the rows tap-free AR steps skipped."""
-        return self.switch.get(_bucket(batch), 0.0) + self.gap_ms
+        store = self.switch.get(_bucket(batch), self.table.store_ms(batch))
+        return (store or 0.0) + self.gap_ms
 
     def observe_refeed(self, rows: int, ms: float) -> None:
         """Tokens of `rows` gap rows were fed through the target again in `ms` (device time included)."""
@@ -216,6 +224,7 @@ class AdaptivePolicy:
         self.gap_ms = gap_rows * self.refeed_row_ms
         if self.expected is None:
             return self.budgets[0]
+        after_probe, self.probed = self.probed, False
         switching = not self.speculating
         store = switching and not self.fresh  # (after a probe its burst stored the AR stretch already)
         best, best_rate = self.budgets[0], self.request_rate(self.budgets[0], batch, store)
@@ -231,10 +240,10 @@ class AdaptivePolicy:
         # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
         # catch-up, so near break-even the policy keeps the mode it is in, at the batch size it chose
         # it for (speculation chosen for the few requests left at the end of a batch is not kept on
-        # for the full batch after it).
+        # for the full batch after it). Right after a probe, whose burst paid the switch, neither way.
         staying = not switching and self.spec_bucket == _bucket(batch)
-        if not self.hopeless and best_rate > ar_rate * (SWITCH_MARGIN if switching else 1 / SWITCH_MARGIN
-                                                        if staying else 1.0):
+        margin = 1.0 if after_probe else SWITCH_MARGIN if switching else 1 / SWITCH_MARGIN if staying else 1.0
+        if not self.hopeless and best_rate > ar_rate * margin:
             self.probing, self.ar_streak, self.speculating = False, 0, True
             self.spec_bucket = _bucket(batch)
             return best
@@ -252,7 +261,7 @@ class AdaptivePolicy:
         self.interval = self.max_probe_every if self.hopeless else self.intervals[bucket]
         affordable = not self.hopeless or self.gap_ms <= PROBE_LOSS * self.ar_streak * self.ar_ms(batch)
         if self.ar_streak >= self.interval and affordable:
-            self.probing, self.ar_streak = True, 0
+            self.probing, self.probed, self.ar_streak = True, True, 0
             self.intervals[bucket] = self.probe_cap(batch, best)
             return best
         if self.ar_streak >= self.interval:  # due, but not affordable yet: whole AR bursts until a look again

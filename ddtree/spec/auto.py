@@ -14,7 +14,7 @@ from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import pack_rows, page_slots
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import AdaptivePolicy, candidate_budgets
-from ddtree.spec.costs import CostTable, measure_costs
+from ddtree.spec.costs import STORE_ROWS, CostTable, measure_costs
 from ddtree.spec.decode import SPEC_BURST, Speculator, StepOutputs, _argmax
 from ddtree.spec.draft import DraftRunner, StepInputs, gaps
 from ddtree.spec.tree import Candidates, candidates, cut_tree, expected_accepts
@@ -250,7 +250,7 @@ class AdaptiveSpeculator(Speculator):
             _sync(self.runner.device)
             stored = True
             store_ms = (time.perf_counter() - t0) * 1e3 - refeed_ms
-            self.stats.bursts["store_ms"] += store_ms
+            self.stats.bursts.update({"store_ms": store_ms, "stores": 1})
             if self.timed and captured:
                 self.policy.observe_switch(R, store_ms)
         t1 = time.perf_counter()
@@ -296,7 +296,8 @@ class AdaptiveSpeculator(Speculator):
     def fake_steps(self, bs: int, context: int) -> dict:
         """Step closures on `bs` fake requests with `context` cached tokens whose pages are all the
         scratch page (timing only: their K/V are garbage): {"draft": the draft, 0: auto's AR step, b: a
-        whole step of budget b (draft included)}."""
+        whole step of budget b (draft included), "store": a switch's store of STORE_ROWS pending rows a
+        request, kept as an AR burst keeps them}."""
         inp = self.padding_inputs(bs, context)
         root = RootInputs(inp.roots, inp.starts, inp.block_tables)
         if self.draft_graphs is not None:
@@ -305,6 +306,16 @@ class AdaptiveSpeculator(Speculator):
         else:
             steps = {"draft": partial(self._draft, inp), 0: partial(self._budget_step, 0, root, _argmax)}
             steps.update({b: partial(self._whole_step, b, inp) for b in self.budgets[1:]})
+        rows = min(STORE_ROWS, context)
+        seqs = [Sequence([0] * context, SamplingParams(), None, block_table=inp.block_tables[0].tolist(),
+                         num_cached=context) for _ in range(bs)]
+        buf = torch.zeros(bs, rows, self.drafter.feat_dim, dtype=self.drafter.dtype, device=self.runner.device)
+
+        def store():
+            for i, s in enumerate(seqs):
+                s.draft_len, s.pending_features = context - rows, [(buf, i, rows)]
+            self.drafter.store_pending(seqs)
+        steps["store"] = store
         return steps
 
 

@@ -1,6 +1,7 @@
 """The cost side of adaptive speculation (spec/adaptive.py): step times in milliseconds by batch size,
 measured at start-up on the device (`measure_costs`: one AR step, one draft step and one verify step
-of each candidate width, at a few batch sizes), linear in between."""
+of each candidate width, and the context store a switch from AR pays first, at a few batch sizes),
+linear in between."""
 from __future__ import annotations
 
 import statistics
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 AR_TIMING_BURST = 8  # AR steps timed back to back, as the engine's pipelined bursts run them
+STORE_ROWS = 64  # pending context rows per request in the timed store (an AR stretch stores at most 128)
 
 
 def interpolate(xs: list[int], ys: list[float], x: float) -> float:
@@ -31,11 +33,12 @@ class CostTable:
     ar: list[float]  # one AR decode step
     draft: list[float]  # one drafter block
     verify: dict[int, list[float]]  # budget -> verifying budget + 1 nodes per request
+    store: list[float] | None = None  # an AR stretch's drafter context (STORE_ROWS a request) stored at a switch
 
     def __post_init__(self) -> None:
         n = len(self.batch)
         assert n and self.batch == sorted(self.batch) and len(self.ar) == len(self.draft) == n
-        assert all(len(v) == n for v in self.verify.values())
+        assert all(len(v) == n for v in self.verify.values()) and (self.store is None or len(self.store) == n)
 
     def ar_ms(self, batch: int) -> float:
         return interpolate(self.batch, self.ar, batch)
@@ -46,9 +49,13 @@ class CostTable:
     def verify_ms(self, budget: int, batch: int) -> float:
         return interpolate(self.batch, self.verify[budget], batch)
 
+    def store_ms(self, batch: int) -> float | None:
+        """A switch's context store (None: not measured)."""
+        return None if self.store is None else interpolate(self.batch, self.store, batch)
+
     def as_dict(self) -> dict:
         return {"batch": self.batch, "ar": self.ar, "draft": self.draft,
-                "verify": {str(b): v for b, v in self.verify.items()}}
+                "verify": {str(b): v for b, v in self.verify.items()}, "store": self.store}
 
 
 def measure_costs(spec, batch_sizes: list[int], context: int, reps: int) -> CostTable:
@@ -57,7 +64,9 @@ def measure_costs(spec, batch_sizes: list[int], context: int, reps: int) -> Cost
     engine pays them, host launch included: a draft, or a whole speculative step of budget b (draft,
     tree, verify), is timed to a synchronize, and verify(b) is the whole step less the draft; AR steps
     run in pipelined bursts, so one is timed as a share of a burst of `AR_TIMING_BURST` back-to-back
-    steps (the host launches overlap the device work). Median of `reps` after a warm-up."""
+    steps (the host launches overlap the device work); a store of `STORE_ROWS` pending rows a request
+    (host work included), to a synchronize. Median of `reps` after a warm-up (which also compiles what
+    the first store of a shape would have compiled mid-run)."""
     sync = torch.cuda.synchronize if spec.runner.device.type == "cuda" else (lambda: None)
 
     def timed(fn, repeat: int = 1) -> float:
@@ -72,11 +81,12 @@ def measure_costs(spec, batch_sizes: list[int], context: int, reps: int) -> Cost
             times.append((time.perf_counter() - t0) * 1e3 / repeat)
         return statistics.median(times)
 
-    ar, draft, verify = [], [], {b: [] for b in spec.budgets if b > 0}
+    ar, draft, verify, store = [], [], {b: [] for b in spec.budgets if b > 0}, []
     for bs in batch_sizes:
         steps = spec.fake_steps(bs, context)
         ar.append(timed(steps[0], AR_TIMING_BURST))
         draft.append(timed(steps["draft"]))
         for b in verify:  # (a floor: the two timings are separate medians)
             verify[b].append(max(timed(steps[b]) - draft[-1], 0.1 * draft[-1]))
-    return CostTable(list(batch_sizes), ar, draft, verify)
+        store.append(timed(steps["store"]))
+    return CostTable(list(batch_sizes), ar, draft, verify, store)
