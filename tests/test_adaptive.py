@@ -250,14 +250,14 @@ def test_a_switch_pays_the_context_store_once():
     assert policy.plan(1) > 0
 
 
-def test_a_switch_is_priced_from_the_table_store_and_a_stall_counts_at_most_4x():
+def test_a_switch_is_priced_from_the_table_store_and_a_stall_counts_at_most_10x():
     # A first store that compiled a kernel (hundreds of ms) no longer seeds the running mean: at
     # 3800c1b on the H200 a switch at C=1 was priced at 6 ms, so AR stayed and probes came ~680 apart.
     t = table(lambda n, bs: 1.0)
     policy = AdaptivePolicy(CostTable(t.batch, t.ar, t.draft, t.verify, [0.5] * len(BATCHES)), BUDGETS)
     assert policy.switch_ms(1) == 0.5  # nothing stored yet: the table's store
     policy.observe_switch(1, 600.0)
-    assert policy.switch_ms(1) == pytest.approx(0.9 * 0.5 + 0.1 * 2.0)
+    assert policy.switch_ms(1) == pytest.approx(0.9 * 0.5 + 0.1 * 5.0)
     assert policy.switch_ms(64) == 0.5  # (another batch bucket)
     untimed = AdaptivePolicy(t, BUDGETS)  # a table without stores: the first sample, as measured
     assert untimed.switch_ms(1) == 0.0

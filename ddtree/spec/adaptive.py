@@ -117,12 +117,14 @@ class AdaptivePolicy:
 
     def observe_switch(self, batch: int, ms: float) -> None:
         """A switch from AR to speculation stored the AR stretch's drafter context in `ms` (host). Where
-        the table timed a store, it is the running mean's start and one sample counts at most 4x it:
-        at 3800c1b, without either, the plan at C=1 on the H200 priced a switch at 6 ms (a burst of
-        budget 32 takes ~15), which kept it on AR and spaced its probes ~680 steps apart."""
+        the table timed a store, it is the running mean's start and one sample counts at most 10x it
+        (a stall, a first-time compile; a real store's host work grows with the rows and entries
+        pending, which the table's does not see): at 3800c1b, seeded by the first sample, the plan at
+        C=1 on the H200 priced a switch at 6 ms (a burst of budget 32 takes ~15), which kept it on AR
+        and spaced its probes ~680 steps apart."""
         table = self.table.store_ms(batch)
         if table is not None:
-            ms = min(ms, 4 * table)
+            ms = min(ms, 10 * table)
         old = self.switch.get(_bucket(batch), table)
         self.switch[_bucket(batch)] = ms if old is None else (1 - self.decay) * old + self.decay * ms
 
