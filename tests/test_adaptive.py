@@ -604,6 +604,24 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
         torch.testing.assert_close(again[k], seen[k], atol=1e-3, rtol=1e-3)
 
 
+def test_pending_rows_gathers_burst_entries_and_tensors_in_order():
+    # A request's pending context mixes tensors (a prompt's, a verified path's) and (buffer, i, n)
+    # entries of AR bursts' buffers shared by the batch; one cat and one gather give every row in order.
+    from ddtree.engine.sequence import Sequence
+    from ddtree.spec.draft import pending_rows
+    F = 5
+    a, b, t, u = torch.randn(3, 4, F), torch.randn(2, 6, F), torch.randn(2, F), torch.randn(1, F)
+    seqs = [Sequence([0], SamplingParams(), None) for _ in range(4)]
+    seqs[0].pending_features = [t, (a, 0, 4), (b, 1, 2)]
+    seqs[1].pending_features = [(a, 2, 1)]
+    seqs[3].pending_features = [(b, 0, 6), u, (a, 1, 3)]  # (seqs[2]: nothing pending)
+    want = torch.cat([t, a[0, :4], b[1, :2], a[2, :1], b[0], u, a[1, :3]])
+    assert torch.equal(pending_rows(seqs), want)
+    seqs[1].pending_features = [t, u]
+    assert torch.equal(pending_rows(seqs[1:3]), torch.cat([t, u]))  # tensors only
+    assert pending_rows(seqs[2:3]) is None
+
+
 def test_store_pending_puts_each_row_at_its_position_and_slot(pairs):
     # Before AR steps, auto moves pending features into the drafter cache; positions and slots are
     # computed on the device from the page tables (rows spanning pages, a request with none pending).

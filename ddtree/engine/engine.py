@@ -374,7 +374,7 @@ class LLMEngine:
         if feats_buf is not None:
             # One pending block per request and burst (not a row per step: a store then concatenates
             # thousands of tiny tensors at a large batch, ~10 ms of host time at 128 requests), and not
-            # cut out as a view here (spec/draft.py `pending_tensors`). (Not to a request that finished
+            # cut out as a view here (spec/draft.py `pending_rows`). (Not to a request that finished
             # in the burst: its cache is dropped, and the entry would keep the whole buffer alive as
             # long as the request object.)
             for i, (seq, n) in enumerate(zip(seqs, kept)):

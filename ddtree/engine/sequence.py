@@ -37,7 +37,7 @@ class Sequence:
     # Speculative decoding: the drafter's context K/V cover positions [0, draft_len); target features
     # of positions [draft_len, num_cached) wait in pending_features until the next draft step: tensors
     # [n, K*D], or (buffer, i, n), the first n of row i of an AR burst's buffer [R, steps, K*D]
-    # (spec/draft.py `pending_tensors`).
+    # (spec/draft.py `pending_rows`).
     # A pending entry (None, start, n) is a gap: AR steps that did not read out their features
     # (spec/draft.py `add_gap`); gap_rows counts its rows.
     draft_len: int = 0

@@ -32,12 +32,41 @@ def pending_count(seq: Sequence) -> int:
     return sum(f[2] if isinstance(f, tuple) else f.shape[0] for f in seq.pending_features)
 
 
-def pending_tensors(seqs: list[Sequence]) -> list[torch.Tensor]:
-    """The requests' pending features as tensors, in order. An AR burst keeps (buffer, i, n) entries, not
-    a view per request: cutting 2R views after every burst cost ~0.2 ms of host time per AR step at 80
-    requests on the H200 (bursts there average 4 steps), while a store only comes at a switch."""
+def pending_rows(seqs: list[Sequence]) -> torch.Tensor | None:
+    """The requests' pending features [T, K*D], in order (None: nothing pending). An AR burst keeps
+    (buffer, i, n) entries, not a view per request: cutting 2R views after every burst cost ~0.2 ms of
+    host time per AR step at 80 requests on the H200 (bursts there average 4 steps). Nor are they cut
+    here: each distinct buffer goes into one cat and every row comes out of it in one gather, where a
+    view per entry and a cat of them all took 4.5 ms on the CPU for 16 requests of 64 entries (what
+    short bursts, while requests wait for a slot, leave): a store was 2-6x the table's on the H200."""
     assert not any(has_gap(s) for s in seqs), "a gap in the drafter context: refeed it first"
-    return [f[0][f[1], :f[2]] if isinstance(f, tuple) else f for s in seqs for f in s.pending_features]
+    sources, firsts, counts, start = [], [], [], {}  # every source's rows, stacked; each entry's, in order
+    offset = 0
+    for s in seqs:
+        for f in s.pending_features:
+            if isinstance(f, tuple):
+                buf, i, n = f
+                if id(buf) not in start:  # (ids are unique here: every buffer is alive until the end)
+                    start[id(buf)] = offset
+                    sources.append(buf.flatten(0, 1))
+                    offset += buf.shape[0] * buf.shape[1]
+                firsts.append(start[id(buf)] + i * buf.shape[1])
+            else:
+                sources.append(f)
+                firsts.append(offset)
+                n = f.shape[0]
+                offset += n
+            counts.append(n)
+    if not sources:
+        return None
+    flat = torch.cat(sources) if len(sources) > 1 else sources[0]
+    if not start:
+        return flat  # (tensors only: the cat is the answer)
+    # row r of entry e is flat[firsts[e] + r]: one index built from per-entry lists, not per-row ones
+    first, count = torch.tensor([firsts, counts], device=flat.device)
+    total = sum(counts)
+    shift = torch.repeat_interleave(first - (count.cumsum(0) - count), count, output_size=total)
+    return flat[shift + torch.arange(total, device=flat.device)]
 
 
 def add_gap(seq: Sequence, start: int, n: int) -> None:
@@ -91,7 +120,7 @@ class DraftRunner:
         R, C, ps = len(seqs), max(ctx_rows or 0, max(counts), 1), self.page_size
         # Positions and slots as host lists and the features in one cat + one indexed write: a few tensor
         # ops per step instead of a dozen per request (the host cost of a large batch).
-        pos, slots, chunks, rows = [], [], pending_tensors(seqs), []
+        pos, slots, pending, rows = [], [], pending_rows(seqs), []
         for i, (seq, n) in enumerate(zip(seqs, counts)):
             table, new = seq.block_table, range(seq.draft_len, seq.num_cached)
             pos += [*new] + [0] * (C - n)
@@ -99,8 +128,8 @@ class DraftRunner:
             rows += range(i * C, i * C + n)
             seq.draft_len, seq.pending_features = seq.num_cached, []
         feats = torch.zeros(R * C, self.feat_dim, dtype=self.dtype, device=self.device)
-        if chunks:
-            feats[torch.tensor(rows, device=self.device)] = torch.cat(chunks)
+        if pending is not None:
+            feats[torch.tensor(rows, device=self.device)] = pending
         pos_slots = torch.tensor([pos, slots], dtype=torch.long).view(2, R, C).to(self.device)
         req = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
                         self.scratch_slot // self.page_size, self.device)
@@ -123,7 +152,7 @@ class DraftRunner:
         pos = torch.arange(total, device=dev) - (n.cumsum(0) - n)[row] + firsts[row]
         ps = self.page_size
         slots = req[:, 2:][row, pos // ps] * ps + pos % ps  # (one page-table entry per row, not a table copy)
-        feats = torch.cat(pending_tensors(seqs))
+        feats = pending_rows(seqs)
         self.drafter.store_context(feats, pos, slots, self.use_triton)
         for seq in seqs:
             seq.draft_len, seq.pending_features = seq.num_cached, []
