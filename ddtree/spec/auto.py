@@ -297,7 +297,7 @@ class AdaptiveSpeculator(Speculator):
         """Step closures on `bs` fake requests with `context` cached tokens whose pages are all the
         scratch page (timing only: their K/V are garbage): {"draft": the draft, 0: auto's AR step, b: a
         whole step of budget b (draft included), "store": a switch's store of STORE_ROWS pending rows a
-        request, kept as an AR burst keeps them}."""
+        request, kept as AR bursts keep them}."""
         inp = self.padding_inputs(bs, context)
         root = RootInputs(inp.roots, inp.starts, inp.block_tables)
         if self.draft_graphs is not None:
@@ -306,14 +306,16 @@ class AdaptiveSpeculator(Speculator):
         else:
             steps = {"draft": partial(self._draft, inp), 0: partial(self._budget_step, 0, root, _argmax)}
             steps.update({b: partial(self._whole_step, b, inp) for b in self.budgets[1:]})
-        rows = min(STORE_ROWS, context)
+        # (in bursts of 8 steps: an entry per request and burst, as the engine's AR bursts leave them)
+        per, bursts = min(8, context), max(1, min(STORE_ROWS, context) // 8)
         seqs = [Sequence([0] * context, SamplingParams(), None, block_table=inp.block_tables[0].tolist(),
                          num_cached=context) for _ in range(bs)]
-        buf = torch.zeros(bs, rows, self.drafter.feat_dim, dtype=self.drafter.dtype, device=self.runner.device)
+        bufs = [torch.zeros(bs, per, self.drafter.feat_dim, dtype=self.drafter.dtype, device=self.runner.device)
+                for _ in range(bursts)]
 
         def store():
             for i, s in enumerate(seqs):
-                s.draft_len, s.pending_features = context - rows, [(buf, i, rows)]
+                s.draft_len, s.pending_features = context - per * bursts, [(buf, i, per) for buf in bufs]
             self.drafter.store_pending(seqs)
         steps["store"] = store
         return steps
