@@ -116,18 +116,19 @@ class AdaptivePolicy:
         self.extra[key] = sample if old is None else (1 - self.decay) * old + self.decay * sample
 
     def observe_switch(self, batch: int, ms: float) -> None:
-        """A switch from AR to speculation stored the AR stretch's drafter context in `ms` (host). Where
-        the table timed a store, it counts as the first sample, and one sample counts at most 10x it (a
-        stall, a first-time compile; a real store's host work grows with the rows and entries pending,
-        which the table's does not see): at 3800c1b, seeded by its first sample alone, the plan at C=1
-        on the H200 priced a switch at 6 ms (a burst of budget 32 takes ~15), which kept it on AR and
-        spaced its probes ~680 steps apart."""
-        table, key = self.table.store_ms(batch), _bucket(batch)
+        """A switch from AR to speculation stored the AR stretch's drafter context in `ms` (host). The
+        cost is a plain mean over a batch bucket's first samples, then a running one at `decay` (a
+        bucket sees few switches). Where the table timed a store, it counts as the first sample, and
+        one sample counts at most 10x it (a stall, a first-time compile; a real store's host work grows
+        with the rows and entries pending, which the table's fixed layout does not see): at 3800c1b,
+        seeded by its first sample alone, the plan at C=1 on the H200 priced a switch at 6 ms (a burst of
+        budget 32 takes ~15), which kept it on AR and spaced its probes ~680 steps apart; at 36c0319,
+        starting from the table's (one entry a request) and moving 10% a sample, it priced them at half
+        of what real stores took (2.3 ms against 1.4 at C=1, 4.6 against 0.8 at C=16)."""
+        key = _bucket(batch)
+        table = self.table.store_ms(key)
         if table is not None:
             ms = min(ms, 10 * table)
-        # A plain mean over the first samples (the table's counting as one), then a running one: real
-        # stores took 2-6x the table's on the H200 (36c0319: 2.3 ms against 1.4 at C=1, 4.6 against 0.8
-        # at C=16), and a bucket sees few switches, too few for a running mean from the table to learn.
         n = self.switch_samples.get(key, 0 if table is None else 1)
         old = self.switch.get(key, table)
         a = max(self.decay, 1 / (n + 1))
@@ -136,7 +137,8 @@ class AdaptivePolicy:
 
     def switch_ms(self, batch: int) -> float:
         """A switch's cost: the context store, and feeding again the rows tap-free AR steps skipped."""
-        store = self.switch.get(_bucket(batch), self.table.store_ms(batch))
+        key = _bucket(batch)
+        store = self.switch.get(key, self.table.store_ms(key))
         return (store or 0.0) + self.gap_ms
 
     def observe_refeed(self, rows: int, ms: float) -> None:

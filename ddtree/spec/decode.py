@@ -40,8 +40,8 @@ class SpecStats:
     # The engine's `timing`, shared: host ms of prefills and whole steps ("prefill_ms", "engine_ms"),
     # prefills that missed the graphs ("eager_prefills"), graphed AR bursts ("ar_bursts", "ar_steps",
     # "ar_ms": launch to last commit); auto adds its speculative bursts ("spec_*"), "probes", and the
-    # AR stretches' context stores ("store_ms"; "stores": those at a switch), "refeeds" of their gaps and
-    # "tap_free_bursts"
+    # AR stretches' context stores ("store_ms", also the engine's where rows pile up; "stores": those at
+    # a switch), "refeeds" of their gaps and "tap_free_bursts"
     bursts: Counter = field(default_factory=Counter)
 
     def add(self, length: int, committed: int) -> None:

@@ -36,35 +36,33 @@ def pending_rows(seqs: list[Sequence]) -> torch.Tensor | None:
     """The requests' pending features [T, K*D], in order (None: nothing pending). An AR burst keeps
     (buffer, i, n) entries, not a view per request: cutting 2R views after every burst cost ~0.2 ms of
     host time per AR step at 80 requests on the H200 (bursts there average 4 steps). Nor are they cut
-    here: each distinct buffer goes into one cat and every row comes out of it in one gather, where a
-    view per entry and a cat of them all took 4.5 ms on the CPU for 16 requests of 64 entries (what
-    short bursts, while requests wait for a slot, leave): a store was 2-6x the table's on the H200."""
+    here: each distinct source (a burst's buffer, a tensor) goes into one cat and every row comes out of
+    it in one gather, where a view per entry and a cat of them all took 3.6 ms of host time on the CPU
+    for 16 requests of 64 entries (what short bursts leave while requests wait for a slot). Where the
+    rows wanted are a small share of their buffers' (the engine storing the few requests whose context
+    piled up), the views again: the cat would copy whole buffers for a few rows."""
     assert not any(has_gap(s) for s in seqs), "a gap in the drafter context: refeed it first"
-    sources, firsts, counts, start = [], [], [], {}  # every source's rows, stacked; each entry's, in order
-    offset = 0
-    for s in seqs:
-        for f in s.pending_features:
-            if isinstance(f, tuple):
-                buf, i, n = f
-                if id(buf) not in start:  # (ids are unique here: every buffer is alive until the end)
-                    start[id(buf)] = offset
-                    sources.append(buf.flatten(0, 1))
-                    offset += buf.shape[0] * buf.shape[1]
-                firsts.append(start[id(buf)] + i * buf.shape[1])
-            else:
-                sources.append(f)
-                firsts.append(offset)
-                n = f.shape[0]
-                offset += n
-            counts.append(n)
-    if not sources:
+    entries = [f for s in seqs for f in s.pending_features]
+    if not entries:
         return None
+    sources, base = [], {}  # the distinct sources, and where each one's rows start in their cat
+    firsts, counts, stacked = [], [], 0  # each entry's first row in the cat and its row count
+    for f in entries:
+        src, i, n = f if isinstance(f, tuple) else (f, 0, f.shape[0])
+        if id(src) not in base:  # (ids are unique here: every source is alive until the end)
+            base[id(src)] = stacked
+            sources.append(src.flatten(0, 1) if src.dim() == 3 else src)
+            stacked += sources[-1].shape[0]
+        firsts.append(base[id(src)] + i * (src.shape[1] if src.dim() == 3 else 0))
+        counts.append(n)
+    total = sum(counts)
+    if 4 * total < stacked:
+        return torch.cat([f[0][f[1], :f[2]] if isinstance(f, tuple) else f for f in entries])
     flat = torch.cat(sources) if len(sources) > 1 else sources[0]
-    if not start:
-        return flat  # (tensors only: the cat is the answer)
+    if total == stacked and len(sources) == len(entries):
+        return flat  # (each source whole, once, in order: the cat is the answer)
     # row r of entry e is flat[firsts[e] + r]: one index built from per-entry lists, not per-row ones
     first, count = torch.tensor([firsts, counts], device=flat.device)
-    total = sum(counts)
     shift = torch.repeat_interleave(first - (count.cumsum(0) - count), count, output_size=total)
     return flat[shift + torch.arange(total, device=flat.device)]
 
