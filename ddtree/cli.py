@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--target", default=None, help="target HF checkpoint dir or .gguf (default: the default model)")
     t.add_argument("--out", required=True, help="output dir: drafter (z-lab format), trainer state, log, data")
     t.add_argument("--data", default=None, help="token data file (default: OUT/data.pt; generated if missing)")
-    t.add_argument("--prompts", type=int, default=15000, help="number of prompts to answer (ShareGPT index < 15000; with --prompt-file, its first N)")
+    t.add_argument("--prompts", type=int, default=None,
+                   help="answer only the first N prompts (default: all; ShareGPT: index < 15000 either way)")
     t.add_argument("--every-turn", action="store_true",
                    help="ShareGPT: every human turn of a conversation is a prompt (default: the first)")
     t.add_argument("--prompt-file", default=None,

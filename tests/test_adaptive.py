@@ -116,7 +116,7 @@ def test_policy_plans_bursts_from_past_drafts_by_batch_size():
     assert policy.ar_steps_ahead() >= PROBE_EVERY - 1  # (whole AR bursts meanwhile, not single steps)
     for _ in range(100):  # refeeds turn out cheap: the next probe is affordable
         policy.observe_refeed(1000, 1e-3)
-    assert policy.plan(128, gap_rows=rows) > 0 and policy.refeed_row_ms < 1e-4
+    assert policy.plan(128, gap_rows=rows) > 0 and policy.refeed_ms(1000) < 1e-2
     assert policy.plan(1) == 32 and not policy.hopeless
 
 
@@ -248,6 +248,22 @@ def test_a_switch_pays_the_context_store_once():
     assert policy.plan(1) == 0
     policy.record_draft(1, {b: 1.0 for b in BUDGETS[1:]})  # a probe's drafts
     assert policy.plan(1) > 0
+
+
+def test_a_refeed_costs_a_forward_plus_its_rows_and_is_learnt_in_a_few():
+    # On the H200 a refeed cost ~25 ms whatever its rows (an eager forward): timed at start-up, a fixed
+    # part keeps a refeed of a few hundred rows from looking nearly free, and refeeds slower than that
+    # (a compile, a busier host) are learnt from the first ones, not at `decay` a sample.
+    policy = AdaptivePolicy(table(roofline), BUDGETS)
+    assert policy.refeed_ms(0) == 0.0 and policy.refeed_ms(376) == pytest.approx(376 * policy.refeed_row_ms)
+    policy.set_refeed_cost(25.0, 0.001)
+    policy.plan(128, gap_rows=376)
+    assert policy.gap_ms == pytest.approx(25.376) and policy.refeed_ms(0) == 0.0
+    policy.observe_refeed(376, 2 * 25.376)  # twice the model: the ratio (2) counts as much as the prior (1)
+    assert policy.refeed_ms(376) == pytest.approx(1.5 * 25.376)
+    for _ in range(30):
+        policy.observe_refeed(376, 2 * 25.376)
+    assert policy.refeed_ms(376) == pytest.approx(2 * 25.376, rel=0.05)
 
 
 def test_a_switch_is_priced_from_the_table_store_and_a_stall_counts_at_most_10x():
@@ -708,6 +724,7 @@ def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, mon
     spec = auto.AdaptiveSpeculator(eng.runner, old.drafter, 4, True, 3, old.max_pages)  # buckets 1, 2, 3
     assert spec.draft_graphs is not None and spec.policy.table.batch == [1, 2, 3]
     assert len(spec.policy.table.store) == 3  # a switch's store, timed at every bucket
+    assert spec.policy.refeed_fixed_ms > 0  # and a refeed's cost (0 unless timed at start-up)
     assert all(set(spec.step_graphs[b].graphs) == {1, 2, 3} for b in BUDGETS[1:])  # captured while measuring
     eng.speculator = llm.engine.speculator = spec
     plant_by_position(llm, noisy_oracle(continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)),

@@ -186,7 +186,8 @@ def test_cli_init_starts_from_a_checkpoint_s_weights_and_shape(target, tmp_path)
     common = ["--target", target, "--prompt-file", str(prompts), "--max-new-tokens", "8", "--batch-size", "2",
               "--device", "cpu", "--dtype", "float32", "--lr", "0"]  # lr 0: the weights stay the init's
     assert main(["train-drafter", "--out", str(first), "--steps", "2", "--block-size", "4", "--num-features", "2",
-                 *common]) == 0
+                 "--prompts", "1", *common]) == 0
+    assert len(load_dataset(str(first / "data.pt"))) == 1  # (--prompts: the file's first N; default all)
     assert main(["train-drafter", "--out", str(second), "--steps", "2", "--init", str(first),
                  "--data", str(first / "data.pt"), *common]) == 0
     cfg = ModelConfig.from_dir(target)

@@ -319,8 +319,8 @@ class LLMEngine:
         # the next draft: an AR step that stored its own row spent ~7 small kernels, 4-5% of
         # an AR step on the H200. Only rows piling up are stored now (not a time to learn from: device
         # work not waited for), and not a request's with a gap (refed only at a switch).
-        full = [s for s in seqs if s.num_cached - s.draft_len > PENDING_ROWS and not has_gap(s)]
-        if full and not tap_free:
+        full = [] if tap_free else [s for s in seqs if s.num_cached - s.draft_len > PENDING_ROWS and not has_gap(s)]
+        if full:
             t0 = time.perf_counter()
             spec.drafter.store_pending(full)
             spec.timed = False

@@ -95,11 +95,14 @@ class AdaptivePolicy:
         self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
         self.switch: dict[int, float] = {}  # batch bucket -> ms of an AR stretch's context store
         self.switch_samples: dict[int, int] = {}  # ... and how many stores (the table's one) it averages
-        # ms per row of feeding tokens again where tap-free AR steps skipped their features (`HOPE`): a
-        # running mean, from a prior of the table's widest verify per token; and the rows due now
+        # Feeding tokens again where tap-free AR steps skipped their features (`HOPE`): a fixed cost per
+        # refeed and ms per row, timed at start-up where graphs are (`set_refeed_cost`; else a per-row
+        # prior, the table's widest verify per token), times what refeeds took over that (`refeed_ms`);
+        # and the ms of the rows due now
         n = max(self.budgets, default=0) + 1
-        self.refeed_row_ms = max(table.verify.values(), key=lambda v: v[-1])[-1] / (n * table.batch[-1]) \
-            if self.budgets else 0.0
+        self.refeed_fixed_ms, self.refeed_row_ms = 0.0, max(table.verify.values(), key=lambda v: v[-1])[-1] / (
+            n * table.batch[-1]) if self.budgets else 0.0
+        self.refeed_scale, self.refeed_samples = 1.0, 1
         self.gap_ms = 0.0
 
     def observe_time(self, kind: str, batch: int, measured_ms: float, table_ms: float) -> None:
@@ -141,9 +144,26 @@ class AdaptivePolicy:
         store = self.switch.get(key, self.table.store_ms(key))
         return (store or 0.0) + self.gap_ms
 
+    def set_refeed_cost(self, fixed_ms: float, row_ms: float) -> None:
+        """A refeed's cost as timed at start-up: `fixed_ms` a forward (an eager pass through the target),
+        plus `row_ms` a row."""
+        self.refeed_fixed_ms, self.refeed_row_ms = fixed_ms, row_ms
+
+    def refeed_ms(self, rows: int) -> float:
+        """What feeding `rows` gap rows again should cost."""
+        return self.refeed_scale * (self.refeed_fixed_ms + rows * self.refeed_row_ms) if rows else 0.0
+
     def observe_refeed(self, rows: int, ms: float) -> None:
-        """Tokens of `rows` gap rows were fed through the target again in `ms` (device time included)."""
-        self.refeed_row_ms = (1 - self.decay) * self.refeed_row_ms + self.decay * ms / max(rows, 1)
+        """Tokens of `rows` gap rows were fed through the target again in `ms` (device time included): the
+        ratio to the model, a plain mean over the first refeeds (the model counting as one), then a
+        running one. On the H200 (36c0319) a refeed of 234 to 3,382 rows took 26-31 ms (an eager
+        forward), 25x the per-row prior at 376 rows, and came about once a run: a running mean at
+        `decay` from that prior never caught up."""
+        n = self.refeed_samples
+        a = max(self.decay, 1 / (n + 1))
+        ratio = ms / max(self.refeed_ms(rows) / self.refeed_scale, 1e-6)
+        self.refeed_scale = (1 - a) * self.refeed_scale + a * ratio
+        self.refeed_samples = n + 1
 
     def ar_ms(self, batch: int) -> float:
         """One AR step as the engine pays it (at least half the table's: the extra is learnt per batch
@@ -231,7 +251,7 @@ class AdaptivePolicy:
         if not self.budgets:
             return 0
         self.hopeless = False
-        self.gap_ms = gap_rows * self.refeed_row_ms
+        self.gap_ms = self.refeed_ms(gap_rows)
         if self.expected is None:
             return self.budgets[0]
         switching = not self.speculating
@@ -312,7 +332,8 @@ class AdaptivePolicy:
     def state(self) -> dict:
         """What the policy has learned, for benchmark rows (JSON-ready)."""
         return {"table": self.table.as_dict(), "extra_ms": {f"{k}@{b}": v for (k, b), v in sorted(self.extra.items())},
-                "switch_ms": dict(sorted(self.switch.items())), "refeed_row_ms": self.refeed_row_ms,
+                "switch_ms": dict(sorted(self.switch.items())),
+                "refeed": {"fixed_ms": self.refeed_fixed_ms, "row_ms": self.refeed_row_ms, "scale": self.refeed_scale},
                 "expected": self.expected,
                 "calibration": {b: self.calibration(b) for b in self.budgets},
                 # rate, E(b), rate over the model's

@@ -99,13 +99,27 @@ class AdaptiveSpeculator(Speculator):
     def _warm_refeed(self, max_batch: int) -> None:
         """Refeeds of a few widths and batch sizes on the scratch page, ahead of serving: the first refeed
         of a shape compiles the attention kernel's variant for it (a first one mid-run took 0.5-1 s
-        on the H200)."""
+        on the H200). Then the smallest and the largest timed again: the policy's refeed cost, a fixed
+        part and a part per row."""
         ps, scratch = self.runner.page_size, self.runner.scratch_page
+        seqs = {}
         for n in (2, 4, 33, 100):
-            seq = Sequence([0] * (ps + n), SamplingParams(), None)
-            seq.block_table = [scratch] * (1 + n // ps + 1)
+            seqs[n] = Sequence([0] * (ps + n), SamplingParams(), None)
+            seqs[n].block_table = [scratch] * (1 + n // ps + 1)
             for rows in sorted({1, min(4, max_batch), min(16, max_batch), min(64, max_batch)}):
-                self.runner.refeed([(seq, ps, n)] * rows, self.drafter.layer_ids)
+                self.runner.refeed([(seqs[n], ps, n)] * rows, self.drafter.layer_ids)
+
+        def timed(n: int, rows: int) -> float:
+            _sync(self.runner.device)
+            t0 = time.perf_counter()
+            self.runner.refeed([(seqs[n], ps, n)] * rows, self.drafter.layer_ids)
+            _sync(self.runner.device)
+            return (time.perf_counter() - t0) * 1e3
+
+        most = min(64, max_batch)
+        small, large = timed(2, 1), timed(100, most)
+        row_ms = max(large - small, 0.0) / (100 * most - 2)
+        self.policy.set_refeed_cost(max(small - 2 * row_ms, 0.0), row_ms)
 
     def _draft(self, inp: StepInputs) -> tuple[Candidates, torch.Tensor]:
         """Drafter block -> candidates for the largest budget and E(b) [R, budgets] for each b > 0."""
