@@ -253,7 +253,7 @@ def test_a_switch_pays_the_context_store_once():
 def test_a_refeed_costs_a_forward_plus_its_rows_and_is_learnt_in_a_few():
     # On the H200 a refeed cost ~25 ms whatever its rows (an eager forward): timed at start-up, a fixed
     # part keeps a refeed of a few hundred rows from looking nearly free, and refeeds slower than that
-    # (a compile, a busier host) are learnt from the first ones, not at `decay` a sample.
+    # (a busier host) are learnt from the first ones, not at `decay` a sample; a stall counts at most 10x.
     policy = AdaptivePolicy(table(roofline), BUDGETS)
     assert policy.refeed_ms(0) == 0.0 and policy.refeed_ms(376) == pytest.approx(376 * policy.refeed_row_ms)
     policy.set_refeed_cost(25.0, 0.001)
@@ -264,6 +264,12 @@ def test_a_refeed_costs_a_forward_plus_its_rows_and_is_learnt_in_a_few():
     for _ in range(30):
         policy.observe_refeed(376, 2 * 25.376)
     assert policy.refeed_ms(376) == pytest.approx(2 * 25.376, rel=0.05)
+    before = policy.refeed_scale
+    policy.observe_refeed(376, 1000 * 25.376)  # a compile mid-run
+    assert policy.refeed_scale == pytest.approx((1 - policy.decay) * before + policy.decay * 10)
+    idle = AdaptivePolicy(table(roofline), [0])  # no budgets: no model, nothing to learn
+    idle.observe_refeed(10, 5.0)
+    assert idle.refeed_scale == 1.0
 
 
 def test_a_switch_is_priced_from_the_table_store_and_a_stall_counts_at_most_10x():

@@ -99,9 +99,9 @@ class AdaptivePolicy:
         # refeed and ms per row, timed at start-up where graphs are (`set_refeed_cost`; else a per-row
         # prior, the table's widest verify per token), times what refeeds took over that (`refeed_ms`);
         # and the ms of the rows due now
-        n = max(self.budgets, default=0) + 1
-        self.refeed_fixed_ms, self.refeed_row_ms = 0.0, max(table.verify.values(), key=lambda v: v[-1])[-1] / (
-            n * table.batch[-1]) if self.budgets else 0.0
+        widest = max(table.verify.values(), key=lambda v: v[-1])[-1] if self.budgets else 0.0
+        self.refeed_fixed_ms = 0.0
+        self.refeed_row_ms = widest / ((max(self.budgets, default=0) + 1) * table.batch[-1])
         self.refeed_scale, self.refeed_samples = 1.0, 1
         self.gap_ms = 0.0
 
@@ -156,13 +156,16 @@ class AdaptivePolicy:
     def observe_refeed(self, rows: int, ms: float) -> None:
         """Tokens of `rows` gap rows were fed through the target again in `ms` (device time included): the
         ratio to the model, a plain mean over the first refeeds (the model counting as one), then a
-        running one. On the H200 (36c0319) a refeed of 234 to 3,382 rows took 26-31 ms (an eager
-        forward), 25x the per-row prior at 376 rows, and came about once a run: a running mean at
-        `decay` from that prior never caught up."""
+        running one; a ratio counts at most 10 (a refeed of a shape the warm-up did not compile). On the
+        H200 (36c0319) a refeed of 234 to 3,382 rows took 26-31 ms (an eager forward), 25x the per-row
+        prior at 376 rows, and came about once a run: a running mean at `decay` from that prior never
+        caught up."""
+        model = self.refeed_fixed_ms + rows * self.refeed_row_ms
+        if rows <= 0 or model <= 0:
+            return
         n = self.refeed_samples
         a = max(self.decay, 1 / (n + 1))
-        ratio = ms / max(self.refeed_ms(rows) / self.refeed_scale, 1e-6)
-        self.refeed_scale = (1 - a) * self.refeed_scale + a * ratio
+        self.refeed_scale = (1 - a) * self.refeed_scale + a * min(ms / model, 10.0)
         self.refeed_samples = n + 1
 
     def ar_ms(self, batch: int) -> float:

@@ -99,8 +99,9 @@ class AdaptiveSpeculator(Speculator):
     def _warm_refeed(self, max_batch: int) -> None:
         """Refeeds of a few widths and batch sizes on the scratch page, ahead of serving: the first refeed
         of a shape compiles the attention kernel's variant for it (a first one mid-run took 0.5-1 s
-        on the H200). Then the smallest and the largest timed again: the policy's refeed cost, a fixed
-        part and a part per row."""
+        on the H200). Then a small refeed and a large one (one forward, as wide as the runner feeds at
+        once) timed again, the best of three each: the policy's refeed cost, a fixed part (a forward)
+        and a part per row."""
         ps, scratch = self.runner.page_size, self.runner.scratch_page
         seqs = {}
         for n in (2, 4, 33, 100):
@@ -110,15 +111,18 @@ class AdaptiveSpeculator(Speculator):
                 self.runner.refeed([(seqs[n], ps, n)] * rows, self.drafter.layer_ids)
 
         def timed(n: int, rows: int) -> float:
-            _sync(self.runner.device)
-            t0 = time.perf_counter()
-            self.runner.refeed([(seqs[n], ps, n)] * rows, self.drafter.layer_ids)
-            _sync(self.runner.device)
-            return (time.perf_counter() - t0) * 1e3
+            times = []
+            for _ in range(3):
+                _sync(self.runner.device)
+                t0 = time.perf_counter()
+                self.runner.refeed([(seqs[n], ps, n)] * rows, self.drafter.layer_ids)
+                _sync(self.runner.device)
+                times.append((time.perf_counter() - t0) * 1e3)
+            return min(times)
 
-        most = min(64, max_batch)
+        most = max(1, min(64, max_batch, self.runner.max_num_batched_tokens // 100))
         small, large = timed(2, 1), timed(100, most)
-        row_ms = max(large - small, 0.0) / (100 * most - 2)
+        row_ms = max(large - small, 0.0) / max(100 * most - 2, 1)
         self.policy.set_refeed_cost(max(small - 2 * row_ms, 0.0), row_ms)
 
     def _draft(self, inp: StepInputs) -> tuple[Candidates, torch.Tensor]:
