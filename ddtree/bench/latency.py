@@ -84,6 +84,8 @@ def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, r
                 c["accepts"] += acc
         speeds.append(gen / elapsed)
         tokens = gen
+    # (the acceptance figures, budget_hist and bursts add up every repeat, len(runs_tok_per_s) of them;
+    # generated_tokens is one run's)
     row = {"output_tok_per_s": statistics.median(speeds), "runs_tok_per_s": speeds,
            "mean_accept_length": sum(accepts) / len(accepts) if accepts else None, "generated_tokens": tokens,
            "accept_length_hist": accept_hist(accepts)}
