@@ -134,8 +134,7 @@ class AdaptivePolicy:
             ms = min(ms, 10 * table)
         n = self.switch_samples.get(key, 0 if table is None else 1)
         old = self.switch.get(key, table)
-        a = max(self.decay, 1 / (n + 1))
-        self.switch[key] = ms if old is None else (1 - a) * old + a * ms
+        self.switch[key] = ms if old is None else _learn(old, ms, n, self.decay)
         self.switch_samples[key] = n + 1
 
     def switch_ms(self, batch: int) -> float:
@@ -163,10 +162,8 @@ class AdaptivePolicy:
         model = self.refeed_fixed_ms + rows * self.refeed_row_ms
         if rows <= 0 or model <= 0:
             return
-        n = self.refeed_samples
-        a = max(self.decay, 1 / (n + 1))
-        self.refeed_scale = (1 - a) * self.refeed_scale + a * min(ms / model, 10.0)
-        self.refeed_samples = n + 1
+        self.refeed_scale = _learn(self.refeed_scale, min(ms / model, 10.0), self.refeed_samples, self.decay)
+        self.refeed_samples += 1
 
     def ar_ms(self, batch: int) -> float:
         """One AR step as the engine pays it (at least half the table's: the extra is learnt per batch
@@ -392,6 +389,13 @@ class AdaptivePolicy:
         self.weight[budget] = self.weight.get(budget, 0.0) + 1.0
         acc, pred = self.total or (q, p)
         self.total = ((1 - a) * acc + a * q, (1 - a) * pred + a * p)
+
+
+def _learn(old: float, sample: float, n: int, decay: float) -> float:
+    """`old`, the mean of `n` samples, with `sample` in: a plain mean while there are few (a cost seen
+    only a few times a run is learnt from its first samples), a running one at `decay` after."""
+    a = max(decay, 1 / (n + 1))
+    return (1 - a) * old + a * sample
 
 
 def _rate(realized: tuple[float, ...]) -> float:

@@ -14,7 +14,7 @@ from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import pack_rows, page_slots
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import AdaptivePolicy, candidate_budgets
-from ddtree.spec.costs import STORE_ENTRY_ROWS, STORE_ROWS, CostTable, measure_costs
+from ddtree.spec.costs import STORE_ENTRY_ROWS, STORE_ROWS, CostTable, measure_costs, wall_ms
 from ddtree.spec.decode import SPEC_BURST, Speculator, StepOutputs, _argmax
 from ddtree.spec.draft import DraftRunner, StepInputs, gaps
 from ddtree.spec.tree import Candidates, candidates, cut_tree, expected_accepts
@@ -111,14 +111,8 @@ class AdaptiveSpeculator(Speculator):
                 self.runner.refeed([(seqs[n], ps, n)] * rows, self.drafter.layer_ids)
 
         def timed(n: int, rows: int) -> float:
-            times = []
-            for _ in range(3):
-                _sync(self.runner.device)
-                t0 = time.perf_counter()
-                self.runner.refeed([(seqs[n], ps, n)] * rows, self.drafter.layer_ids)
-                _sync(self.runner.device)
-                times.append((time.perf_counter() - t0) * 1e3)
-            return min(times)
+            refeed = partial(self.runner.refeed, [(seqs[n], ps, n)] * rows, self.drafter.layer_ids)
+            return min(wall_ms(refeed, self.runner.device, reps=3))
 
         most = max(1, min(64, max_batch, self.runner.max_num_batched_tokens // 100))
         small, large = timed(2, 1), timed(100, most)

@@ -59,6 +59,21 @@ class CostTable:
                 "verify": {str(b): v for b, v in self.verify.items()}, "store": self.store}
 
 
+def wall_ms(fn, device: torch.device, reps: int, repeat: int = 1) -> list[float]:
+    """`reps` timings of `repeat` back-to-back calls of `fn`, each from and to a device synchronize (host
+    launch included), in milliseconds per call."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3 / repeat)
+    return times
+
+
 def measure_costs(spec, batch_sizes: list[int], context: int, reps: int) -> CostTable:
     """Times the speculator's own steps on fake requests (`spec.fake_steps`): on GPU replays of its
     CUDA graphs (captured here, ahead of serving), on CPU eager calls. Wall-clock milliseconds as the
@@ -68,19 +83,9 @@ def measure_costs(spec, batch_sizes: list[int], context: int, reps: int) -> Cost
     steps (the host launches overlap the device work); a store of `STORE_ROWS` pending rows a request
     (host work included), to a synchronize. Median of `reps` after a warm-up (which also compiles what
     the first store of a shape would have compiled mid-run)."""
-    sync = torch.cuda.synchronize if spec.runner.device.type == "cuda" else (lambda: None)
-
     def timed(fn, repeat: int = 1) -> float:
         fn()
-        times = []
-        for _ in range(reps):
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(repeat):
-                fn()
-            sync()
-            times.append((time.perf_counter() - t0) * 1e3 / repeat)
-        return statistics.median(times)
+        return statistics.median(wall_ms(fn, spec.runner.device, reps, repeat))
 
     ar, draft, verify, store = [], [], {b: [] for b in spec.budgets if b > 0}, []
     for bs in batch_sizes:
