@@ -18,8 +18,8 @@ from ddtree.config import ModelConfig
 from ddtree.llm import LLM
 from ddtree.models.dflash import random_drafter, save_drafter
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.adaptive import (MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS, AdaptivePolicy,
-                                  candidate_budgets)
+from ddtree.spec.adaptive import (HOPE_BURSTS, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS,
+                                  AdaptivePolicy, candidate_budgets)
 from ddtree.spec.costs import CostTable
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
 from emulated import emulated_pool, fake_gpu_graphs
@@ -292,6 +292,54 @@ def test_a_switch_is_priced_from_the_table_store_and_a_stall_counts_at_most_10x(
     assert untimed.switch_ms(1) == 0.0
     untimed.observe_switch(1, 600.0)
     assert untimed.switch_ms(1) == 600.0
+
+
+@pytest.mark.parametrize("spec_rate, store_ms, lost", [(0.9, 0.0, True), (1.1, 0.0, False), (1.05, 10.0, True)])
+def test_a_batch_size_where_speculation_realized_less_than_ar_is_hopeless(spec_rate, store_ms, lost):
+    # The model calls speculation a clear win at batch 16 (AR 1 ms, a whole step of any budget 1 ms for
+    # 1 + E tokens), but what its bursts there realized, with the stores before them, is what counts once
+    # there are HOPE_BURSTS of them: below AR's bursts there (1 token per ms and request), the batch size
+    # is hopeless (tap-free AR steps, probes at the longest spacing); above, it speculates.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0, draft_ms=lambda bs: 0.0), BUDGETS)
+    policy.record_draft(1, E_PER_REQUEST)
+    policy.tally(0, 16, tokens=16 * 100, ms=100.0)
+    for i in range(HOPE_BURSTS):
+        assert policy.plan(16) > 0 and not policy.hopeless  # (too few bursts to judge by)
+        policy.observe_switch(16, store_ms / HOPE_BURSTS)
+        policy.observe_burst(8, 16, tokens=16 * 10 * spec_rate, ms=10.0, expected=E_PER_REQUEST[8])
+        policy.fresh = True
+    assert (policy.plan(16) == 0) == lost and policy.hopeless == lost and policy.lost(16) == lost
+    plans = policy.state()["plans"]  # (what each plan said, for benchmark rows)
+    assert plans.get("hopeless@16", 0) == int(lost) and plans["spec@16"] == HOPE_BURSTS + (not lost)
+    assert policy.state()["stored_ms"] == {16: pytest.approx(store_ms)}
+    assert policy.plan(8) > 0 and not policy.hopeless  # (another batch bucket)
+
+
+def test_one_hard_draft_is_no_reason_to_stop_reading_out():
+    # Bursts of every budget realized 1.1x AR at batch 1; a probe's draft then expects nothing (hard
+    # text): AR next, but the batch size keeps its hope (the AR steps keep reading out the drafter's
+    # context, whose gap would cost a refeed to close: at C=1 on the H200 61 AR bursts ran tap-free).
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0, draft_ms=lambda bs: 0.0), BUDGETS)
+    policy.record_draft(1, E_PER_REQUEST)
+    for b in BUDGETS[1:]:
+        policy.observe_burst(b, 1, tokens=11.0, ms=10.0, expected=E_PER_REQUEST[b])
+    policy.probing = True
+    policy.record_draft(1, {b: 0.0 for b in BUDGETS[1:]})
+    assert policy.request_rate(32, 1) * 1.3 < 1 / policy.ar_ms(1)  # (the fresh draft's E says AR, by far)
+    assert policy.plan(1) == 0 and not policy.hopeless
+
+
+def test_a_probe_waits_until_the_rows_it_would_feed_again_are_affordable():
+    # AR looks better at batch 4 (not hopeless): probes come every `probe_cap` steps (at most
+    # MAX_PROBE_EVERY), but where tap-free steps of a larger batch left rows to feed again (~30 ms), only
+    # once PROBE_LOSS of the AR time since the last probe covers them.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 1.5), BUDGETS)
+    policy.record_draft(1, {b: 0.4 for b in BUDGETS[1:]})  # 1.4 tokens in 1.6 ms: 0.875x AR
+    policy.set_refeed_cost(30.0, 0.0)
+    steps = [policy.plan(4, gap_rows=300) for _ in range(4000)]
+    assert not policy.hopeless and policy.intervals[4] < 3000
+    first = next(i for i, b in enumerate(steps) if b)
+    assert first >= 30.0 / (PROBE_LOSS * policy.ar_ms(4)) - 1, first
 
 
 def test_a_budget_tried_on_hard_text_is_not_shut_out():

@@ -49,6 +49,12 @@ RATE_DECAY = 0.1
 # and probes come only every `max_probe_every` AR steps. On the H200 those read-outs, stores and
 # probes cost auto 4-6% against AR at C=64-128, where budget 8 ran at 0.46x AR.
 HOPE = 1.3
+# ... and likewise where speculation as the plan practised it at this batch bucket, all of its timed
+# bursts (at least this many) and the context stores before them together, realized fewer tokens per ms
+# than the AR bursts there: at C=16 on the H200 (48d119e, continuous batching) auto's bursts of budgets
+# 4-16 realized 0.94x AR's in all, each a near-tie the model called a win, and with the read-outs, stores
+# and probes around them auto ran 0.90x AR (fixed budget 8: 0.89x).
+HOPE_BURSTS = 4
 E_WEIGHT = 0.5  # share of the drafter's now-vs-then E(b) ratio that scales a realized rate
 # A budget's calibration is its own observed/predicted ratio shrunk toward the ratio over all budgets,
 # the overall one weighing as much as this many of its own recent steps: a budget tried a few times on
@@ -88,6 +94,9 @@ class AdaptivePolicy:
         # [bursts, tokens per request, ms] (`tally`)
         self.totals: dict[tuple[int, int], list[float]] = {}
         self.max_probe_every = max_probe_every
+        # plans by outcome and batch bucket ("spec@16", "probe@1", "ar@4", "hopeless@128", "blind@1"),
+        # for benchmark rows: an AR plan covers a whole AR burst
+        self.plans: dict[str, int] = {}
         self.probing = False  # this draft is a probe: AR looked better on past averages
         self.hopeless = False  # the last plan saw no chance for speculation at its batch size (`HOPE`)
         self.speculating = False  # the last plan chose a budget > 0 (not a probe) ...
@@ -95,6 +104,7 @@ class AdaptivePolicy:
         self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
         self.switch: dict[int, float] = {}  # batch bucket -> ms of an AR stretch's context store
         self.switch_samples: dict[int, int] = {}  # ... and how many stores (the table's one) it averages
+        self.stored_ms: dict[int, float] = {}  # ... and what they all took, undecayed (`lost`)
         # Feeding tokens again where tap-free AR steps skipped their features (`HOPE`): a fixed cost per
         # refeed and ms per row, timed at start-up where graphs are (`set_refeed_cost`; else a per-row
         # prior, the table's widest verify per token), times what refeeds took over that (`refeed_ms`);
@@ -129,6 +139,7 @@ class AdaptivePolicy:
         starting from the table's (one entry a request) and moving 10% a sample, it priced them at half
         of what real stores took (2.3 ms against 1.4 at C=1, 4.6 against 0.8 at C=16)."""
         key = _bucket(batch)
+        self.stored_ms[key] = self.stored_ms.get(key, 0.0) + ms
         table = self.table.store_ms(key)
         if table is not None:
             ms = min(ms, 10 * table)
@@ -210,13 +221,14 @@ class AdaptivePolicy:
         every = here or [got[3] for got in self.realized.values()]
         return sum(every) / len(every) if every else 1.0
 
-    def request_rate(self, budget: int, batch: int, store: bool = False) -> float:
+    def request_rate(self, budget: int, batch: int, store: bool = False, now: bool = True) -> float:
         """Expected committed tokens per ms and request of speculating with `budget` at this batch size:
         what its bursts here realized (starts and drains included), scaled by part of how the drafter's
         E(b) now compares with theirs while that E is fresh (after an AR stretch it is as old as the
         stretch: a dip on hard text kept the H200 on AR for whole easy prompts, math at C=1 ran 0.84x
         fixed budget 32); never tried here, the model (`spec_rate`) times what the budgets tried here
         (else anywhere) realized over it. With a `store` due (after AR steps), one burst also pays it.
+        `now=False`: not scaled by the fresh E (what the bursts here realized, for `HOPE`).
 
         The model alone went wrong on the H200: at C=16 the plan chose budget 8 on 45% of request-steps
         where fixed budget 8 ran 0.86x AR (it speculates where the averages run high, and the steps
@@ -226,7 +238,7 @@ class AdaptivePolicy:
         if got is None:
             return self.spec_rate(budget, batch, store) * self.correction(batch)
         rate, then, c = _rate(got), got[2], self.calibration(budget)
-        if self.fresh:
+        if self.fresh and now:
             rate *= 1 + E_WEIGHT * ((1 + c * self.expected[budget]) / (1 + c * then) - 1)
         if store and self.switch_ms(batch) > 0:  # a burst's tokens per request, over its time and the store's
             tokens = BURST_STEPS * (1 + c * self.expected[budget])
@@ -253,6 +265,7 @@ class AdaptivePolicy:
         self.hopeless = False
         self.gap_ms = self.refeed_ms(gap_rows)
         if self.expected is None:
+            self._count("blind", batch)
             return self.budgets[0]
         switching = not self.speculating
         store = switching and not self.fresh  # (after a probe its burst stored the AR stretch already)
@@ -262,10 +275,12 @@ class AdaptivePolicy:
             if rate > best_rate:
                 best, best_rate = b, rate
         ar_rate = 1 / self.ar_ms(batch)
-        # (judged without the switch's store: a long stretch of AR makes that store, refeeds included,
-        # large, and would keep the plan from ever looking again)
-        potential = max(self.request_rate(b, batch) for b in self.budgets) if store else best_rate
-        self.hopeless = potential * HOPE < ar_rate
+        # (Judged without the switch's store: a long stretch of AR makes that store, refeeds included,
+        # large, and would keep the plan from ever looking again. And without the fresh draft's E: one
+        # hard stretch is no reason to stop reading out, whose gap then costs a refeed of ~25 ms to
+        # close on the H200; at C=1 (48d119e) 61 AR bursts ran tap-free, where fixed budget 32 ran 1.10x AR.)
+        potential = max(self.request_rate(b, batch, now=False) for b in self.budgets)
+        self.hopeless = potential * HOPE < ar_rate or self.lost(batch)
         # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
         # catch-up, so near break-even the policy keeps the mode it is in, at the batch size it chose
         # it for (speculation chosen for the few requests left at the end of a batch is not kept on
@@ -278,29 +293,49 @@ class AdaptivePolicy:
                                                         if staying else 1.0):
             self.probing, self.ar_streak, self.speculating = False, 0, True
             self.spec_bucket = _bucket(batch)
+            self._count("spec", batch)
             return best
         self.speculating = False
         # A probe when due: as often as keeps what probes lose at this batch size within PROBE_LOSS
         # of the AR time (`probe_cap`; per batch bucket: the one or two requests left at the end of a
         # batch may well speculate, which says nothing about the next full batch).
         # Hopeless: only at the longest spacing (the averages may be stale, from hard text, and only a
-        # probe's draft renews them), and only where feeding the skipped rows again costs at most
-        # PROBE_LOSS of the AR time since the last one (at batch 128 on the H200, ~0.3 ms of refeed per
-        # AR step of 1.6 ms: never).
+        # probe's draft renews them). Any probe: only where feeding the rows tap-free steps skipped again
+        # costs at most PROBE_LOSS of the AR time since the last one (at batch 128 on the H200, ~0.3 ms of
+        # refeed per AR step of 1.6 ms: never; at the end of a run at C=64-128 the batch drained to a
+        # size with hope, and its probe refed a few hundred rows in ~30 ms, ~1.5% of the grid row).
         bucket = _bucket(batch)
         if bucket not in self.intervals:
             self.intervals[bucket] = self.probe_cap(batch, best)
         self.interval = self.max_probe_every if self.hopeless else self.intervals[bucket]
-        affordable = not self.hopeless or self.gap_ms <= PROBE_LOSS * self.ar_streak * self.ar_ms(batch)
+        affordable = self.gap_ms <= PROBE_LOSS * self.ar_streak * self.ar_ms(batch)
         if self.ar_streak >= self.interval and affordable:
             self.probing, self.ar_streak = True, 0
             self.intervals[bucket] = self.probe_cap(batch, best)
+            self._count("probe", batch)
             return best
         if self.ar_streak >= self.interval:  # due, but not affordable yet: whole AR bursts until a look again
             self.interval = self.ar_streak + PROBE_EVERY
         self.ar_streak += 1
         self.fresh = False  # AR steps next: no drafts, the averages grow stale
+        self._count("hopeless" if self.hopeless else "ar", batch)
         return 0
+
+    def _count(self, outcome: str, batch: int) -> None:
+        key = f"{outcome}@{_bucket(batch)}"
+        self.plans[key] = self.plans.get(key, 0) + 1
+
+    def lost(self, batch: int) -> bool:
+        """Speculation at this batch bucket, all its timed bursts (at least HOPE_BURSTS) and the stores
+        before them together, realized fewer tokens per ms and request than the AR bursts there (or
+        than the AR step's cost, none timed yet): running sums, undecayed (`HOPE_BURSTS`)."""
+        key = _bucket(batch)
+        spec = [t for (k, b), t in self.totals.items() if k == key and b > 0]
+        if sum(t[0] for t in spec) < HOPE_BURSTS:
+            return False
+        ar = self.totals.get((key, 0))
+        ar_rate = ar[1] / ar[2] if ar and ar[2] > 0 else 1 / self.ar_ms(batch)
+        return sum(t[1] for t in spec) < ar_rate * (sum(t[2] for t in spec) + self.stored_ms.get(key, 0.0))
 
     def probe_cap(self, batch: int, budget: int | None = None) -> int:
         """AR steps between probes: enough that a probe's loss against AR (a burst of `budget`, default
@@ -340,6 +375,7 @@ class AdaptivePolicy:
                 "realized": {f"{b}@{k}": [round(x, 4) for x in (_rate(v), v[2], v[3])]
                              for (k, b), v in sorted(self.realized.items())},
                 "probe_intervals": dict(sorted(self.intervals.items())),
+                "plans": dict(sorted(self.plans.items())), "stored_ms": dict(sorted(self.stored_ms.items())),
                 # every timed burst of each budget at each batch bucket: bursts, tokens per request, ms
                 "totals": {f"{b}@{k}": [n, round(tokens, 2), round(ms, 2)] for (k, b), (n, tokens, ms)
                            in sorted(self.totals.items())}}
