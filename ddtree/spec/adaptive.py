@@ -44,17 +44,10 @@ BURST_STEPS = 8
 # H200 (5634d33) each budget's read 0.95-1.05 tokens per ms, where all of auto's bursts together realized
 # 1.28 and AR steps 1.16.
 RATE_DECAY = 0.1
-# Where even this many times the best budget's expected rate stays below AR's, AR steps do not read out
-# the drafter's context (fed again at a switch, should one come), so auto runs plain AR's own steps,
-# and probes come only every `max_probe_every` AR steps. On the H200 those read-outs, stores and
-# probes cost auto 4-6% against AR at C=64-128, where budget 8 ran at 0.46x AR.
-HOPE = 1.3
-# ... and likewise where speculation as the plan practised it at this batch bucket, all of its timed
-# bursts (at least this many) and the context stores before them together, realized fewer tokens per ms
-# than the AR bursts there: at C=16 on the H200 (48d119e, continuous batching) auto's bursts of budgets
-# 4-16 realized 0.94x AR's in all, each a near-tie the model called a win, and with the read-outs, stores
-# and probes around them auto ran 0.90x AR (fixed budget 8: 0.89x).
-HOPE_BURSTS = 4
+HOPE = 1.3  # speculation has hope at a batch size where this many times a budget's `hope_rate` beats AR's
+# A budget's accepted length for `hope_rate`: its verify steps' mean over the run, with this many steps
+# of the drafter's calibrated E as a prior (the first steps, a blind one or a probe's, are a few).
+HOPE_PRIOR_STEPS = 8
 E_WEIGHT = 0.5  # share of the drafter's now-vs-then E(b) ratio that scales a realized rate
 # A budget's calibration is its own observed/predicted ratio shrunk toward the ratio over all budgets,
 # the overall one weighing as much as this many of its own recent steps: a budget tried a few times on
@@ -82,6 +75,7 @@ class AdaptivePolicy:
         self.accepted: dict[int, float] = {}  # running mean accepted length per request, per chosen budget
         self.predicted: dict[int, float] = {}  # ... and the drafter's E(b) for those same steps
         self.weight: dict[int, float] = {}  # ... and how many steps that is, decayed by every later step
+        self.verified: dict[int, list[float]] = {}  # per budget: accepted length per request summed, steps
         self.total: tuple[float, float] | None = None  # running (accepted, predicted) over all budgets
         self.ar_streak = 0
         self.intervals: dict[int, int] = {}  # batch bucket -> AR steps before the next probe
@@ -98,14 +92,13 @@ class AdaptivePolicy:
         # for benchmark rows: an AR plan covers a whole AR burst
         self.plans: dict[str, int] = {}
         self.probing = False  # this draft is a probe: AR looked better on past averages
-        self.hopeless = False  # the last plan saw no chance for speculation at its batch size (`HOPE`)
+        self.hopeless = False  # the last plan saw no chance for speculation at its batch size (`hope_rate`)
         self.speculating = False  # the last plan chose a budget > 0 (not a probe) ...
         self.spec_bucket = 0  # ... for this batch bucket
         self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
         self.switch: dict[int, float] = {}  # batch bucket -> ms of an AR stretch's context store
         self.switch_samples: dict[int, int] = {}  # ... and how many stores (the table's one) it averages
-        self.stored_ms: dict[int, float] = {}  # ... and what they all took, undecayed (`lost`)
-        # Feeding tokens again where tap-free AR steps skipped their features (`HOPE`): a fixed cost per
+        # Feeding tokens again where tap-free AR steps skipped their features (`hope_rate`): a fixed cost per
         # refeed and ms per row, timed at start-up where graphs are (`set_refeed_cost`; else a per-row
         # prior, the table's widest verify per token), times what refeeds took over that (`refeed_ms`);
         # and the ms of the rows due now
@@ -139,7 +132,6 @@ class AdaptivePolicy:
         starting from the table's (one entry a request) and moving 10% a sample, it priced them at half
         of what real stores took (2.3 ms against 1.4 at C=1, 4.6 against 0.8 at C=16)."""
         key = _bucket(batch)
-        self.stored_ms[key] = self.stored_ms.get(key, 0.0) + ms
         table = self.table.store_ms(key)
         if table is not None:
             ms = min(ms, 10 * table)
@@ -221,14 +213,13 @@ class AdaptivePolicy:
         every = here or [got[3] for got in self.realized.values()]
         return sum(every) / len(every) if every else 1.0
 
-    def request_rate(self, budget: int, batch: int, store: bool = False, now: bool = True) -> float:
+    def request_rate(self, budget: int, batch: int, store: bool = False) -> float:
         """Expected committed tokens per ms and request of speculating with `budget` at this batch size:
         what its bursts here realized (starts and drains included), scaled by part of how the drafter's
         E(b) now compares with theirs while that E is fresh (after an AR stretch it is as old as the
         stretch: a dip on hard text kept the H200 on AR for whole easy prompts, math at C=1 ran 0.84x
         fixed budget 32); never tried here, the model (`spec_rate`) times what the budgets tried here
         (else anywhere) realized over it. With a `store` due (after AR steps), one burst also pays it.
-        `now=False`: not scaled by the fresh E (what the bursts here realized, for `HOPE`).
 
         The model alone went wrong on the H200: at C=16 the plan chose budget 8 on 45% of request-steps
         where fixed budget 8 ran 0.86x AR (it speculates where the averages run high, and the steps
@@ -238,7 +229,7 @@ class AdaptivePolicy:
         if got is None:
             return self.spec_rate(budget, batch, store) * self.correction(batch)
         rate, then, c = _rate(got), got[2], self.calibration(budget)
-        if self.fresh and now:
+        if self.fresh:
             rate *= 1 + E_WEIGHT * ((1 + c * self.expected[budget]) / (1 + c * then) - 1)
         if store and self.switch_ms(batch) > 0:  # a burst's tokens per request, over its time and the store's
             tokens = BURST_STEPS * (1 + c * self.expected[budget])
@@ -275,12 +266,7 @@ class AdaptivePolicy:
             if rate > best_rate:
                 best, best_rate = b, rate
         ar_rate = 1 / self.ar_ms(batch)
-        # (Judged without the switch's store: a long stretch of AR makes that store, refeeds included,
-        # large, and would keep the plan from ever looking again. And without the fresh draft's E: one
-        # hard stretch is no reason to stop reading out, whose gap then costs a refeed of ~25 ms to
-        # close on the H200; at C=1 (48d119e) 61 AR bursts ran tap-free, where fixed budget 32 ran 1.10x AR.)
-        potential = max(self.request_rate(b, batch, now=False) for b in self.budgets)
-        self.hopeless = potential * HOPE < ar_rate or self.lost(batch)
+        self.hopeless = max(self.hope_rate(b, batch) for b in self.budgets) * HOPE < ar_rate
         # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
         # catch-up, so near break-even the policy keeps the mode it is in, at the batch size it chose
         # it for (speculation chosen for the few requests left at the end of a batch is not kept on
@@ -325,17 +311,27 @@ class AdaptivePolicy:
         key = f"{outcome}@{_bucket(batch)}"
         self.plans[key] = self.plans.get(key, 0) + 1
 
-    def lost(self, batch: int) -> bool:
-        """Speculation at this batch bucket, all its timed bursts (at least HOPE_BURSTS) and the stores
-        before them together, realized fewer tokens per ms and request than the AR bursts there (or
-        than the AR step's cost, none timed yet): running sums, undecayed (`HOPE_BURSTS`)."""
-        key = _bucket(batch)
-        spec = [t for (k, b), t in self.totals.items() if k == key and b > 0]
-        if sum(t[0] for t in spec) < HOPE_BURSTS:
-            return False
-        ar = self.totals.get((key, 0))
-        ar_rate = ar[1] / ar[2] if ar and ar[2] > 0 else 1 / self.ar_ms(batch)
-        return sum(t[1] for t in spec) < ar_rate * (sum(t[2] for t in spec) + self.stored_ms.get(key, 0.0))
+    def hope_rate(self, budget: int, batch: int) -> float:
+        """Whether speculation can pay at this batch size at all: the model's committed tokens per ms and
+        request of `budget` (the table, the learned host extra) at the accepted length its verify steps
+        averaged over the run (`HOPE_PRIOR_STEPS`). Where HOPE times no budget's beats the AR step, AR
+        steps do not read out the drafter's context (fed again at a switch, should one come): auto
+        runs plain AR's own steps, and probes come only every `max_probe_every` AR steps. On the H200
+        those read-outs cost 4-8% of AR's steps at C=64-128.
+
+        A property of the drafter and the batch size, not of the text now, nor of the few bursts a
+        batch size saw: judged on the rates plans compare (realized, or the model times what the
+        budgets tried realized), one hard stretch made C=1 hopeless (48d119e: 61 AR bursts ran tap-free,
+        where fixed budget 32 ran 1.10x AR), and C=64 kept reading out where fixed budget 8 ran 0.66x AR
+        (623f5b3, run 5 drafter: auto 0.89x AR); a rule on what a batch size's first four bursts
+        realized, with their stores, against AR's made C=1 hopeless after a few probes (623f5b3: 0.85x
+        fixed budget 32)."""
+        t = self.table
+        prior = self.calibration(budget) * self.expected[budget]
+        total, steps = self.verified.get(budget, (0.0, 0))
+        accepted = (total + HOPE_PRIOR_STEPS * prior) / (steps + HOPE_PRIOR_STEPS)
+        device = t.draft_ms(batch) + t.verify_ms(budget, batch)
+        return (1 + accepted) / max(device + self.spec_extra_ms(batch), 0.5 * device)
 
     def probe_cap(self, batch: int, budget: int | None = None) -> int:
         """AR steps between probes: enough that a probe's loss against AR (a burst of `budget`, default
@@ -375,7 +371,8 @@ class AdaptivePolicy:
                 "realized": {f"{b}@{k}": [round(x, 4) for x in (_rate(v), v[2], v[3])]
                              for (k, b), v in sorted(self.realized.items())},
                 "probe_intervals": dict(sorted(self.intervals.items())),
-                "plans": dict(sorted(self.plans.items())), "stored_ms": dict(sorted(self.stored_ms.items())),
+                "plans": dict(sorted(self.plans.items())),
+                "verified": {b: [round(acc, 2), n] for b, (acc, n) in sorted(self.verified.items())},
                 # every timed burst of each budget at each batch bucket: bursts, tokens per request, ms
                 "totals": {f"{b}@{k}": [n, round(tokens, 2), round(ms, 2)] for (k, b), (n, tokens, ms)
                            in sorted(self.totals.items())}}
@@ -415,6 +412,8 @@ class AdaptivePolicy:
         expected `predicted`."""
         a = self.decay
         p, q = predicted / batch, accepted / batch
+        total = self.verified.setdefault(budget, [0.0, 0])
+        total[0], total[1] = total[0] + q, total[1] + 1
         if budget not in self.accepted:
             self.accepted[budget], self.predicted[budget] = q, p
         else:
