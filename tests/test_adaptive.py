@@ -18,8 +18,8 @@ from ddtree.config import ModelConfig
 from ddtree.llm import LLM
 from ddtree.models.dflash import random_drafter, save_drafter
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.adaptive import (MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS, AdaptivePolicy,
-                                  candidate_budgets)
+from ddtree.spec.adaptive import (HOPE_BURSTS, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS,
+                                  AdaptivePolicy, candidate_budgets)
 from ddtree.spec.costs import CostTable
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
 from emulated import emulated_pool, fake_gpu_graphs
@@ -294,10 +294,10 @@ def test_a_switch_is_priced_from_the_table_store_and_a_stall_counts_at_most_10x(
     assert untimed.switch_ms(1) == 600.0
 
 
-@pytest.mark.parametrize("accepted, hopeless", [(1.0, False), (0.3, True)])
+@pytest.mark.parametrize("accepted, hopeless", [(1.5, False), (0.3, True)])
 def test_hope_is_judged_on_the_runs_accepted_length_not_on_recent_bursts(accepted, hopeless):
     # AR 1 ms a token, a speculative step 2 ms (draft and verify): speculation has hope where HOPE times
-    # its modelled rate, at the accepted length the run's verify steps averaged, beats AR's. At 1.0 a
+    # its modelled rate, at the accepted length the run's verify steps averaged, beats AR's. At 1.5 a
     # few probes' bursts that realized half of AR's rate and a hard draft (E = 0) make the plan choose
     # AR, but the batch size keeps its hope (its AR steps keep reading out the drafter's context: on the
     # H200 such dips made C=1 hopeless, 0.85x fixed budget 32); at 0.3 it has none, whatever a draft promises.
@@ -317,6 +317,27 @@ def test_hope_is_judged_on_the_runs_accepted_length_not_on_recent_bursts(accepte
     policy.record_draft(1, {b: 10.0 for b in BUDGETS[1:]})  # a draft promising much
     policy.realized.clear()  # (the model alone)
     assert (policy.plan(1) > 0) != hopeless and policy.hopeless == hopeless
+
+
+@pytest.mark.parametrize("accepted, hopeless", [(1.05, True), (1.5, False)])
+def test_where_the_model_shows_no_clear_win_bursts_that_lost_to_ar_make_a_batch_size_hopeless(accepted, hopeless):
+    # AR 1 ms a token, a speculative step 2 ms: at 1.05 tokens accepted a step the model's rate is 1.025x
+    # AR's (no clear win), and HOPE_BURSTS bursts that realized 0.9x AR's bursts there make the batch
+    # size hopeless (as at C=16-32 on the H200); at 1.5 (1.25x: C=1) the same bursts do not.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
+    policy.record_draft(1, E_PER_REQUEST)
+    for _ in range(50):
+        for b in BUDGETS[1:]:
+            policy.observe(b, 16, predicted=16 * E_PER_REQUEST[b], accepted=16 * accepted)
+    policy.tally(0, 16, tokens=16 * 100, ms=100.0)  # AR's bursts: 1 token per ms and request
+    for _ in range(HOPE_BURSTS - 1):
+        policy.observe_switch(16, 0.1)
+        policy.observe_burst(8, 16, tokens=16 * 9, ms=10.0, expected=E_PER_REQUEST[8])
+    policy.plan(16)
+    assert not policy.hopeless and not policy.lost(16)  # (too few bursts to judge by)
+    policy.observe_burst(8, 16, tokens=16 * 9, ms=10.0, expected=E_PER_REQUEST[8])
+    assert policy.lost(16) and policy.plan(16) == 0 and policy.hopeless == hopeless
+    assert policy.state()["stored_ms"] == {16: pytest.approx(0.1 * (HOPE_BURSTS - 1))}
 
 
 def test_a_probe_waits_until_the_rows_it_would_feed_again_are_affordable():

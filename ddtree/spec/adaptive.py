@@ -48,6 +48,10 @@ HOPE = 1.3  # speculation has hope at a batch size where this many times a budge
 # A budget's accepted length for `hope_rate`: its verify steps' mean over the run, with this many steps
 # of the drafter's calibrated E as a prior (the first steps, a blind one or a probe's, are a few).
 HOPE_PRIOR_STEPS = 8
+# Where that model shows no clear win (SWITCH_MARGIN), speculation as the plan practised it at the batch
+# bucket decides too: all of its timed bursts (at least this many) and the context stores before them
+# together realizing fewer tokens per ms than the AR bursts there, the batch size is hopeless (`lost`).
+HOPE_BURSTS = 4
 E_WEIGHT = 0.5  # share of the drafter's now-vs-then E(b) ratio that scales a realized rate
 # A budget's calibration is its own observed/predicted ratio shrunk toward the ratio over all budgets,
 # the overall one weighing as much as this many of its own recent steps: a budget tried a few times on
@@ -98,6 +102,7 @@ class AdaptivePolicy:
         self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
         self.switch: dict[int, float] = {}  # batch bucket -> ms of an AR stretch's context store
         self.switch_samples: dict[int, int] = {}  # ... and how many stores (the table's one) it averages
+        self.stored_ms: dict[int, float] = {}  # ... and what they all took, undecayed (`lost`)
         # Feeding tokens again where tap-free AR steps skipped their features (`hope_rate`): a fixed cost per
         # refeed and ms per row, timed at start-up where graphs are (`set_refeed_cost`; else a per-row
         # prior, the table's widest verify per token), times what refeeds took over that (`refeed_ms`);
@@ -132,6 +137,7 @@ class AdaptivePolicy:
         starting from the table's (one entry a request) and moving 10% a sample, it priced them at half
         of what real stores took (2.3 ms against 1.4 at C=1, 4.6 against 0.8 at C=16)."""
         key = _bucket(batch)
+        self.stored_ms[key] = self.stored_ms.get(key, 0.0) + ms
         table = self.table.store_ms(key)
         if table is not None:
             ms = min(ms, 10 * table)
@@ -266,7 +272,8 @@ class AdaptivePolicy:
             if rate > best_rate:
                 best, best_rate = b, rate
         ar_rate = 1 / self.ar_ms(batch)
-        self.hopeless = max(self.hope_rate(b, batch) for b in self.budgets) * HOPE < ar_rate
+        hope = max(self.hope_rate(b, batch) for b in self.budgets)
+        self.hopeless = hope * HOPE < ar_rate or (hope < SWITCH_MARGIN * ar_rate and self.lost(batch))
         # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
         # catch-up, so near break-even the policy keeps the mode it is in, at the batch size it chose
         # it for (speculation chosen for the few requests left at the end of a batch is not kept on
@@ -323,15 +330,29 @@ class AdaptivePolicy:
         batch size saw: judged on the rates plans compare (realized, or the model times what the
         budgets tried realized), one hard stretch made C=1 hopeless (48d119e: 61 AR bursts ran tap-free,
         where fixed budget 32 ran 1.10x AR), and C=64 kept reading out where fixed budget 8 ran 0.66x AR
-        (623f5b3, run 5 drafter: auto 0.89x AR); a rule on what a batch size's first four bursts
-        realized, with their stores, against AR's made C=1 hopeless after a few probes (623f5b3: 0.85x
-        fixed budget 32)."""
+        (623f5b3, run 5 drafter: auto 0.89x AR)."""
         t = self.table
         prior = self.calibration(budget) * self.expected[budget]
         total, steps = self.verified.get(budget, (0.0, 0))
         accepted = (total + HOPE_PRIOR_STEPS * prior) / (steps + HOPE_PRIOR_STEPS)
         device = t.draft_ms(batch) + t.verify_ms(budget, batch)
         return (1 + accepted) / max(device + self.spec_extra_ms(batch), 0.5 * device)
+
+    def lost(self, batch: int) -> bool:
+        """Speculation at this batch bucket, all its timed bursts (at least HOPE_BURSTS) and the stores
+        before them together, realized fewer tokens per ms and request than the AR bursts there (or
+        than the AR step's cost, none timed yet): running sums, undecayed. At C=16-32 on the H200
+        (623f5b3) it made them hopeless on 290 of 300 plans at C=32 (auto 0.96x AR, 0.90x at 48d119e,
+        where bursts of budgets 4-16 had realized 0.94x AR's, each a near-tie that kept the AR steps
+        reading out); alone, without the model's say (`hope_rate`), it made C=1 hopeless after a blind
+        step and a few probes (0.85x fixed budget 32)."""
+        key = _bucket(batch)
+        spec = [t for (k, b), t in self.totals.items() if k == key and b > 0]
+        if sum(t[0] for t in spec) < HOPE_BURSTS:
+            return False
+        ar = self.totals.get((key, 0))
+        ar_rate = ar[1] / ar[2] if ar and ar[2] > 0 else 1 / self.ar_ms(batch)
+        return sum(t[1] for t in spec) < ar_rate * (sum(t[2] for t in spec) + self.stored_ms.get(key, 0.0))
 
     def probe_cap(self, batch: int, budget: int | None = None) -> int:
         """AR steps between probes: enough that a probe's loss against AR (a burst of `budget`, default
@@ -371,7 +392,7 @@ class AdaptivePolicy:
                 "realized": {f"{b}@{k}": [round(x, 4) for x in (_rate(v), v[2], v[3])]
                              for (k, b), v in sorted(self.realized.items())},
                 "probe_intervals": dict(sorted(self.intervals.items())),
-                "plans": dict(sorted(self.plans.items())),
+                "plans": dict(sorted(self.plans.items())), "stored_ms": dict(sorted(self.stored_ms.items())),
                 "verified": {b: [round(acc, 2), n] for b, (acc, n) in sorted(self.verified.items())},
                 # every timed burst of each budget at each batch bucket: bursts, tokens per request, ms
                 "totals": {f"{b}@{k}": [n, round(tokens, 2), round(ms, 2)] for (k, b), (n, tokens, ms)
