@@ -300,23 +300,37 @@ def test_hope_is_judged_on_the_runs_accepted_length_not_on_recent_bursts(accepte
     # its modelled rate, at the accepted length the run's verify steps averaged, beats AR's. At 1.5 a
     # few probes' bursts that realized half of AR's rate and a hard draft (E = 0) make the plan choose
     # AR, but the batch size keeps its hope (its AR steps keep reading out the drafter's context: on the
-    # H200 such dips made C=1 hopeless, 0.85x fixed budget 32); at 0.3 it has none, whatever a draft promises.
+    # H200 such dips made C=1 hopeless, 0.85x fixed budget 32); at 0.3 it has none, though a draft
+    # promise 1.5 (the drafter's own E is the prior of a few steps only).
     policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
-    policy.record_draft(1, E_PER_REQUEST)
+    policy.record_draft(1, {b: accepted for b in BUDGETS[1:]})  # (a calibrated drafter)
     for _ in range(50):
         for b in BUDGETS[1:]:
-            policy.observe(b, 1, predicted=E_PER_REQUEST[b], accepted=accepted)
+            policy.observe(b, 1, predicted=accepted, accepted=accepted)
     assert policy.state()["verified"][8] == [pytest.approx(50 * accepted), 50]
-    assert policy.hope_rate(8, 1) == pytest.approx((1 + accepted) / 2.0, rel=0.02)
+    assert policy.hope_rate(8, 1) == pytest.approx((1 + accepted) / 2.0)
     for b in BUDGETS[1:]:
         policy.observe_burst(b, 1, tokens=4.0, ms=8.0, expected=E_PER_REQUEST[b])  # 0.5 tokens per ms
     policy.probing = True
     policy.record_draft(1, {b: 0.0 for b in BUDGETS[1:]})
     assert policy.plan(1) == 0 and policy.hopeless == hopeless
     assert policy.state()["plans"] == {("hopeless@1" if hopeless else "ar@1"): 1}
-    policy.record_draft(1, {b: 10.0 for b in BUDGETS[1:]})  # a draft promising much
+    policy.probing = True
+    policy.record_draft(1, {b: 1.5 for b in BUDGETS[1:]})  # a draft promising what the good run had
     policy.realized.clear()  # (the model alone)
     assert (policy.plan(1) > 0) != hopeless and policy.hopeless == hopeless
+
+
+def test_a_blind_first_step_that_accepted_nothing_leaves_hope():
+    # A fresh engine's first (blind) step verified budget 4 and accepted nothing: the drafter's own E is
+    # the prior of the run's accepted length, not the calibration that one step taught (0), so batch 1
+    # keeps its hope (at 7c29837 on the H200 it was hopeless for 141 AR bursts: 0.90x fixed budget 32).
+    policy = AdaptivePolicy(table(lambda n, bs: 0.9 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
+    policy.record_draft(1, {4: 2.0, 8: 2.4, 16: 2.7, 32: 2.9})
+    policy.observe(4, 1, predicted=2.0, accepted=0)
+    assert policy.calibration(4) == 0.0
+    policy.plan(1)
+    assert not policy.hopeless
 
 
 @pytest.mark.parametrize("accepted, hopeless", [(1.05, True), (1.5, False)])
@@ -325,10 +339,10 @@ def test_where_the_model_shows_no_clear_win_bursts_that_lost_to_ar_make_a_batch_
     # AR's (no clear win), and HOPE_BURSTS bursts that realized 0.9x AR's bursts there make the batch
     # size hopeless (as at C=16-32 on the H200); at 1.5 (1.25x: C=1) the same bursts do not.
     policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
-    policy.record_draft(1, E_PER_REQUEST)
+    policy.record_draft(1, {b: accepted for b in BUDGETS[1:]})  # (a calibrated drafter)
     for _ in range(50):
         for b in BUDGETS[1:]:
-            policy.observe(b, 16, predicted=16 * E_PER_REQUEST[b], accepted=16 * accepted)
+            policy.observe(b, 16, predicted=16 * accepted, accepted=16 * accepted)
     policy.tally(0, 16, tokens=16 * 100, ms=100.0)  # AR's bursts: 1 token per ms and request
     for _ in range(HOPE_BURSTS - 1):
         policy.observe_switch(16, 0.1)

@@ -46,7 +46,9 @@ BURST_STEPS = 8
 RATE_DECAY = 0.1
 HOPE = 1.3  # speculation has hope at a batch size where this many times a budget's `hope_rate` beats AR's
 # A budget's accepted length for `hope_rate`: its verify steps' mean over the run, with this many steps
-# of the drafter's calibrated E as a prior (the first steps, a blind one or a probe's, are a few).
+# of the drafter's own E (uncalibrated: a calibration learnt from one step can be 0) as a prior. At
+# 7c29837 on the H200 the calibrated prior made C=1 hopeless from its first (blind) step for 141 AR
+# bursts, until a probe's refeed was affordable (auto 0.90x fixed budget 32).
 HOPE_PRIOR_STEPS = 8
 # Where that model shows no clear win (SWITCH_MARGIN), speculation as the plan practised it at the batch
 # bucket decides too: all of its timed bursts (at least this many) and the context stores before them
@@ -332,7 +334,7 @@ class AdaptivePolicy:
         where fixed budget 32 ran 1.10x AR), and C=64 kept reading out where fixed budget 8 ran 0.66x AR
         (623f5b3, run 5 drafter: auto 0.89x AR)."""
         t = self.table
-        prior = self.calibration(budget) * self.expected[budget]
+        prior = self.expected[budget]
         total, steps = self.verified.get(budget, (0.0, 0))
         accepted = (total + HOPE_PRIOR_STEPS * prior) / (steps + HOPE_PRIOR_STEPS)
         device = t.draft_ms(batch) + t.verify_ms(budget, batch)
