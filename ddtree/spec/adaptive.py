@@ -45,10 +45,10 @@ BURST_STEPS = 8
 # 1.28 and AR steps 1.16.
 RATE_DECAY = 0.1
 HOPE = 1.3  # speculation has hope at a batch size where this many times a budget's `hope_rate` beats AR's
-# A budget's accepted length for `hope_rate`: its verify steps' mean over the run, with this many steps
-# of the drafter's own E (uncalibrated: a calibration learnt from one step can be 0) as a prior. At
-# 7c29837 on the H200 the calibrated prior made C=1 hopeless from its first (blind) step for 141 AR
-# bursts, until a probe's refeed was affordable (auto 0.90x fixed budget 32).
+# A budget's accepted length for `hope_rate`: its verify steps' mean since the policy began, with this
+# many steps of the drafter's own E (uncalibrated: a calibration learnt from one step can be 0) as a
+# prior. At 2848c2d on the H200 the calibrated prior made C=1 hopeless from its first (blind) step for
+# 141 AR bursts, until a probe's refeed was affordable (auto 0.90x fixed budget 32).
 HOPE_PRIOR_STEPS = 8
 # Where that model shows no clear win (SWITCH_MARGIN), speculation as the plan practised it at the batch
 # bucket decides too: all of its timed bursts (at least this many) and the context stores before them
@@ -94,8 +94,9 @@ class AdaptivePolicy:
         # [bursts, tokens per request, ms] (`tally`)
         self.totals: dict[tuple[int, int], list[float]] = {}
         self.max_probe_every = max_probe_every
-        # plans by outcome and batch bucket ("spec@16", "probe@1", "ar@4", "hopeless@128", "blind@1"),
-        # for benchmark rows: an AR plan covers a whole AR burst
+        # plans by outcome and batch bucket ("spec@16", "probe@1", "ar@4", "hopeless@128", "blind@1")
+        # since the policy began (it lives as long as its engine), for benchmark rows: an AR plan covers
+        # a whole AR burst
         self.plans: dict[str, int] = {}
         self.probing = False  # this draft is a probe: AR looked better on past averages
         self.hopeless = False  # the last plan saw no chance for speculation at its batch size (`hope_rate`)
@@ -104,7 +105,7 @@ class AdaptivePolicy:
         self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
         self.switch: dict[int, float] = {}  # batch bucket -> ms of an AR stretch's context store
         self.switch_samples: dict[int, int] = {}  # ... and how many stores (the table's one) it averages
-        self.stored_ms: dict[int, float] = {}  # ... and what they all took, undecayed (`lost`)
+        self.stored_ms: dict[int, float] = {}  # ... and those before timed bursts, undecayed (`lost`)
         # Feeding tokens again where tap-free AR steps skipped their features (`hope_rate`): a fixed cost per
         # refeed and ms per row, timed at start-up where graphs are (`set_refeed_cost`; else a per-row
         # prior, the table's widest verify per token), times what refeeds took over that (`refeed_ms`);
@@ -139,7 +140,6 @@ class AdaptivePolicy:
         starting from the table's (one entry a request) and moving 10% a sample, it priced them at half
         of what real stores took (2.3 ms against 1.4 at C=1, 4.6 against 0.8 at C=16)."""
         key = _bucket(batch)
-        self.stored_ms[key] = self.stored_ms.get(key, 0.0) + ms
         table = self.table.store_ms(key)
         if table is not None:
             ms = min(ms, 10 * table)
@@ -197,12 +197,18 @@ class AdaptivePolicy:
         own = acc / pred if pred > 0 else 1.0
         return (w * own + CALIBRATION_PRIOR * overall) / (w + CALIBRATION_PRIOR)
 
-    def observe_burst(self, budget: int, batch: int, tokens: int, ms: float, expected: float) -> None:
+    def observe_burst(self, budget: int, batch: int, tokens: int, ms: float, expected: float,
+                      store_ms: float = 0.0) -> None:
         """A burst of `budget` committed `tokens` to `batch` requests in `ms` (host, from its first launch
         to its last commit; a context store before it is a switch's cost, `observe_switch`), its drafts
-        expecting E(b) = `expected` per request and step."""
+        expecting E(b) = `expected` per request and step; `store_ms` of such a store, counted with the
+        burst in `lost` (at most 10x the table's store, as a switch's cost)."""
         key, a = (_bucket(batch), budget), RATE_DECAY
         self.tally(budget, batch, tokens, ms)
+        if store_ms:
+            table = self.table.store_ms(key[0])
+            store_ms = store_ms if table is None else min(store_ms, 10 * table)
+            self.stored_ms[key[0]] = self.stored_ms.get(key[0], 0.0) + store_ms
         tokens, ms, e = tokens / batch, max(ms, 1e-3), expected
         old = self.realized.get(key)
         if old is not None:
@@ -323,16 +329,17 @@ class AdaptivePolicy:
     def hope_rate(self, budget: int, batch: int) -> float:
         """Whether speculation can pay at this batch size at all: the model's committed tokens per ms and
         request of `budget` (the table, the learned host extra) at the accepted length its verify steps
-        averaged over the run (`HOPE_PRIOR_STEPS`). Where HOPE times no budget's beats the AR step, AR
-        steps do not read out the drafter's context (fed again at a switch, should one come): auto
-        runs plain AR's own steps, and probes come only every `max_probe_every` AR steps. On the H200
-        those read-outs cost 4-8% of AR's steps at C=64-128.
+        averaged since the policy began (`HOPE_PRIOR_STEPS`). Where HOPE times no budget's beats the AR
+        step (or, where none beats it clearly, the plan's own bursts lost to AR's: `lost`), AR steps do
+        not read out the drafter's context (fed again at a switch, should one come): auto runs plain
+        AR's own steps, and probes come only every `max_probe_every` AR steps. On the H200 those
+        read-outs cost 4-8% of AR's steps at C=64-128.
 
-        A property of the drafter and the batch size, not of the text now, nor of the few bursts a
-        batch size saw: judged on the rates plans compare (realized, or the model times what the
-        budgets tried realized), one hard stretch made C=1 hopeless (48d119e: 61 AR bursts ran tap-free,
-        where fixed budget 32 ran 1.10x AR), and C=64 kept reading out where fixed budget 8 ran 0.66x AR
-        (623f5b3, run 5 drafter: auto 0.89x AR)."""
+        Meant as a property of the drafter and the batch size rather than of the text now (the drafter's
+        own E weighs only as its prior): judged on the rates plans compare (realized, or the model times
+        what the budgets tried realized), one hard stretch made C=1 hopeless (48d119e: 61 AR bursts ran
+        tap-free, where fixed budget 32 ran 1.10x AR), and C=64 kept reading out where fixed budget 8
+        ran 0.66x AR (623f5b3, run 5 drafter: auto 0.89x AR)."""
         t = self.table
         prior = self.expected[budget]
         total, steps = self.verified.get(budget, (0.0, 0))
@@ -347,7 +354,9 @@ class AdaptivePolicy:
         (623f5b3) it made them hopeless on 290 of 300 plans at C=32 (auto 0.96x AR, 0.90x at 48d119e,
         where bursts of budgets 4-16 had realized 0.94x AR's, each a near-tie that kept the AR steps
         reading out); alone, without the model's say (`hope_rate`), it made C=1 hopeless after a blind
-        step and a few probes (0.85x fixed budget 32)."""
+        step and a few probes (0.85x fixed budget 32). (Undecayed, and tap-free AR bursts count with
+        AR's: a batch size this makes hopeless stays so until probes' bursts, at most one every
+        `max_probe_every` AR steps, outweigh its sums.)"""
         key = _bucket(batch)
         spec = [t for (k, b), t in self.totals.items() if k == key and b > 0]
         if sum(t[0] for t in spec) < HOPE_BURSTS:

@@ -251,7 +251,7 @@ class AdaptiveSpeculator(Speculator):
         budget, R = self.planned or self.budgets[1], len(seqs)
         graphs = self.step_graphs[budget]
         captured = next(b for b in graphs.buckets if b >= R) in graphs.graphs  # (not a burst that captures)
-        stored = False
+        stored, store_ms = False, 0.0
         t0 = time.perf_counter()
         refeed_ms = self._refeed_gaps(seqs)  # (priced apart, on the rows it feeds again)
         if refeed_ms or any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
@@ -283,7 +283,7 @@ class AdaptiveSpeculator(Speculator):
         if steps < TIMED_BURST:
             return
         self.policy.observe_burst(budget, R, self.stats.committed - committed, (t2 - t1) * 1e3,
-                                  sum(self.burst_expected) / len(self.burst_expected))
+                                  sum(self.burst_expected) / len(self.burst_expected), store_ms)
         if not stored:
             t = self.policy.table
             self.policy.observe_time("spec", R, (t2 - t1) * 1e3 / steps, t.draft_ms(R) + t.verify_ms(budget, R))
