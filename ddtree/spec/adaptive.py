@@ -351,9 +351,9 @@ class AdaptivePolicy:
         """Speculation at this batch bucket, all its timed bursts (at least HOPE_BURSTS) and the stores
         before them together, realized fewer tokens per ms and request than the AR bursts there (or
         than the AR step's cost, none timed yet): running sums, undecayed. At C=16-32 on the H200
-        (623f5b3) it made them hopeless on 290 of 300 plans at C=32 (auto 0.96x AR, 0.90x at 48d119e,
-        where bursts of budgets 4-16 had realized 0.94x AR's, each a near-tie that kept the AR steps
-        reading out); alone, without the model's say (`hope_rate`), it made C=1 hopeless after a blind
+        (623f5b3) it made them hopeless on 161 of 169 plans at batch 16 and 109 of 121 at 32 (auto 0.96x
+        AR at C=16 and 32; 0.90x at 48d119e, where bursts of budgets 4-16 had realized 0.94x AR's, each
+        a near-tie that kept the AR steps reading out); alone, without the model's say (`hope_rate`), it made C=1 hopeless after a blind
         step and a few probes (0.85x fixed budget 32). (Undecayed, and tap-free AR bursts count with
         AR's: a batch size this makes hopeless stays so until probes' bursts, at most one every
         `max_probe_every` AR steps, outweigh its sums.)"""
