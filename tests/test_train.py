@@ -170,8 +170,8 @@ def test_cli_train_drafter_generates_data_trains_and_saves(target, tmp_path):
     out = tmp_path / "out"
     rc = main(["train-drafter", "--target", target, "--out", str(out), "--prompt-file", str(prompts),
                "--max-new-tokens", "8", "--steps", "3", "--batch-size", "2", "--block-size", "4",
-               "--num-features", "2", "--device", "cpu", "--dtype", "float32"])
-    assert rc == 0
+               "--num-features", "2", "--device", "cpu", "--dtype", "float32", "--feature-cache-gb", "0"])
+    assert rc == 0  # (no features cached: every batch runs the target)
     assert len(load_dataset(str(out / "data.pt"))) == 2
     d = load_drafter(str(out), ModelConfig.from_dir(target), "cpu", torch.float32)
     assert d.dcfg.block_size == 4 and len(d.dcfg.target_layer_ids) == 2
@@ -206,6 +206,26 @@ def test_packed_target_features_equal_one_sequence_at_a_time(target, records):
         alone = target_features(net, [rec["input_ids"]], layers)[0]
         assert f.shape == (rec["input_ids"].shape[0], 2 * net.config.hidden_size)
         torch.testing.assert_close(f, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_features_past_the_cache_budget_are_computed_per_batch_alike(target, records):
+    # A feature cache of ~2 records' worth keeps the shortest ones; a batch drawing cached and uncached
+    # records gets the same features as one with every record precomputed.
+    from ddtree.train.drafter import make_batch_inputs, precompute_features
+    net, _ = load_model(target, "cpu", torch.float32)
+    layers = [0, 2]
+    row = len(layers) * net.config.hidden_size * 4
+    everything = precompute_features(net, records, layers, max_len=2048, progress=False)
+    shortest = sorted(r["input_ids"].shape[0] for r in records)
+    some = precompute_features(net, records, layers, max_len=2048, progress=False,
+                               max_bytes=(shortest[0] + shortest[1]) * row)
+    kept = [i for i, f in enumerate(some) if f is not None]
+    assert len(kept) == 2 and sorted(records[i]["input_ids"].shape[0] for i in kept) == shortest[:2]
+    batch = lambda fs: [{**r, "feats": f} for r, f in zip(records, fs)]  # noqa: E731
+    a = make_batch_inputs(batch(everything), net, layers, 4, 2, torch.Generator().manual_seed(0), 2048, "cpu")
+    b = make_batch_inputs(batch(some), net, layers, 4, 2, torch.Generator().manual_seed(0), 2048, "cpu")
+    torch.testing.assert_close(a["feats"], b["feats"], atol=1e-5, rtol=1e-5)
+    assert precompute_features(net, records, layers, max_len=2048, progress=False, max_bytes=0) == [None] * len(records)
 
 
 def test_prompt_files_round_trip_multiline_prompts(tmp_path):

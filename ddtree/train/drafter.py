@@ -51,6 +51,14 @@ class TrainConfig:
     save_dtype: str = "bfloat16"
     attention: str = "sdpa"  # or "flex" (flex_attention + BlockMask; GPU only for training: no CPU backward)
     time_budget_s: float = 0.0  # > 0: the cosine schedule spans this much training time instead of `steps`
+    # Target features precomputed and kept on the device up to this many GB, shortest records first (the
+    # rest are computed each time a batch draws them); None: on CUDA the free memory less
+    # FEATURE_RESERVE_GB, elsewhere no cap. (4 x 896 bf16 values a token for the default target: run 5's
+    # 35,000 answers made ~68 GB; all 50,863 every-turn prompts would make ~98 GB.)
+    feature_cache_gb: float | None = None
+
+
+FEATURE_RESERVE_GB = 16.0  # device memory left for training steps when the feature cache is sized by itself
 
 
 @torch.no_grad()
@@ -85,14 +93,18 @@ def target_features(target: CausalLM, seqs: list[torch.Tensor], layer_ids: list[
 
 
 def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[int], max_len: int,
-                        tokens_per_batch: int = 16384, progress: bool = True) -> list[torch.Tensor]:
+                        tokens_per_batch: int = 16384, progress: bool = True,
+                        max_bytes: float | None = None) -> list[torch.Tensor | None]:
     """Each record's target features (on the target's device and dtype), computed once so training
-    steps don't re-run the frozen target: every record is revisited many times."""
+    steps don't re-run the frozen target: every record is revisited many times. Shortest records first,
+    up to `max_bytes` of features; the rest get None (computed per batch, `make_batch_inputs`)."""
     from tqdm.auto import tqdm
     dev = target.lm_head.weight.device
     order = sorted(range(len(records)), key=lambda i: records[i]["input_ids"].shape[0])
     bar = tqdm(total=len(records), desc="target features", disable=not progress)
     feats: list[torch.Tensor | None] = [None] * len(records)
+    row_bytes = len(layer_ids) * target.config.hidden_size * target.lm_head.weight.element_size()
+    budget = float("inf") if max_bytes is None else max_bytes
     i = 0
     while i < len(order):
         group, longest = [], 0
@@ -100,14 +112,21 @@ def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[i
             n = min(records[order[i]]["input_ids"].shape[0], max_len)
             if group and max(longest, n) * (len(group) + 1) > tokens_per_batch:
                 break
+            if n * row_bytes > budget:  # the cache is full: this record and the (longer) rest per batch
+                break
+            budget -= n * row_bytes
             group.append(order[i])
             longest = max(longest, n)
             i += 1
+        if not group:
+            break
         seqs = [records[j]["input_ids"][:max_len].to(dev) for j in group]
         for j, f in zip(group, target_features(target, seqs, layer_ids)):
             feats[j] = f
         bar.update(len(group))
     bar.close()
+    if i < len(order):
+        print(f"[target features: {i} of {len(records)} records precomputed; the rest per batch]")
     return feats
 
 
@@ -286,6 +305,16 @@ def save_checkpoint(out: str, drafter: DFlashDrafter, opt, sched, step: int, cfg
     os.replace(tmp, os.path.join(out, STATE_FILE))
 
 
+def _feature_cache_bytes(cfg: TrainConfig, dev: torch.device) -> float | None:
+    if cfg.feature_cache_gb is not None:
+        return cfg.feature_cache_gb * 2**30
+    if dev.type != "cuda":
+        return None
+    torch.cuda.empty_cache()  # (the data generation's engine is gone: its blocks back to the driver)
+    free, _ = torch.cuda.mem_get_info(dev)
+    return max(free - FEATURE_RESERVE_GB * 2**30, 0.0)
+
+
 def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, drafter: DFlashDrafter | None = None,
           resume: bool = False, num_layers: int = 1, block_size: int = 16, target_layer_ids: list[int] | None = None,
           progress: bool = True, stop_at: int | None = None, time_limit_s: float | None = None,
@@ -326,7 +355,8 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
     timed = cfg.time_budget_s > 0
     os.makedirs(out, exist_ok=True)
     dc = drafter.dcfg
-    feats = precompute_features(target, records, dc.target_layer_ids, cfg.max_len, progress=progress)
+    feats = precompute_features(target, records, dc.target_layer_ids, cfg.max_len, progress=progress,
+                                max_bytes=_feature_cache_bytes(cfg, dev))
     log = open(os.path.join(out, LOG_FILE), "a")
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train-drafter", disable=not progress)
     t0 = time.perf_counter()
@@ -419,7 +449,7 @@ def main(args) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
                       warmup=args.warmup, gamma=args.gamma, max_len=args.max_len, seed=args.seed,
                       save_every=args.save_every, save_dtype=args.save_dtype, attention=args.attention,
-                      time_budget_s=(args.time_budget or 0) * 60)
+                      time_budget_s=(args.time_budget or 0) * 60, feature_cache_gb=args.feature_cache_gb)
     kw = {}
     if args.intermediate_size:
         kw["intermediate_size"] = args.intermediate_size
