@@ -1,0 +1,544 @@
+"""AdaptiveSpeculator (spec/auto.py, `budget="auto"`) end to end: auto decoding is lossless like every
+other mode. Greedy output equals AR token for token, with a random drafter (auto stays on AR), an
+oracle (it speculates), and a scripted policy that switches between AR, AR after a wasted draft, and
+every budget, so the drafter's context must catch up after AR steps; the graphed path emulated on the
+CPU (bursts, tap-free AR steps, refeeds). The policy alone: tests/test_adaptive.py.
+"""
+import itertools
+
+import pytest
+import torch
+
+from ddtree.config import ModelConfig
+from ddtree.llm import LLM
+from ddtree.models.dflash import random_drafter, save_drafter
+from ddtree.sampling_params import SamplingParams
+from ddtree.spec.adaptive import candidate_budgets
+from ddtree.spec.costs import CostTable
+from emulated import emulated_pool, fake_gpu_graphs
+from test_adaptive import BATCHES, BUDGETS, one_thread, roofline, table  # noqa: F401 (one_thread: autouse)
+from test_spec import assert_idle, continuation, hook_draft_logits, noisy_oracle, plant
+from tiny import make_tiny_model
+
+ENGINE = dict(device="cpu", dtype="float32", page_size=4, num_pages=512)
+MAX_TOKENS = [40, 17, 29, 9]  # requests finishing at different times: the batch shrinks 4 -> 1
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """pair(family) -> (target dir, block-8 random drafter dir), memoized."""
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            path = make_tiny_model(str(tmp_path_factory.mktemp(f"auto_{family}")), family)
+            d = str(tmp_path_factory.mktemp(f"auto_draft_{family}"))
+            save_drafter(random_drafter(ModelConfig.from_dir(path), num_layers=1, block_size=8,
+                                        target_layer_ids=[0, 1]), d)
+            made[family] = (path, d)
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [list(range(5, 5 + n)) for n in (3, 17, 6, 11)]
+
+
+@pytest.fixture(scope="module")
+def ar_out(pairs, prompts):
+    """ar_out(family, max_tokens) -> the AR engine's greedy outputs for `prompts` (memoized)."""
+    cache = {}
+
+    def get(family, max_tokens=tuple(MAX_TOKENS)):
+        if (family, max_tokens) not in cache:
+            llm = LLM(pairs(family)[0], **ENGINE)
+            cache[family, max_tokens] = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+        return cache[family, max_tokens]
+
+    return get
+
+
+def auto_llm(pairs, family, cost_table=None) -> LLM:
+    path, d = pairs(family)
+    llm = LLM(path, draft=d, **ENGINE)
+    llm.set_mode("ddtree", "auto", 4, cost_table=cost_table)
+    if cost_table is not None:  # deterministic: no host-time learning from this machine's (loaded) CPU
+        llm.engine.speculator.policy.observe_time = lambda *a: None
+        llm.engine.speculator.policy.observe_burst = lambda *a: None
+    return llm
+
+
+def plant_noisy_oracle(llm: LLM, ref: dict) -> None:
+    """Drafts the AR continuation's token at rank 0, 1 or 2 (or not at all), decoys above it."""
+    plant(llm, noisy_oracle(ref, vocab=llm.config.vocab_size))
+
+
+class Scripted:
+    """A policy that follows a fixed cycle: "ar" (no draft), "gap" (AR that reads out no drafter context),
+    "wasted" (draft, then AR) or a budget."""
+    def __init__(self, plan):
+        self.plan_, self.now, self.seen = itertools.cycle(plan), None, []
+
+    table = table(lambda n, bs: 1.0)
+    probing, expected, hopeless = False, {}, False
+
+    def plan(self, batch, gap_rows=0):  # "wasted": the largest budget (drafted; `choose` then throws it away)
+        self.now = next(self.plan_)
+        self.hopeless = self.now == "gap"
+        return {"ar": 0, "gap": 0, "wasted": BUDGETS[-1]}.get(self.now, self.now)
+
+    def record_draft(self, batch, expected):
+        assert sorted(expected) == BUDGETS[1:]
+        assert all(0 <= expected[b] <= b * batch + 1e-2 for b in expected)
+        assert all(expected[a] <= expected[b] + 1e-2 for a, b in zip(BUDGETS[1:], BUDGETS[2:]))  # more nodes, more hope
+
+    def ar_steps_ahead(self):  # one script entry per step: no AR bursts
+        return 0
+
+    def skip_ar(self, steps):
+        assert steps == 0
+
+    def choose(self, batch, expected):
+        self.record_draft(batch, expected)
+        return 0 if self.now == "wasted" else self.now
+
+    def observe(self, budget, batch, predicted, accepted):
+        self.seen.append(budget)
+
+    def observe_switch(self, batch, ms):
+        pass
+
+    def observe_refeed(self, rows, ms):
+        assert rows > 0 and ms > 0
+
+    def observe_burst(self, budget, batch, tokens, ms, expected, store_ms=0.0):
+        pass
+
+    def tally(self, budget, batch, tokens, ms):
+        pass
+
+    def observe_time(self, kind, batch, measured_ms, table_ms):
+        assert kind in ("ar", "spec") and measured_ms > 0 and table_ms > 0
+
+
+def check_lossless(llm: LLM, prompts, ref, tokens_per_step_le: int = 8) -> list:
+    params = [SamplingParams(max_tokens=m) for m in MAX_TOKENS]
+    outs, hist = [], {}
+    for batch, ps in [([p], [q]) for p, q in zip(prompts, params)] + [(prompts, params)]:  # alone, then batched
+        outs += llm.generate(batch, ps)
+        for b, n in llm.last_stats["budget_hist"].items():
+            hist[b] = hist.get(b, 0) + n
+    for o, r in zip(outs, ref + ref):
+        assert o.token_ids == r.token_ids and o.finish_reason == r.finish_reason
+        assert max(o.accept_lengths, default=1) <= tokens_per_step_le
+    # Every generated token: one from the prefill, the rest from verify steps or AR steps.
+    assert sum(len(o.token_ids) for o in outs) == len(outs) + sum(sum(o.accept_lengths) for o in outs) + hist.get(0, 0)
+    assert_idle(llm)
+    return outs, hist
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_auto_with_a_random_drafter_stays_on_ar_and_equals_it(family, pairs, prompts, ar_out):
+    llm = auto_llm(pairs, family)  # the cost table measured here, on the CPU
+    t = llm.engine.speculator.policy.table
+    assert t.batch == [1, 2] and sorted(t.verify) == BUDGETS[1:] and min(t.ar + t.draft) > 0
+    spec = llm.engine.speculator
+    spec.policy.table = table(lambda n, bs: 1.0 * n)  # deterministic: drafts far below their cost
+    spec.policy.observe_time = spec.policy.observe_burst = lambda *a: None
+    outs, hist = check_lossless(llm, prompts, ar_out(family))
+    # A random drafter never earns a verify of its own; only probes (one draft per PROBE_EVERY AR steps)
+    # verify the smallest tree, so the calibration keeps learning.
+    probes = hist.get(BUDGETS[1], 0)
+    assert set(hist) <= {0, BUDGETS[1]} and probes * 8 <= hist[0], hist
+    assert sum(len(o.accept_lengths) for o in outs) == probes
+    assert llm.budget == "auto" and llm.spec == "ddtree"
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_auto_with_a_good_drafter_speculates_and_equals_ar(family, pairs, prompts, ar_out):
+    ref = ar_out(family)
+    llm = auto_llm(pairs, family, cost_table=table(lambda n, bs: 1.0 + 0.01 * n))
+    plant_noisy_oracle(llm, continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)))
+    outs, hist = check_lossless(llm, prompts, ref)
+    assert hist.get(0, 0) < sum(hist.values()) / 4, hist  # mostly speculating
+    accepts = [n for o in outs for n in o.accept_lengths]
+    assert sum(accepts) / len(accepts) > 1.5
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_switching_between_ar_and_budgets_every_step_stays_lossless(family, pairs, prompts, ar_out):
+    ref = ar_out(family)
+    llm = auto_llm(pairs, family, cost_table=table(roofline))
+    plant_noisy_oracle(llm, continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)))
+    llm.engine.speculator.policy = script = Scripted(["ar", "ar", 4, "ar", 8, "wasted", 16, 32, "ar", "ar", "ar",
+                                                      32, "wasted", "wasted", 8])
+    outs, hist = check_lossless(llm, prompts, ref)
+    assert set(hist) == set(BUDGETS), hist
+    assert set(script.seen) == set(BUDGETS[1:])
+
+
+def recorder(into: dict):
+    """A `replace` for hook_draft_logits that keeps each request's draft logits, keyed by its tokens."""
+    def record(seqs, out):
+        for seq, row in zip(seqs, out):
+            into[tuple(seq.token_ids)] = row.clone()
+        return out
+    return record
+
+
+class ScriptedBursts(Scripted):
+    """Scripted, with every "ar" entry granting an AR burst of up to four steps."""
+    def ar_steps_ahead(self):
+        return 3
+
+    def skip_ar(self, steps):
+        assert 0 <= steps <= 3
+
+
+@pytest.mark.parametrize("graphed,pending_rows,gap", [(False, None, False), (True, None, False), (True, 2, False),
+                                                     (True, 2, True)])
+def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, ar_out, graphed, pending_rows, gap,
+                                                               monkeypatch):
+    # AR steps' target features reach the drafter cache (eager: each step stores its row; graphed: the
+    # engine's AR bursts keep them pending, stored by the next draft, or by an AR burst once a request
+    # holds `pending_rows`; `gap`: some bursts read none out, and a switch feeds those tokens again);
+    # the next draft must see exactly the context a fresh engine builds by prefilling the same tokens.
+    import ddtree.engine.engine as engine_mod
+    import ddtree.spec.auto as auto
+    family = "qwen2"
+    if pending_rows is not None:
+        monkeypatch.setattr(engine_mod, "PENDING_ROWS", pending_rows)
+    if graphed:
+        fake_gpu_graphs(monkeypatch)
+        # speculative bursts of one step: the recorder keys each draft by its request's tokens on the
+        # host, which a burst's later steps (inputs prepared on the device) run ahead of
+        monkeypatch.setattr(auto, "SPEC_BURST", 1)
+    llm = auto_llm(pairs, family, cost_table=table(roofline))
+    if gap:  # refeeds in forwards of at most 3 tokens: gaps split across them
+        llm.engine.runner.max_num_batched_tokens = 3
+    seen = {}
+    hook_draft_logits(llm, recorder(seen))
+    plan = ["gap", "ar", "gap", 4, "ar", "gap", "gap", "wasted", "ar", 8] if gap else \
+        ["ar", "ar", "ar", 4, "ar", "wasted", "ar", 8]
+    llm.engine.speculator.policy = ScriptedBursts(plan) if graphed else Scripted(plan)
+    llm.generate(prompts, [SamplingParams(max_tokens=m) for m in MAX_TOKENS])
+    assert (llm.engine.decode_graphs is not None) == graphed
+    stats = llm.last_stats["bursts"]
+    assert (stats.get("refeeds", 0) > 0 and stats.get("tap_free_bursts", 0) > 0) == gap, stats
+    keys = [k for k in seen if list(k[:-1]) not in prompts]
+    assert len(keys) > (5 if graphed else 10)  # (AR bursts: fewer drafts)
+    fresh = auto_llm(pairs, family, cost_table=table(roofline))
+    again = {}
+    hook_draft_logits(fresh, recorder(again))
+    fresh.engine.speculator.policy = Scripted([4])
+    out = fresh.generate([list(k[:-1]) for k in keys], SamplingParams(max_tokens=2))
+    assert [o.token_ids[0] for o in out] == [k[-1] for k in keys]
+    for k in keys:
+        torch.testing.assert_close(again[k], seen[k], atol=1e-3, rtol=1e-3)
+
+
+def test_pending_rows_gathers_burst_entries_and_tensors_in_order():
+    # A request's pending context mixes tensors (a prompt's, a verified path's) and (buffer, i, n)
+    # entries of AR bursts' buffers shared by the batch; one cat and one gather give every row in order.
+    from ddtree.engine.sequence import Sequence
+    from ddtree.spec.draft import pending_rows
+    F = 5
+    a, b, t, u = torch.randn(3, 4, F), torch.randn(2, 6, F), torch.randn(2, F), torch.randn(1, F)
+    seqs = [Sequence([0], SamplingParams(), None) for _ in range(4)]
+    seqs[0].pending_features = [t, (a, 0, 4), (b, 1, 2)]
+    seqs[1].pending_features = [(a, 2, 1)]
+    seqs[3].pending_features = [(b, 0, 6), u, (a, 1, 3)]  # (seqs[2]: nothing pending)
+    want = torch.cat([t, a[0, :4], b[1, :2], a[2, :1], b[0], u, a[1, :3]])
+    assert torch.equal(pending_rows(seqs), want)
+    seqs[1].pending_features = [t, u]
+    assert torch.equal(pending_rows(seqs[1:3]), torch.cat([t, u]))  # tensors only
+    assert pending_rows(seqs[2:3]) is None
+    seqs[1].pending_features = [(b, 1, 6)]
+    assert torch.equal(pending_rows(seqs[1:2]), b[1])  # one buffer (no cat)
+    seqs[1].pending_features = [(b, 1, 6), (b, 0, 6)]
+    assert torch.equal(pending_rows(seqs[1:2]), torch.cat([b[1], b[0]]))  # every row, out of order
+    c = torch.randn(64, 4, F)  # a few rows of a large buffer: views, not a copy of the whole buffer
+    seqs[1].pending_features = [(c, 5, 3), t]
+    assert torch.equal(pending_rows(seqs[1:2]), torch.cat([c[5, :3], t]))
+
+
+def test_store_pending_puts_each_row_at_its_position_and_slot(pairs):
+    # Before AR steps, auto moves pending features into the drafter cache; positions and slots are
+    # computed on the device from the page tables (rows spanning pages, a request with none pending).
+    from ddtree.engine.sequence import Sequence
+    llm = auto_llm(pairs, "qwen2", cost_table=table(roofline))
+    dr = llm.engine.speculator.drafter
+    got = {}
+    dr.drafter.store_context = lambda f, pos, slots, use_triton=False: got.update(f=f, pos=pos.tolist(),
+                                                                                   slots=slots.tolist())
+    ps, want_pos, want_slots, want_feats, seqs = dr.page_size, [], [], [], []
+    for cached, drafted, first in [(2 * ps + 5, 3, 7), (5, 5, 4), (ps + 4, 0, 1)]:
+        pages = [(first + 5 * j) % 23 for j in range(-(-cached // ps))]  # scattered pages
+        seq = Sequence(list(range(cached)), SamplingParams(), None)
+        seq.block_table, seq.num_cached, seq.draft_len = pages, cached, drafted
+        n = cached - drafted
+        f = torch.randn(n, dr.feat_dim)
+        seq.pending_features = [f[:n // 2], f[n // 2:]] if n else []
+        want_pos += range(drafted, cached)
+        want_slots += [pages[q // ps] * ps + q % ps for q in range(drafted, cached)]
+        want_feats.append(f)
+        seqs.append(seq)
+    dr.store_pending(seqs)
+    assert got["pos"] == want_pos and got["slots"] == want_slots
+    assert torch.equal(got["f"], torch.cat(want_feats))
+    assert all(s.draft_len == s.num_cached and not s.pending_features for s in seqs)
+
+
+def test_sampled_and_greedy_requests_in_one_auto_batch(pairs, prompts, ar_out):
+    family = "qwen2"
+    llm = auto_llm(pairs, family, cost_table=table(roofline))
+    plant_noisy_oracle(llm, continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)))
+    llm.engine.speculator.policy = Scripted(["ar", 8, "wasted", 32, 4])
+    params = [SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=i) for i in range(3)]
+    params.insert(1, SamplingParams(max_tokens=30))
+    got = llm.generate(prompts, params)
+    assert got[1].token_ids == ar_out(family, (30,) * 4)[1].token_ids
+    assert all(len(o.token_ids) == 30 or o.finish_reason == "stop" for o in got)
+    llm.engine.speculator.policy = Scripted(["ar", 8, "wasted", 32, 4])  # samples depend on the trees drawn
+    again = llm.generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in got]  # seeded: reproducible
+    assert_idle(llm)
+
+
+def test_budget_auto_validation_and_mode_switches(pairs):
+    path, d = pairs("qwen2")
+    t = table(roofline)
+    llm = LLM(path, draft=d, budget="auto", **ENGINE)
+    assert llm.budget == "auto" and llm.engine.speculator.width == 33
+    llm.set_mode("ddtree", "8", 4)  # as the command line passes it
+    assert llm.budget == 8 and type(llm.engine.speculator).__name__ == "Speculator"
+    llm.set_mode("dflash", "auto", cost_table=CostTable(t.batch, t.ar, t.draft, {4: t.verify[4], 7: t.verify[8]}))
+    assert llm.engine.speculator.budgets == [0, 4, 7] and llm.topk == 1
+    llm.set_mode("none", "auto")
+    assert llm.engine.speculator is None and llm.budget == 0
+    with pytest.raises(ValueError, match="'bogus'"):
+        llm.set_mode("ddtree", "bogus")
+    with pytest.raises(ValueError, match="-1"):
+        llm.set_mode("ddtree", -1)
+
+
+# ----------------------------------------------------------------------------- the graphed path, emulated
+
+def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, monkeypatch):
+    # The GPU path's plumbing (static inputs padded to batch buckets, pipelined bursts of each budget's
+    # whole-step graph reading back E(b) with the packed rows, the cost table measured on the graphs)
+    # run on CPU with graph replays emulated; more requests than the graphs' largest bucket take the
+    # eager step (draft, choose, verify).
+    import ddtree.spec.auto as auto
+    family = "llama"
+    ref = ar_out(family)
+    llm = auto_llm(pairs, family, cost_table=table(roofline))
+    monkeypatch.setattr(auto, "GraphPool", emulated_pool())
+    eng = llm.engine
+    old = eng.speculator
+    spec = auto.AdaptiveSpeculator(eng.runner, old.drafter, 4, True, 3, old.max_pages)  # buckets 1, 2, 3
+    assert spec.draft_graphs is not None and spec.policy.table.batch == [1, 2, 3]
+    assert len(spec.policy.table.store) == 3  # a switch's store, timed at every bucket
+    assert spec.policy.refeed_fixed_ms > 0  # and a refeed's cost (0 unless timed at start-up)
+    assert all(set(spec.step_graphs[b].graphs) == {1, 2, 3} for b in BUDGETS[1:])  # captured while measuring
+    eng.speculator = llm.engine.speculator = spec
+    plant_by_position(llm, noisy_oracle(continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)),
+                                        vocab=llm.config.vocab_size))
+    script = Scripted(["ar", 4, "ar", "ar", 32, "wasted", 16, 8, 32])
+    spec.policy = script
+    burst, done = spec._burst, spec._burst_step_done
+    calls = {"bursts": 0, "steps": 0}
+    monkeypatch.setattr(spec, "_burst", lambda *a, **k: calls.__setitem__("bursts", calls["bursts"] + 1) or
+                        burst(*a, **k))
+    monkeypatch.setattr(spec, "_burst_step_done", lambda *a: calls.__setitem__("steps", calls["steps"] + 1) or
+                        done(*a))
+    outs, hist = check_lossless(llm, prompts, ref)
+    assert set(hist) == set(BUDGETS), hist
+    assert calls["steps"] > calls["bursts"] > 0, calls  # pipelined bursts of several steps ...
+    assert set(script.seen) == set(BUDGETS[1:])  # ... whose read-backs reached the policy
+    accepted = [a for o in outs for a in o.accept_lengths]
+    assert sum(accepted) / len(accepted) > 1.5, accepted  # the oracle's drafts were accepted inside bursts
+
+
+@pytest.mark.parametrize("spec_mode,topk", [("ddtree", 4), ("dflash", 1)])
+def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out, monkeypatch, spec_mode, topk):
+    # Verification priced high: the real policy runs AR bursts (the engine's pipelined AR steps until a
+    # probe is due, their target features stored into the drafter's cache after each burst), requests
+    # finish mid-burst, probes draft and verify in between; the output is AR's exactly. The
+    # engine is built as on a GPU, so its page reservation must cover a whole AR burst even when the
+    # trees are narrower (DFlash with a block-8 drafter: budgets 4 and 7).
+    import ddtree.engine.engine as engine_mod
+    family = "qwen2"
+    ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)  # AR before graphs are faked
+    fake_gpu_graphs(monkeypatch)
+    path, d = pairs(family)
+    budgets = candidate_budgets(7, topk)[1:]
+    cost = CostTable(BATCHES, [1.0 * bs for bs in BATCHES], [0.1] * len(BATCHES),
+                     {b: [(b + 1.0) * bs for bs in BATCHES] for b in budgets})
+    llm = LLM(path, draft=d, spec="none", max_num_seqs=4, **ENGINE)
+    llm.set_mode(spec_mode, "auto", topk, cost_table=cost)
+    spec = llm.engine.speculator
+    eng = llm.engine
+    assert spec.draft_graphs is not None and eng.scheduler.decode_width >= engine_mod.DECODE_BURST
+    assert eng.scheduler.decode_tokens == 1  # prompts are not starved by trees auto rarely verifies at scale
+    plant_noisy_oracle(llm, continuation(prompts, longer))
+    calls = {"bursts": 0, "steps": 0}
+    burst, read = eng._auto_ar_burst, eng._commit_decoded
+    monkeypatch.setattr(eng, "_auto_ar_burst", lambda *a: calls.__setitem__("bursts", calls["bursts"] + 1) or burst(*a))
+    monkeypatch.setattr(eng, "_commit_decoded", lambda *a: calls.__setitem__("steps", calls["steps"] + 1) or read(*a))
+    monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed, "
+                                                                 "a new prompt's context stored first"))
+    finished = []
+    finish = eng.scheduler.finish
+    monkeypatch.setattr(eng.scheduler, "finish", lambda seq, reason: finished.append(seq) or finish(seq, reason))
+    outs, hist = check_lossless(llm, prompts, ref)
+    assert hist.get(0, 0) > 3 * sum(n for b, n in hist.items() if b), hist  # mostly AR ...
+    assert len(set(hist)) > 1, hist  # ... with probes
+    assert calls["steps"] > 3 * calls["bursts"] > 0, calls  # AR steps ran in pipelined bursts
+    # a request that finished in a burst keeps no feature rows (a view would hold the burst's buffer)
+    assert finished and not any(seq.pending_features for seq in finished)
+
+
+def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, ar_out, monkeypatch):
+    # Verification priced cheap and an oracle drafter: the real policy plans budgets > 0, which run as
+    # pipelined bursts of whole-step graphs; the output is AR's exactly.
+    import ddtree.spec.auto as auto
+    import ddtree.spec.decode as decode
+    llm, ref = graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, table(lambda n, bs: 1.0 + 0.01 * n))
+    spec = llm.engine.speculator
+    learned = []  # what whole bursts teach the policy: (budget, batch, tokens, ms, E per request, store ms)
+    spec.policy.observe_time, spec.policy.observe_burst = (lambda *a: None), (lambda *a: learned.append(a))
+    monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed"))
+    steps = []
+    burst = spec._burst
+    monkeypatch.setattr(spec, "_burst", lambda *a, **k: (lambda n: steps.append(n) or n)(burst(*a, **k)))
+    outs, hist = check_lossless(llm, prompts, ref)
+    assert hist.get(0, 0) < sum(hist.values()) / 4, hist  # mostly speculating ...
+    assert max(steps) > decode.SHORT_BURST and sum(steps) > 2 * len(steps), steps  # ... in pipelined bursts
+    bursts = llm.last_stats["bursts"]  # (the last generate call: the four requests batched)
+    assert bursts["spec_bursts"] > 0 and bursts["spec_steps"] > bursts["spec_bursts"], bursts
+    accepted = [a for o in outs for a in o.accept_lengths]
+    assert sum(accepted) / len(accepted) > 1.5, accepted
+    assert learned and all(b in BUDGETS[1:] and 1 <= n <= 4 and tokens >= auto.TIMED_BURST * n and ms > 0 and e >= 0
+                           and store >= 0 for b, n, tokens, ms, e, store in learned), learned
+
+
+def test_graphed_auto_skips_the_drafter_context_where_speculation_is_hopeless(pairs, prompts, ar_out, monkeypatch):
+    # Verification priced out of reach at 3-4 requests and cheap at 1-2, an oracle drafter: with the
+    # whole batch running the real policy sees no chance (`HOPE`), so its AR bursts run plain AR's
+    # graphs (no target features read out, no probes); once requests finish it speculates, the
+    # skipped tokens fed through the target again first. The output is AR's exactly.
+    cost = table(lambda n, bs: 1.0 if n == 1 or bs <= 2 else 100.0 * n)
+    llm, ref = graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, cost)
+    spec, eng = llm.engine.speculator, llm.engine
+    assert eng.untapped_decode_graphs is not eng.decode_graphs
+    spec.policy.observe_time = spec.policy.observe_burst = lambda *a: None
+    pools = []
+    graphed = eng._decode_graphed
+    monkeypatch.setattr(eng, "_decode_graphed", lambda seqs, most=None, pool=None: pools.append(
+        (len(seqs), pool is eng.untapped_decode_graphs)) or graphed(seqs, most, pool))
+    outs, hist = check_lossless(llm, prompts, ref)
+    bursts = llm.last_stats["bursts"]  # (the last generate call: the four requests batched)
+    assert bursts["tap_free_bursts"] > 0 and bursts["refeeds"] > 0 and bursts["spec_bursts"] > 0, bursts
+    assert all(bs <= 2 for bs, untapped in pools if not untapped), pools  # taps only where speculation may win
+    assert any(bs > 2 for bs, untapped in pools if untapped), pools
+
+
+def graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, cost: CostTable):
+    """An engine built as on a GPU (graphs emulated) in `auto` on `cost`, its drafter a noisy oracle of
+    AR's continuation; and AR's outputs (made before the graphs are faked)."""
+    family = "qwen2"
+    ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)
+    fake_gpu_graphs(monkeypatch)
+    path, d = pairs(family)
+    llm = LLM(path, draft=d, spec="none", max_num_seqs=4, **ENGINE)
+    llm.set_mode("ddtree", "auto", 4, cost_table=cost)
+    plant_by_position(llm, noisy_oracle(continuation(prompts, longer), vocab=llm.config.vocab_size))
+    return llm, ref
+
+
+def plant_by_position(llm: LLM, choose) -> None:
+    """Like test_spec's `plant`, but the drafted position comes from the step's device inputs (the
+    root's position), so it stays right inside a burst, where steps after the first are prepared
+    on the device without the host's help."""
+    spec, current = llm.engine.speculator, []
+    real_step, real_logits = spec.step, spec.drafter.logits
+
+    def step(seqs, commit):
+        current[:] = seqs
+        return real_step(seqs, commit)
+
+    def logits(inp):
+        out = torch.zeros_like(real_logits(inp))
+        for i, seq in enumerate(current):  # rows past the requests: graph padding
+            for j in range(out.shape[1]):  # depth j + 1 predicts position root + j + 1
+                for tok, value in choose(seq, int(inp.starts[i]) + 1 + j).items():
+                    out[i, j, tok] = value
+        return out
+
+    spec.step, spec.drafter.logits = step, logits
+
+
+@pytest.mark.parametrize("budget,topk,min_tau,admitting", [(8, 4, 2.0, False), (7, 1, 1.5, False), (8, 4, 2.0, True)],
+                         ids=["ddtree", "dflash", "ddtree-admitting"])
+def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out, monkeypatch, budget, topk,
+                                                             min_tau, admitting):
+    # Fixed-budget speculation on the graphed path: bursts of pipelined steps whose inputs (root, positions,
+    # drafter context = the accepted path's features) are built on the device from the previous step,
+    # requests finishing mid-burst; the output is AR's exactly and no page leaks.
+    import ddtree.spec.decode as decode
+    family = "qwen2"
+    ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)  # AR before graphs are faked
+    fake_gpu_graphs(monkeypatch)
+    path, d = pairs(family)
+    llm = LLM(path, draft=d, spec="ddtree", budget=budget, topk=topk, **ENGINE)
+    spec = llm.engine.speculator
+    assert spec.graphs is not None and llm.engine.scheduler.decode_width > budget + 1
+    assert set(spec.graphs.graphs) == set(spec.graphs.buckets)  # every bucket captured at start-up
+    monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed, "
+                                                                 "a new prompt's context stored first"))
+    prefills = []  # prefills replay graphs that also store the drafter's context
+    real = llm.engine._prefill_graphed
+    monkeypatch.setattr(llm.engine, "_prefill_graphed",
+                        lambda chunks, taps=None: (lambda r: prefills.append(r is not None) or r)(real(chunks, taps)))
+    plant_by_position(llm, noisy_oracle(continuation(prompts, longer)))
+    calls = {"bursts": 0, "steps": 0}
+    burst, read = spec._burst, spec._commit_burst_step
+    monkeypatch.setattr(spec, "_burst", lambda *a: calls.__setitem__("bursts", calls["bursts"] + 1) or burst(*a))
+    monkeypatch.setattr(spec, "_commit_burst_step",
+                        lambda *a: calls.__setitem__("steps", calls["steps"] + 1) or read(*a))
+    # steps per burst: at most SPEC_BURST, or SHORT_BURST while a request waits for a slot
+    if admitting:
+        monkeypatch.setattr(llm.engine, "_admitting", lambda: True)
+    outs, hist = check_lossless(llm, prompts, ref)
+    assert calls["steps"] > (1 if admitting else 2) * calls["bursts"] > 0, calls
+    assert calls["steps"] <= (decode.SHORT_BURST if admitting else decode.SPEC_BURST) * calls["bursts"], calls
+    accepted = [a for o in outs for a in o.accept_lengths]
+    assert sum(accepted) / len(accepted) > min_tau, accepted  # the oracle's drafts were accepted inside bursts
+    assert any(prefills), prefills
+
+
+def test_next_burst_inputs_stay_inside_the_pages_the_accepted_path_used(pairs):
+    # The next step's drafter context is the accepted path (L + 1 rows); its padding rows must get the
+    # scratch slot without indexing past a request's last page (the table may end right after the path).
+    from ddtree.spec.decode import StepInputs
+    path, d = pairs("qwen2")
+    llm = LLM(path, draft=d, spec="dflash", **ENGINE)  # block 8, page size 4
+    spec = llm.engine.speculator
+    B, ps, scratch = spec.drafter.block_size, 4, spec.drafter.scratch_slot
+    starts = torch.tensor([5, 10])
+    tables = torch.tensor([[3, 9, -1, -1], [4, 6, 7, 0]])  # request 0: pages for positions < 8 only
+    length = torch.tensor([2, 5])  # request 0's path: positions 5, 6, 7
+    packed = torch.stack([length, torch.tensor([11, 12])], 1)
+    feats = torch.randn(2, B, spec.drafter.feat_dim)
+    inp = StepInputs(torch.tensor([1, 2]), starts, tables.clamp(min=0), feats, starts[:, None].expand(2, B),
+                     torch.zeros(2, B, dtype=torch.long))
+    nxt = spec._next_inputs(inp, packed, feats)
+    assert nxt.roots.tolist() == [11, 12] and nxt.starts.tolist() == [8, 16]
+    assert nxt.ctx_pos[0].tolist() == [5, 6, 7] + [0] * (B - 3)
+    assert nxt.ctx_slots[0].tolist() == [9 * ps + 1, 9 * ps + 2, 9 * ps + 3] + [scratch] * (B - 3)
+    assert nxt.ctx_slots[1, :6].tolist() == [7 * ps + 2, 7 * ps + 3, 0, 1, 2, 3]  # positions 10..15
+    assert (nxt.ctx_slots[1, 6:] == scratch).all()
+
