@@ -11,8 +11,10 @@
 # GEN_MINUTES, LR, GEN_BATCH, MAX_NUM_SEQS, TIME_BUDGET (minutes of cosine schedule), DEADLINE, PROMPTS (the
 # prompt file; e.g. .xfer/sharegpt_prompts_every.jsonl.gz, every human turn: `python -m ddtree.train.data
 # .xfer/sharegpt_prompts_every.jsonl.gz 3000 --every-turn`: 50,863 prompts of at most 3,000 characters),
-# NUM_PROMPTS (only the first N of them; train-drafter's `--prompts` used to default to 15,000, which cut
-# session 11's run to the file's first 15,000, answered in under a minute: it now defaults to all).
+# SKIP_PROMPTS and EXTRA_DATA (answer only the prompts past the first N, and train on those answers with
+# ones made before, e.g. SKIP_PROMPTS=35000 EXTRA_DATA=.xfer/sharegpt_answers_run5.npz), NUM_PROMPTS
+# (only the first N of them; train-drafter's `--prompts` used to default to 15,000, which cut session
+# 11's run to the file's first 15,000, answered in under a minute: it now defaults to all).
 # Target features past the free GPU memory less 16 GB are computed per batch instead of precomputed.
 # T0: the call's start (date +%s), so training checkpoints and stops before the call's time limit.
 # Prompts: .xfer/sharegpt_prompts.jsonl.gz, the first human turns of ShareGPT conversations with
@@ -31,10 +33,11 @@ pack_dataset(load_dataset(sys.argv[1]), sys.argv[2])" "$out/data.pt" "$OUT/answe
 fi
 common=(--out "$out" --num-layers 2 --intermediate-size 1024 --num-features 4 --block-size 16
         --steps 1000000 --warmup 200 --lr "${LR:-1e-3}" --batch-size 16 --blocks-per-seq 32 --gamma 7
-        --max-len 1024 --save-every 1000 --time-budget "${TIME_BUDGET:-9}" ${DATA:+--data "$DATA"})
+        --max-len 1024 --save-every 1000 --time-budget "${TIME_BUDGET:-9}" ${DATA:+--data "$DATA"}
+        ${EXTRA_DATA:+--extra-data "$EXTRA_DATA"})
 if [ "$phase" = 1 ]; then
   # INIT=ddtree/models/default_drafter: warm start from the shipped drafter (its shape wins)
-  python3 -m ddtree.cli train-drafter "${common[@]}" ${INIT:+--init "$INIT"} --prompt-file "${PROMPTS:-.xfer/sharegpt_prompts.jsonl.gz}" ${NUM_PROMPTS:+--prompts "$NUM_PROMPTS"} \
+  python3 -m ddtree.cli train-drafter "${common[@]}" ${INIT:+--init "$INIT"} --prompt-file "${PROMPTS:-.xfer/sharegpt_prompts.jsonl.gz}" ${NUM_PROMPTS:+--prompts "$NUM_PROMPTS"} ${SKIP_PROMPTS:+--skip-prompts "$SKIP_PROMPTS"} \
     --max-new-tokens 384 --max-prompt-tokens 512 --gen-batch-size "${GEN_BATCH:-1024}" --max-num-seqs "${MAX_NUM_SEQS:-256}" --kv-cache-gb 16 \
     --gen-time-limit "${GEN_MINUTES:-2}" --deadline $((t0 + ${DEADLINE:-560}))
 else

@@ -143,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--data", default=None, help="token data file (default: OUT/data.pt; generated if missing)")
     t.add_argument("--prompts", type=int, default=None,
                    help="answer only the first N prompts (default: all; ShareGPT: index < 15000 either way)")
+    t.add_argument("--skip-prompts", type=int, default=0,
+                   help="leave out the first N prompts (answered before: pass those answers as --extra-data)")
+    t.add_argument("--extra-data", action="append", default=[],
+                   help="token data made earlier (.pt or packed .npz), trained on with the rest (repeatable)")
     t.add_argument("--every-turn", action="store_true",
                    help="ShareGPT: every human turn of a conversation is a prompt (default: the first)")
     t.add_argument("--prompt-file", default=None,

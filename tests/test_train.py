@@ -10,7 +10,7 @@ from ddtree import LLM, SamplingParams
 from ddtree.config import ModelConfig
 from ddtree.models.dflash import load_drafter, random_drafter, save_drafter
 from ddtree.models.loader import load_model
-from ddtree.train.data import generate_dataset, iter_json_array, load_dataset
+from ddtree.train.data import generate_dataset, iter_json_array, load_dataset, pack_dataset
 from ddtree.train.drafter import LOG_FILE, STATE_FILE, TrainConfig, draft_logits, target_features, train
 from tiny import make_tiny_model
 
@@ -197,6 +197,22 @@ def test_cli_init_starts_from_a_checkpoint_s_weights_and_shape(target, tmp_path)
         torch.testing.assert_close(x, y, msg=name)
 
 
+def test_cli_answers_only_prompts_past_skip_and_trains_on_extra_data_too(target, tmp_path, capsys):
+    from ddtree.cli import main
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nWrite a loop\n")
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["--target", target, "--prompt-file", str(prompts), "--max-new-tokens", "8", "--batch-size", "2",
+              "--steps", "1", "--block-size", "4", "--num-features", "2", "--device", "cpu", "--dtype", "float32"]
+    assert main(["train-drafter", "--out", str(first), "--prompts", "1", *common]) == 0
+    packed = str(tmp_path / "first.npz")
+    pack_dataset(load_dataset(str(first / "data.pt")), packed)
+    assert main(["train-drafter", "--out", str(second), "--skip-prompts", "1", "--extra-data", packed, *common]) == 0
+    (a,), (b,) = load_dataset(str(first / "data.pt")), load_dataset(str(second / "data.pt"))
+    assert not torch.equal(a["input_ids"], b["input_ids"])  # the second run answered the other prompt
+    assert f"[+ 1 records from {packed}]" in capsys.readouterr().out
+
+
 def test_packed_target_features_equal_one_sequence_at_a_time(target, records):
     from ddtree.train.drafter import precompute_features
     net, _ = load_model(target, "cpu", torch.float32)
@@ -265,7 +281,6 @@ def test_time_budget_schedule_ends_the_run_and_resumes_with_the_time_spent(targe
 
 
 def test_packed_dataset_round_trips(tmp_path):
-    from ddtree.train.data import pack_dataset
     g = torch.Generator().manual_seed(0)
     records = []
     for n, start in [(7, 3), (1, 1), (12, 0), (300, 200)]:

@@ -430,9 +430,10 @@ def main(args) -> int:
         print(f"[{len(records)} records from {data_path}]")
     else:
         if args.prompt_file:
-            prompts = read_prompt_file(args.prompt_file)[:args.prompts]
+            prompts = read_prompt_file(args.prompt_file)
         else:
-            prompts = sharegpt_prompts(args.prompts, every=args.every_turn)
+            prompts = sharegpt_prompts(every=args.every_turn)
+        prompts = prompts[args.skip_prompts:][:args.prompts]
         if not prompts:
             raise ValueError("no prompts")
         from ddtree import LLM
@@ -445,6 +446,10 @@ def main(args) -> int:
         gc.collect()
         print(f"[{len(records)} records, {sum(r['loss_mask'].sum().item() for r in records)} response tokens "
               f"-> {data_path}]")
+    for path in args.extra_data:
+        more = load_dataset(path)
+        print(f"[+ {len(more)} records from {path}]")
+        records = records + more
     target, _ = load_model(args.target, device, dtype)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
                       warmup=args.warmup, gamma=args.gamma, max_len=args.max_len, seed=args.seed,
