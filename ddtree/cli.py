@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                         "schedule spans this time instead of --steps")
     t.add_argument("--feature-cache-gb", type=float, default=None,
                    help="precomputed target features kept on the device, GB (the rest per batch; default: "
-                        "on CUDA the free memory less 16 GB)")
+                        "on CUDA the free memory less 48 GB)")
     t.add_argument("--device", default=None)
     t.add_argument("--dtype", default=None, help="target dtype (the drafter trains in fp32)")
     t.set_defaults(func=cmd_train_drafter)

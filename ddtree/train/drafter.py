@@ -58,7 +58,10 @@ class TrainConfig:
     feature_cache_gb: float | None = None
 
 
-FEATURE_RESERVE_GB = 16.0  # device memory left for training steps when the feature cache is sized by itself
+# Device memory left for training steps when the feature cache is sized by itself. At 16 GB the run 6
+# resume on the H200 (no data generation before it: the cache took all but 16 GB) ran out of memory in
+# its first backward (103 GB allocated, 35 GB reserved but unallocated); 60 GB of features worked.
+FEATURE_RESERVE_GB = 48.0
 
 
 @torch.no_grad()
