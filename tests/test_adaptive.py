@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from ddtree.spec.adaptive import (HOPE, HOPE_BURSTS, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS,
+from ddtree.spec.adaptive import (HOPE, HOPE_BURSTS, HOPE_EVIDENCE, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS,
                                   AdaptivePolicy, candidate_budgets)
 from ddtree.spec.costs import CostTable
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
@@ -43,6 +43,13 @@ def roofline(n: int, bs: int) -> float:
 
 # A drafter's typical E(b) per request: concave, saturating with the budget.
 E_PER_REQUEST = {4: 2.0, 8: 2.8, 16: 3.4, 32: 3.8}
+
+
+def verify_as_drafted(policy: AdaptivePolicy, accepted: float = E_PER_REQUEST[32], steps: int = HOPE_EVIDENCE):
+    """`steps` verify steps of budget 32 at batch 1 that accepted what the drafter expected (the evidence
+    the model needs before it calls a batch size hopeless)."""
+    for _ in range(steps):
+        policy.observe(32, 1, predicted=accepted, accepted=accepted)
 
 
 def will_draft(policy: AdaptivePolicy, bs: int) -> bool:
@@ -91,6 +98,7 @@ def test_policy_plans_bursts_from_past_drafts_by_batch_size():
     planned = [policy.plan(bs) for bs in BATCHES]
     assert planned == sorted(planned, reverse=True) and planned[0] == 32 and planned[-1] == 0, planned
     assert len(set(planned)) >= 3, planned
+    verify_as_drafted(policy)
     # At 128 not even HOPE times a budget's modelled rate beats AR's (`hope_rate`): the engine's AR bursts skip
     # reading out the drafter's context, and probes come only every MAX_PROBE_EVERY AR steps, and only
     # while feeding the skipped rows again costs at most PROBE_LOSS of the AR time since the last one
@@ -186,6 +194,7 @@ def test_probe_intervals_are_kept_per_batch_size():
     # leaves batch 16's interval alone. At 128 speculation has no chance (`hope_rate`): probes at the longest spacing.
     policy = AdaptivePolicy(table(roofline), BUDGETS)
     policy.record_draft(1, {b: 0.1 for b in BUDGETS[1:]})
+    verify_as_drafted(policy, 0.1)
     assert policy.plan(16) == 0 and policy.plan(1) == 0 and policy.plan(128) == 0
     assert policy.intervals[16] > 4 * policy.intervals[1], policy.intervals
     assert policy.hopeless and policy.interval == MAX_PROBE_EVERY
@@ -295,7 +304,7 @@ def test_hope_is_judged_on_the_runs_accepted_length_not_on_recent_bursts(accepte
     for _ in range(50):
         for b in BUDGETS[1:]:
             policy.observe(b, 1, predicted=accepted, accepted=accepted)
-    assert policy.state()["verified"][8] == [pytest.approx(50 * accepted), 50]
+    assert policy.state()["verified"][8] == [pytest.approx(50 * accepted), 50, pytest.approx(50 * accepted)]
     assert policy.hope_rate(8, 1) == pytest.approx((1 + accepted) / 2.0)
     assert (max(policy.hope_rate(b, 1) for b in BUDGETS[1:]) * HOPE < 1 / policy.ar_ms(1)) == hopeless
     for b in BUDGETS[1:]:
@@ -312,16 +321,52 @@ def test_hope_is_judged_on_the_runs_accepted_length_not_on_recent_bursts(accepte
 
 
 def test_a_blind_first_step_that_accepted_nothing_leaves_hope():
-    # A fresh engine's first (blind) step verified budget 4 and accepted nothing: the drafter's own E is
-    # the prior of the run's accepted length, not the calibration that one step taught (0), so batch 1
-    # keeps its hope (at 7c29837 on the H200 it was hopeless for 141 AR bursts: 0.90x fixed budget 32).
+    # A fresh engine's first (blind) step verified budget 4 and accepted nothing. The model would call
+    # batch 1 hopeless on that alone, but it needs HOPE_EVIDENCE verify steps first (at 5222c67 on the
+    # H200 batch 1 was hopeless for 141 AR bursts after its blind step: auto 0.92x fixed budget 32).
+    # Once steps accepting ~2 come, hope rests on them.
     policy = AdaptivePolicy(table(lambda n, bs: 0.9 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
     policy.record_draft(1, {4: 2.0, 8: 2.4, 16: 2.7, 32: 2.9})
     policy.observe(4, 1, predicted=2.0, accepted=0)
-    assert policy.calibration(4) == 0.0
-    assert policy.hope_rate(4, 1) * HOPE > 1 / policy.ar_ms(1)  # (8 steps of E = 2 against one of 0)
+    assert policy.calibration(4) == 0.0 and policy.hope_rate(4, 1) * HOPE < 1 / policy.ar_ms(1)
     policy.plan(1)
     assert not policy.hopeless
+    for _ in range(HOPE_EVIDENCE - 1):
+        policy.observe(32, 1, predicted=2.9, accepted=2)
+    policy.plan(1)
+    assert not policy.hopeless and policy.hope_rate(32, 1) * HOPE > 1 / policy.ar_ms(1)
+
+
+@pytest.mark.parametrize("accepted", [0.3, 2.5])
+def test_hope_s_prior_is_the_run_s_mean_draft_calibrated_by_the_run_s_verify_steps(accepted):
+    # Budget 4 never verified: its accepted length is the drafter's mean E(4) over the run's drafts
+    # (1.0) times what the run's verify steps accepted over what they expected (`accepted` / 2). The
+    # last drafts (an easy tail promising 3.0) move it little: on the H200 (5222c67) such a tail read
+    # 1.7 for budget 4 at C=64 where verify steps had accepted ~1.3, and kept C=64 reading out.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
+    for _ in range(99):
+        policy.record_draft(1, {4: 1.0, 8: 1.5, 16: 1.8, 32: 2.0})
+    for _ in range(HOPE_EVIDENCE):
+        policy.observe(32, 1, predicted=2.0, accepted=accepted)
+    policy.record_draft(1, {4: 3.0, 8: 3.5, 16: 3.8, 32: 4.0})
+    prior = (99 * 1.0 + 3.0) / 100 * accepted / 2.0
+    assert policy.hope_rate(4, 1) == pytest.approx((1 + prior) / 2.0)
+    policy.plan(1)
+    assert policy.hopeless == (accepted < 1)
+
+
+def test_hope_counts_the_host_extra_of_the_nearest_smaller_batch_bucket_where_none_was_learnt():
+    # Host work grows with the batch: at a bucket where no speculative step ran yet, `hope_rate` takes the
+    # extra learnt at the nearest smaller one (at 5222c67 on the H200, 0.47 ms at batch 32 on a ~3.6 ms
+    # step; without it C=64-128 had hope and kept reading out the drafter's context).
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
+    policy.record_draft(1, {4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0})
+    before = policy.hope_rate(4, 64)
+    policy.observe_time("spec", 32, 3.0, 2.0)  # 1 ms beyond the table at batch 32
+    assert policy.hope_rate(4, 16) == before and policy.spec_extra_ms(64) == 0.0
+    assert policy.hope_rate(4, 64) == pytest.approx(2.0 / 3.0) and policy.hope_rate(4, 128) == policy.hope_rate(4, 64)
+    policy.observe_time("spec", 128, 2.0, 2.0)  # (learnt there: its own)
+    assert policy.hope_rate(4, 128) == before
 
 
 @pytest.mark.parametrize("accepted, rate, store_ms, hopeless", [(1.05, 0.9, 0.1, True), (1.5, 0.9, 0.1, False),

@@ -44,12 +44,21 @@ BURST_STEPS = 8
 # H200 (5634d33) each budget's read 0.95-1.05 tokens per ms, where all of auto's bursts together realized
 # 1.28 and AR steps 1.16.
 RATE_DECAY = 0.1
-HOPE = 1.3  # speculation has hope at a batch size where this many times a budget's `hope_rate` beats AR's
+# Speculation has hope at a batch size where this many times a budget's `hope_rate` beats AR's. With
+# the host extra in (at 5222c67 on the H200, run 6 drafter) that model matched fixed budget 8 against AR
+# within 4%: 1.16x (ran 1.12x) at C=8, 0.99x (0.99x) at 16, 0.84x (0.84x) at 32, 0.69x (0.67x) at 64;
+# at 1.3 it left C=32-128 reading out the drafter's context (auto 0.92-0.95x AR).
+HOPE = 1.1
 # A budget's accepted length for `hope_rate`: its verify steps' mean since the policy began, with this
-# many steps of the drafter's own E (uncalibrated: a calibration learnt from one step can be 0) as a
-# prior. At 2848c2d on the H200 the calibrated prior made C=1 hopeless from its first (blind) step for
-# 141 AR bursts, until a probe's refeed was affordable (auto 0.90x fixed budget 32).
+# many steps of a prior: the drafter's mean E(b) over the run's drafts times what verify steps accepted
+# over what they expected, over the run (at 5222c67 on the H200 the drafter's raw E ran ~0.6x the
+# accepted length at C=1; the recent drafts' E, the prior before, read 1.7 for budget 4 at C=64, which
+# had accepted ~1.3).
 HOPE_PRIOR_STEPS = 8
+# ... and the model says "hopeless" only after this many verify steps in all: a fresh engine's blind
+# first step, or a few probes, are not enough (5222c67: from its blind step batch 1 was hopeless for 141
+# AR bursts, until a probe's refeed was affordable: auto 0.92x fixed budget 32 at C=1).
+HOPE_EVIDENCE = 16
 # Where that model shows no clear win (SWITCH_MARGIN), speculation as the plan practised it at the batch
 # bucket decides too: all of its timed bursts (at least this many) and the context stores before them
 # together realizing fewer tokens per ms than the AR bursts there, the batch size is hopeless (`lost`).
@@ -81,7 +90,9 @@ class AdaptivePolicy:
         self.accepted: dict[int, float] = {}  # running mean accepted length per request, per chosen budget
         self.predicted: dict[int, float] = {}  # ... and the drafter's E(b) for those same steps
         self.weight: dict[int, float] = {}  # ... and how many steps that is, decayed by every later step
-        self.verified: dict[int, list[float]] = {}  # per budget: accepted length per request summed, steps
+        # per budget: accepted length per request summed, steps, and the drafter's E(b) for them summed
+        self.verified: dict[int, list[float]] = {}
+        self.drafted: dict[int, list[float]] = {}  # per budget: every draft's E(b) per request summed, drafts
         self.total: tuple[float, float] | None = None  # running (accepted, predicted) over all budgets
         self.ar_streak = 0
         self.intervals: dict[int, int] = {}  # batch bucket -> AR steps before the next probe
@@ -282,7 +293,8 @@ class AdaptivePolicy:
                 best, best_rate = b, rate
         ar_rate = 1 / self.ar_ms(batch)
         hope = max(self.hope_rate(b, batch) for b in self.budgets)
-        self.hopeless = hope * HOPE < ar_rate or (hope < SWITCH_MARGIN * ar_rate and self.lost(batch))
+        evidence = sum(v[1] for v in self.verified.values()) >= HOPE_EVIDENCE
+        self.hopeless = (evidence and hope * HOPE < ar_rate) or (hope < SWITCH_MARGIN * ar_rate and self.lost(batch))
         # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
         # catch-up, so near break-even the policy keeps the mode it is in, at the batch size it chose
         # it for (speculation chosen for the few requests left at the end of a batch is not kept on
@@ -329,24 +341,31 @@ class AdaptivePolicy:
 
     def hope_rate(self, budget: int, batch: int) -> float:
         """Whether speculation can pay at this batch size at all: the model's committed tokens per ms and
-        request of `budget` (the table, the learned host extra) at the accepted length its verify steps
-        averaged since the policy began (`HOPE_PRIOR_STEPS`). Where HOPE times no budget's beats the AR
-        step (or, where none beats it clearly, the plan's own bursts lost to AR's: `lost`), AR steps do
-        not read out the drafter's context (fed again at a switch, should one come): auto runs plain
-        AR's own steps, and probes come only every `max_probe_every` AR steps. On the H200 those
-        read-outs cost 4-8% of AR's steps at C=64-128.
+        request of `budget` (the table, the learned host extra: at a batch bucket no speculative step
+        has run at yet, the nearest smaller one's, as host work grows with the batch) at the accepted
+        length its verify steps averaged since the policy began (`HOPE_PRIOR_STEPS`). Where HOPE times
+        no budget's beats the AR step (after HOPE_EVIDENCE verify steps; or, where none beats it
+        clearly, the plan's own bursts lost to AR's: `lost`), AR steps do not read out the drafter's
+        context (fed again at a switch, should one come): auto runs plain AR's own steps, and probes
+        come only every `max_probe_every` AR steps. On the H200 those read-outs cost 3-7% of AR's steps
+        at C=32-128, and prefills 5-7% more.
 
         Meant as a property of the drafter and the batch size rather than of the text now (the drafter's
-        own E weighs only as its prior): judged on the rates plans compare (realized, or the model times
+        E, its run-long means, weighs only as a prior): judged on the rates plans compare (realized, or the model times
         what the budgets tried realized), one hard stretch made C=1 hopeless (48d119e: 61 AR bursts ran
         tap-free, where fixed budget 32 ran 1.10x AR), and C=64 kept reading out where fixed budget 8
         ran 0.66x AR (623f5b3, run 5 drafter: auto 0.89x AR)."""
         t = self.table
-        prior = self.expected[budget]
-        total, steps = self.verified.get(budget, (0.0, 0))
+        drafted, drafts = self.drafted.get(budget, (0.0, 0))
+        got, expected = (sum(v[i] for v in self.verified.values()) for i in (0, 2))
+        prior = (drafted / drafts if drafts else self.expected[budget]) * (got / expected if expected > 0 else 1.0)
+        total, steps = self.verified.get(budget, (0.0, 0, 0.0))[:2]
         accepted = (total + HOPE_PRIOR_STEPS * prior) / (steps + HOPE_PRIOR_STEPS)
         device = t.draft_ms(batch) + t.verify_ms(budget, batch)
-        return (1 + accepted) / max(device + self.spec_extra_ms(batch), 0.5 * device)
+        key = _bucket(batch)
+        seen = [k for (kind, k) in self.extra if kind == "spec" and k <= key]
+        extra = self.extra[("spec", max(seen))] if seen else 0.0
+        return (1 + accepted) / max(device + extra, 0.5 * device)
 
     def lost(self, batch: int) -> bool:
         """Speculation at this batch bucket, all its timed bursts (at least HOPE_BURSTS) and the stores
@@ -405,7 +424,8 @@ class AdaptivePolicy:
                              for (k, b), v in sorted(self.realized.items())},
                 "probe_intervals": dict(sorted(self.intervals.items())),
                 "plans": dict(sorted(self.plans.items())), "stored_ms": dict(sorted(self.stored_ms.items())),
-                "verified": {b: [round(acc, 2), n] for b, (acc, n) in sorted(self.verified.items())},
+                # accepted length per request summed, verify steps, the drafter's E(b) for them summed
+                "verified": {b: [round(acc, 2), n, round(e, 2)] for b, (acc, n, e) in sorted(self.verified.items())},
                 # every timed burst of each budget at each batch bucket: bursts, tokens per request, ms
                 "totals": {f"{b}@{k}": [n, round(tokens, 2), round(ms, 2)] for (k, b), (n, tokens, ms)
                            in sorted(self.totals.items())}}
@@ -416,6 +436,9 @@ class AdaptivePolicy:
         `decay` one probe could hardly move them, which kept the policy on AR where speculation paid."""
         a = self.decay
         mean = {b: e / batch for b, e in expected.items()}
+        for b in self.budgets:
+            total = self.drafted.setdefault(b, [0.0, 0])
+            total[0], total[1] = total[0] + mean[b], total[1] + 1
         self.fresh = True
         self.expected = mean if self.expected is None or self.probing else \
             {b: (1 - a) * self.expected[b] + a * mean[b] for b in self.budgets}
@@ -445,8 +468,8 @@ class AdaptivePolicy:
         expected `predicted`."""
         a = self.decay
         p, q = predicted / batch, accepted / batch
-        total = self.verified.setdefault(budget, [0.0, 0])
-        total[0], total[1] = total[0] + q, total[1] + 1
+        total = self.verified.setdefault(budget, [0.0, 0, 0.0])
+        total[0], total[1], total[2] = total[0] + q, total[1] + 1, total[2] + p
         if budget not in self.accepted:
             self.accepted[budget], self.predicted[budget] = q, p
         else:
