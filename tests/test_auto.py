@@ -427,7 +427,7 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
 
 def test_graphed_auto_skips_the_drafter_context_where_speculation_is_hopeless(pairs, prompts, ar_out, monkeypatch):
     # Verification priced out of reach at 3-4 requests and cheap at 1-2, an oracle drafter: with the
-    # whole batch running the real policy sees no chance (`HOPE`), so its AR bursts run plain AR's
+    # whole batch running the real policy sees no chance (`hope_rate`), so its AR bursts run plain AR's
     # graphs (no target features read out, no probes); once requests finish it speculates, the
     # skipped tokens fed through the target again first. The output is AR's exactly.
     cost = table(lambda n, bs: 1.0 if n == 1 or bs <= 2 else 100.0 * n)

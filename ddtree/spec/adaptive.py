@@ -29,6 +29,8 @@ probabilities among the remaining costs: verify(b) for b > 0, or the AR step for
 """
 from __future__ import annotations
 
+import math
+
 from ddtree.spec.costs import CostTable
 
 BUDGETS = (4, 8, 16, 32)  # speculative candidates; 0 (AR) is always one too
@@ -44,11 +46,14 @@ BURST_STEPS = 8
 # H200 (5634d33) each budget's read 0.95-1.05 tokens per ms, where all of auto's bursts together realized
 # 1.28 and AR steps 1.16.
 RATE_DECAY = 0.1
-# Speculation has hope at a batch size where this many times a budget's `hope_rate` beats AR's. With
-# the host extra in (at 5222c67 on the H200, run 6 drafter) that model matched fixed budget 8 against AR
-# within 4%: 1.16x (ran 1.12x) at C=8, 0.99x (0.99x) at 16, 0.84x (0.84x) at 32, 0.69x (0.67x) at 64;
-# at 1.3 it left C=32-128 reading out the drafter's context (auto 0.92-0.95x AR).
-HOPE = 1.1
+# Speculation has hope at a batch size where a budget's `hope_rate` beats AR's: an upper estimate, its
+# accepted length plus this many tokens over the square root of the run's verify steps (with the
+# prior's), two standard deviations of one request's accepted length in a step (1.3-1.6 at C=1 on
+# MT-Bench, 5222c67). With the host extra in, the model at the mean matched fixed budget 8 against AR
+# within 4% on the H200 (5222c67, run 6 drafter): 1.16x (ran 1.12x) at C=8, 0.99x (0.99x) at 16, 0.84x
+# (0.84x) at 32, 0.69x (0.67x) at 64. A flat slack instead (1.3x hope at 5222c67, 1.1x at 61b7355) left
+# C=32 reading out the drafter's context (auto 0.95x and 0.93x AR) and, at 1.3x, C=64-128 too.
+HOPE_SPREAD = 3.0
 # A budget's accepted length for `hope_rate`: its verify steps' mean since the policy began, with this
 # many steps of a prior: the drafter's mean E(b) over the run's drafts times what verify steps accepted
 # over what they expected, over the run (at 5222c67 on the H200 the drafter's raw E ran ~0.6x the
@@ -294,7 +299,7 @@ class AdaptivePolicy:
         ar_rate = 1 / self.ar_ms(batch)
         hope = max(self.hope_rate(b, batch) for b in self.budgets)
         evidence = sum(v[1] for v in self.verified.values()) >= HOPE_EVIDENCE
-        self.hopeless = (evidence and hope * HOPE < ar_rate) or (hope < SWITCH_MARGIN * ar_rate and self.lost(batch))
+        self.hopeless = (evidence and hope < ar_rate) or (hope < SWITCH_MARGIN * ar_rate and self.lost(batch))
         # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
         # catch-up, so near break-even the policy keeps the mode it is in, at the batch size it chose
         # it for (speculation chosen for the few requests left at the end of a batch is not kept on
@@ -343,8 +348,9 @@ class AdaptivePolicy:
         """Whether speculation can pay at this batch size at all: the model's committed tokens per ms and
         request of `budget` (the table, the learned host extra: at a batch bucket no speculative step
         has run at yet, the nearest smaller one's, as host work grows with the batch) at the accepted
-        length its verify steps averaged since the policy began (`HOPE_PRIOR_STEPS`). Where HOPE times
-        no budget's beats the AR step (after HOPE_EVIDENCE verify steps; or, where none beats it
+        length its verify steps averaged since the policy began (`HOPE_PRIOR_STEPS`), plus its
+        uncertainty (`HOPE_SPREAD`). Where no budget's beats the AR step (after HOPE_EVIDENCE verify
+        steps; or, where none beats it
         clearly, the plan's own bursts lost to AR's: `lost`), AR steps do not read out the drafter's
         context (fed again at a switch, should one come): auto runs plain AR's own steps, and probes
         come only every `max_probe_every` AR steps. On the H200 those read-outs cost 3-7% of AR's steps
@@ -360,7 +366,8 @@ class AdaptivePolicy:
         got, expected = (sum(v[i] for v in self.verified.values()) for i in (0, 2))
         prior = (drafted / drafts if drafts else self.expected[budget]) * (got / expected if expected > 0 else 1.0)
         total, steps = self.verified.get(budget, (0.0, 0, 0.0))[:2]
-        accepted = (total + HOPE_PRIOR_STEPS * prior) / (steps + HOPE_PRIOR_STEPS)
+        evidence = sum(v[1] for v in self.verified.values()) + HOPE_PRIOR_STEPS
+        accepted = (total + HOPE_PRIOR_STEPS * prior) / (steps + HOPE_PRIOR_STEPS) + HOPE_SPREAD / math.sqrt(evidence)
         device = t.draft_ms(batch) + t.verify_ms(budget, batch)
         key = _bucket(batch)
         seen = [k for (kind, k) in self.extra if kind == "spec" and k <= key]
