@@ -390,7 +390,7 @@ def test_hope_in_the_states_the_h200_check_at_61b7355_saw():
     early.plan(1)
     assert not early.hopeless
     # After C=1 ran (2,639 steps of budget 16 at 1.69): hopeless from batch 16 up, where fixed budget 8
-    # ran 0.99x AR (C=16) to 0.52x (C=128); at 1.1x the mean (61b7355) batches 17-24 kept their hope and
+    # ran 0.99x AR (C=16) to 0.52x (C=128); at 1.1x the mean (61b7355) batches 17-19 kept their hope and
     # C=32 read out the drafter's context on most plans (auto 0.93x AR).
     late = AdaptivePolicy(H200_61B7355, BUDGETS)
     late.record_draft(1, {4: 1.09, 8: 1.30, 16: 1.45, 32: 1.56})
