@@ -15,7 +15,7 @@
 # ones made before, e.g. SKIP_PROMPTS=35000 EXTRA_DATA=.xfer/sharegpt_answers_run5.npz), NUM_PROMPTS
 # (only the first N of them; train-drafter's `--prompts` used to default to 15,000, which cut session
 # 11's run to the file's first 15,000, answered in under a minute: it now defaults to all).
-# Target features past the free GPU memory less 48 GB are computed per batch instead of precomputed.
+# Target features past the free GPU memory less 64 GB are computed per batch instead of precomputed.
 # T0: the call's start (date +%s), so training checkpoints and stops before the call's time limit.
 # Prompts: .xfer/sharegpt_prompts.jsonl.gz, the first human turns of ShareGPT conversations with
 # index < 15000 (made on the CPU machine by `python -m ddtree.train.data .xfer/sharegpt_prompts.jsonl.gz`; the GPU

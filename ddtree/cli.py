@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", required=True, help="output dir: drafter (z-lab format), trainer state, log, data")
     t.add_argument("--data", default=None, help="token data file (default: OUT/data.pt; generated if missing)")
     t.add_argument("--prompts", type=int, default=None,
-                   help="answer only the first N prompts (default: all; ShareGPT: index < 15000 either way)")
+                   help="answer only N prompts (the first N after --skip-prompts; default: all; ShareGPT: index "
+                        "< 15000 either way)")
     t.add_argument("--skip-prompts", type=int, default=0,
                    help="leave out the first N prompts (answered before: pass those answers as --extra-data)")
     t.add_argument("--extra-data", action="append", default=[],
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                         "schedule spans this time instead of --steps")
     t.add_argument("--feature-cache-gb", type=float, default=None,
                    help="precomputed target features kept on the device, GB (the rest per batch; default: "
-                        "on CUDA the free memory less 48 GB)")
+                        "on CUDA the free memory less 64 GB)")
     t.add_argument("--device", default=None)
     t.add_argument("--dtype", default=None, help="target dtype (the drafter trains in fp32)")
     t.set_defaults(func=cmd_train_drafter)

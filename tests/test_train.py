@@ -197,8 +197,13 @@ def test_cli_init_starts_from_a_checkpoint_s_weights_and_shape(target, tmp_path)
         torch.testing.assert_close(x, y, msg=name)
 
 
-def test_cli_answers_only_prompts_past_skip_and_trains_on_extra_data_too(target, tmp_path, capsys):
+def test_cli_answers_only_prompts_past_skip_and_trains_on_extra_data_too(target, tmp_path, capsys, monkeypatch):
+    import ddtree.train.drafter as training
     from ddtree.cli import main
+    trained_on = []
+    real_train = training.train
+    monkeypatch.setattr(training, "train", lambda target, records, *a, **k: trained_on.append(len(records)) or
+                        real_train(target, records, *a, **k))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello there\nWrite a loop\n")
     first, second = tmp_path / "first", tmp_path / "second"
@@ -211,6 +216,7 @@ def test_cli_answers_only_prompts_past_skip_and_trains_on_extra_data_too(target,
     (a,), (b,) = load_dataset(str(first / "data.pt")), load_dataset(str(second / "data.pt"))
     assert not torch.equal(a["input_ids"], b["input_ids"])  # the second run answered the other prompt
     assert f"[+ 1 records from {packed}]" in capsys.readouterr().out
+    assert trained_on == [1, 2]  # (the second run: its own answer and the first run's)
 
 
 def test_packed_target_features_equal_one_sequence_at_a_time(target, records):

@@ -60,9 +60,10 @@ HOPE_SPREAD = 3.0
 # accepted length at C=1; the recent drafts' E, the prior before, read 1.7 for budget 4 at C=64, which
 # had accepted ~1.3).
 HOPE_PRIOR_STEPS = 8
-# ... and the model says "hopeless" only after this many verify steps in all: a fresh engine's blind
-# first step, or a few probes, are not enough (5222c67: from its blind step batch 1 was hopeless for 141
-# AR bursts, until a probe's refeed was affordable: auto 0.92x fixed budget 32 at C=1).
+# ... and the model says "hopeless" only after this many verify steps in all: not on a fresh engine's
+# blind first step, alone or with one probe (1 + 8 steps; 5222c67: from its blind step batch 1 was
+# hopeless for 141 AR bursts, until a probe's refeed was affordable: auto 0.92x fixed budget 32 at C=1).
+# (A few hard probes more are HOPE_SPREAD's to weigh.)
 HOPE_EVIDENCE = 16
 # Where that model shows no clear win (SWITCH_MARGIN), speculation as the plan practised it at the batch
 # bucket decides too: all of its timed bursts (at least this many) and the context stores before them
@@ -348,8 +349,9 @@ class AdaptivePolicy:
         """Whether speculation can pay at this batch size at all: the model's committed tokens per ms and
         request of `budget` (the table, the learned host extra: at a batch bucket no speculative step
         has run at yet, the nearest smaller one's, as host work grows with the batch) at the accepted
-        length its verify steps averaged since the policy began (`HOPE_PRIOR_STEPS`), plus its
-        uncertainty (`HOPE_SPREAD`). Where no budget's beats the AR step (after HOPE_EVIDENCE verify
+        length its verify steps averaged since the policy began (`HOPE_PRIOR_STEPS`), plus HOPE_SPREAD
+        over the root of the run's verify steps (all of them, pooled: the prior's calibration rests on
+        them; after a long run that margin is small even for a budget seldom verified). Where no budget's beats the AR step (after HOPE_EVIDENCE verify
         steps; or, where none beats it
         clearly, the plan's own bursts lost to AR's: `lost`), AR steps do not read out the drafter's
         context (fed again at a switch, should one come): auto runs plain AR's own steps, and probes
@@ -366,8 +368,8 @@ class AdaptivePolicy:
         got, expected = (sum(v[i] for v in self.verified.values()) for i in (0, 2))
         prior = (drafted / drafts if drafts else self.expected[budget]) * (got / expected if expected > 0 else 1.0)
         total, steps = self.verified.get(budget, (0.0, 0, 0.0))[:2]
-        evidence = sum(v[1] for v in self.verified.values()) + HOPE_PRIOR_STEPS
-        accepted = (total + HOPE_PRIOR_STEPS * prior) / (steps + HOPE_PRIOR_STEPS) + HOPE_SPREAD / math.sqrt(evidence)
+        pooled = sum(v[1] for v in self.verified.values()) + HOPE_PRIOR_STEPS
+        accepted = (total + HOPE_PRIOR_STEPS * prior) / (steps + HOPE_PRIOR_STEPS) + HOPE_SPREAD / math.sqrt(pooled)
         device = t.draft_ms(batch) + t.verify_ms(budget, batch)
         key = _bucket(batch)
         seen = [k for (kind, k) in self.extra if kind == "spec" and k <= key]
@@ -433,6 +435,8 @@ class AdaptivePolicy:
                 "plans": dict(sorted(self.plans.items())), "stored_ms": dict(sorted(self.stored_ms.items())),
                 # accepted length per request summed, verify steps, the drafter's E(b) for them summed
                 "verified": {b: [round(acc, 2), n, round(e, 2)] for b, (acc, n, e) in sorted(self.verified.items())},
+                # every draft's E(b) per request summed, drafts (hope's prior is their mean)
+                "drafted": {b: [round(e, 2), n] for b, (e, n) in sorted(self.drafted.items())},
                 # every timed burst of each budget at each batch bucket: bursts, tokens per request, ms
                 "totals": {f"{b}@{k}": [n, round(tokens, 2), round(ms, 2)] for (k, b), (n, tokens, ms)
                            in sorted(self.totals.items())}}

@@ -60,8 +60,9 @@ class TrainConfig:
 
 # Device memory left for training steps when the feature cache is sized by itself. At 16 GB the run 6
 # resume on the H200 (no data generation before it: the cache took all but 16 GB) ran out of memory in
-# its first backward (103 GB allocated, 35 GB reserved but unallocated); 60 GB of features worked.
-FEATURE_RESERVE_GB = 48.0
+# its first backward (103 GB allocated, 35 GB reserved but unallocated); a cache of 60 GB (set by hand,
+# ~79 GB left) worked. 64 GB leaves about that; this default itself is not yet run on the GPU.
+FEATURE_RESERVE_GB = 64.0
 
 
 @torch.no_grad()
@@ -431,6 +432,8 @@ def main(args) -> int:
     if os.path.exists(data_path):
         records = load_dataset(data_path)
         print(f"[{len(records)} records from {data_path}]")
+        if args.skip_prompts or args.prompts is not None:
+            print("[--prompts / --skip-prompts ignored: the data exists; they choose prompts to answer]")
     else:
         if args.prompt_file:
             prompts = read_prompt_file(args.prompt_file)
