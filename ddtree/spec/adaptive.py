@@ -351,22 +351,22 @@ class AdaptivePolicy:
         has run at yet, the nearest smaller one's, as host work grows with the batch) at the accepted
         length its verify steps averaged since the policy began (`HOPE_PRIOR_STEPS`), plus HOPE_SPREAD
         over the root of the run's verify steps (all of them, pooled: the prior's calibration rests on
-        them; after a long run that margin is small even for a budget seldom verified). Where no budget's beats the AR step (after HOPE_EVIDENCE verify
-        steps; or, where none beats it
-        clearly, the plan's own bursts lost to AR's: `lost`), AR steps do not read out the drafter's
-        context (fed again at a switch, should one come): auto runs plain AR's own steps, and probes
-        come only every `max_probe_every` AR steps. On the H200 those read-outs cost 3-7% of AR's steps
-        at C=32-128, and prefills 5-7% more.
+        them; after a long run that margin is small even for a budget seldom verified). Where no
+        budget's beats the AR step (after HOPE_EVIDENCE verify steps; or, where none beats it clearly,
+        the plan's own bursts lost to AR's: `lost`), AR steps do not read out the drafter's context (fed
+        again at a switch, should one come): auto runs plain AR's own steps, and probes come only every
+        `max_probe_every` AR steps. On the H200 those read-outs cost 3-7% of AR's steps at C=32-128, and
+        prefills 5-7% more.
 
         Meant as a property of the drafter and the batch size rather than of the text now (the drafter's
-        E, its run-long means, weighs only as a prior): judged on the rates plans compare (realized, or the model times
-        what the budgets tried realized), one hard stretch made C=1 hopeless (48d119e: 61 AR bursts ran
-        tap-free, where fixed budget 32 ran 1.10x AR), and C=64 kept reading out where fixed budget 8
-        ran 0.66x AR (623f5b3, run 5 drafter: auto 0.89x AR)."""
+        E, its run-long means, weighs only as a prior): judged on the rates plans compare (realized, or
+        the model times what the budgets tried realized), one hard stretch made C=1 hopeless (48d119e:
+        61 AR bursts ran tap-free, where fixed budget 32 ran 1.10x AR), and C=64 kept reading out where
+        fixed budget 8 ran 0.66x AR (623f5b3, run 5 drafter: auto 0.89x AR)."""
         t = self.table
         drafted, drafts = self.drafted.get(budget, (0.0, 0))
-        got, expected = (sum(v[i] for v in self.verified.values()) for i in (0, 2))
-        prior = (drafted / drafts if drafts else self.expected[budget]) * (got / expected if expected > 0 else 1.0)
+        got, promised = (sum(v[i] for v in self.verified.values()) for i in (0, 2))  # (run-long, all budgets)
+        prior = (drafted / drafts if drafts else self.expected[budget]) * (got / promised if promised > 0 else 1.0)
         total, steps = self.verified.get(budget, (0.0, 0, 0.0))[:2]
         pooled = sum(v[1] for v in self.verified.values()) + HOPE_PRIOR_STEPS
         accepted = (total + HOPE_PRIOR_STEPS * prior) / (steps + HOPE_PRIOR_STEPS) + HOPE_SPREAD / math.sqrt(pooled)
