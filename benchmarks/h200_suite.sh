@@ -12,6 +12,8 @@
 #   bash benchmarks/h200_suite.sh grid      # both halves in one call, C >= 16 with --repeats 3 (~7.5 min)
 #   CONTINUOUS=1 bash benchmarks/h200_suite.sh grid   # ... every prompt queued, at most C running (not
 #                                           # batches run to completion); rows to sweep_auto_continuous_h200.jsonl
+#   bash benchmarks/h200_suite.sh autocheck 1,32,64,128   # AR and auto only, continuous, one run each (~2 min:
+#                                           # a policy change checked with what device time is left)
 #   bash benchmarks/h200_suite.sh checks    # greedy DDTree and DFlash vs AR on HumanEval in float32
 #   bash benchmarks/h200_suite.sh ab        # bench latency at C=1 without, then with, graphed prefill
 #   bash benchmarks/h200_suite.sh kernels   # the tree kernels against torch (real shapes), draft times with the
@@ -44,6 +46,10 @@ case $1 in
     auto_sweep "${REPEATS:-1}" "${2:-1,2,4,8,16,32,64,128}" > "$OUT/sweep_auto.log" 2>&1 ;;
   grid)  # the whole auto grid in one call (~7.5 minutes on the H200): C=1-8 once, C=16-128 median of 3
     { auto_sweep 1 1,2,4,8 && auto_sweep 3 16,32,64,128; } > "$OUT/sweep_auto.log" 2>&1 ;;
+  autocheck)
+    "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget '' --topk 4 --auto-topk 4 \
+      --no-dflash --with-auto --repeats 1 --concurrency "${2:-1,32,64,128}" --num-pages 16384 --warmup-pass \
+      --continuous --out "$OUT/sweep_check.jsonl" > "$OUT/sweep_check.log" 2>&1 ;;
   checks)  # float32: every kernel rounds alike, so a divergence is a real near-tie or a bug
     python3 benchmarks/gpu_checks.py --draft ddtree/models/default_drafter --dtype float32 \
       --skip kernels,transformers --out "$OUT/gpu_checks_fp32.jsonl" > "$OUT/checks_fp32.log" 2>&1 ;;
