@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from ddtree.spec.adaptive import (HOPE_BURSTS, HOPE_EVIDENCE, HOPE_PRIOR_STEPS, HOPE_SPREAD, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS,
+from ddtree.spec.adaptive import (HOPE_BURSTS, HOPE_EVIDENCE, HOPE_PRIOR_STEPS, HOPE_SPREAD, MAX_PROBE_EVERY,
+                                  PROBE_EVERY, PROBE_LOSS, BURST_STEPS,
                                   AdaptivePolicy, candidate_budgets)
 from ddtree.spec.costs import CostTable
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
@@ -365,7 +366,8 @@ def test_hope_counts_the_host_extra_of_the_nearest_smaller_batch_bucket_where_no
     before = policy.hope_rate(4, 64)
     policy.observe_time("spec", 32, 3.0, 2.0)  # 1 ms beyond the table at batch 32
     assert policy.hope_rate(4, 16) == before and policy.spec_extra_ms(64) == 0.0
-    assert policy.hope_rate(4, 64) == pytest.approx(2 * before / 3) and policy.hope_rate(4, 128) == policy.hope_rate(4, 64)
+    assert policy.hope_rate(4, 64) == pytest.approx(2 * before / 3)
+    assert policy.hope_rate(4, 128) == policy.hope_rate(4, 64)
     policy.observe_time("spec", 128, 2.0, 2.0)  # (learnt there: its own)
     assert policy.hope_rate(4, 128) == before
 
@@ -410,9 +412,10 @@ def test_hope_in_the_states_the_h200_check_at_61b7355_saw():
 def test_where_the_model_shows_no_clear_win_bursts_that_lost_to_ar_make_a_batch_size_hopeless(accepted, rate,
                                                                                              store_ms, hopeless):
     # AR 1 ms a token, a speculative step 2 ms: at 0.85 tokens accepted a step (plus HOPE_SPREAD over the
-    # root of 208 steps: 0.21) the model's rate is 1.03x AR's (no clear win), and HOPE_BURSTS bursts that realized 0.9x AR's bursts there make the batch
-    # size hopeless (as at C=16-32 on the H200); at 1.5 (1.35x: C=1) the same bursts do not. Bursts at
-    # 1.02x AR's keep it hopeful, unless the stores before them (2 ms each on 10 ms bursts) tip it.
+    # root of 208 steps: 0.21) the model's rate is 1.03x AR's (no clear win), and HOPE_BURSTS bursts that
+    # realized 0.9x AR's bursts there make the batch size hopeless (as at C=16-32 on the H200); at 1.5
+    # (1.35x: C=1) the same bursts do not. Bursts at 1.02x AR's keep it hopeful, unless the stores before
+    # them (2 ms each on 10 ms bursts) tip it.
     policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
     policy.record_draft(1, {b: accepted for b in BUDGETS[1:]})  # (a calibrated drafter)
     for _ in range(50):

@@ -382,10 +382,10 @@ class AdaptivePolicy:
         than the AR step's cost, none timed yet): running sums, undecayed. At C=16-32 on the H200
         (623f5b3) it made them hopeless on 161 of 169 plans at batch 16 and 109 of 121 at 32 (auto 0.96x
         AR at C=16 and 32; 0.90x at 48d119e, where bursts of budgets 4-16 had realized 0.94x AR's, each
-        a near-tie that kept the AR steps reading out); alone, without the model's say (`hope_rate`), it made C=1 hopeless after a blind
-        step and a few probes (0.85x fixed budget 32). (Undecayed, and tap-free AR bursts count with
-        AR's: a batch size this makes hopeless stays so until probes' bursts, at most one every
-        `max_probe_every` AR steps, outweigh its sums.)"""
+        a near-tie that kept the AR steps reading out); alone, without the model's say (`hope_rate`),
+        it made C=1 hopeless after a blind step and a few probes (0.85x fixed budget 32). (Undecayed, and
+        tap-free AR bursts count with AR's: a batch size this makes hopeless stays so until probes'
+        bursts, at most one every `max_probe_every` AR steps, outweigh its sums.)"""
         key = _bucket(batch)
         spec = [t for (k, b), t in self.totals.items() if k == key and b > 0]
         if sum(t[0] for t in spec) < HOPE_BURSTS:
