@@ -77,9 +77,10 @@ def plant_noisy_oracle(llm: LLM, ref: dict) -> None:
 
 class Scripted:
     """A policy that follows a fixed cycle: "ar" (no draft), "gap" (AR that reads out no drafter context),
-    "wasted" (draft, then AR) or a budget."""
-    def __init__(self, plan):
+    "wasted" (draft, then AR) or a budget; `tap_free_prefills`: prompts never read out their context."""
+    def __init__(self, plan, tap_free_prefills=False):
         self.plan_, self.now, self.seen = itertools.cycle(plan), None, []
+        self.tap_free_prefills = tap_free_prefills
 
     table = table(lambda n, bs: 1.0)
     probing, expected, hopeless = False, {}, False
@@ -88,6 +89,9 @@ class Scripted:
         self.now = next(self.plan_)
         self.hopeless = self.now == "gap"
         return {"ar": 0, "gap": 0, "wasted": BUDGETS[-1]}.get(self.now, self.now)
+
+    def hopeless_at(self, batch):
+        return self.tap_free_prefills
 
     def record_draft(self, batch, expected):
         assert sorted(expected) == BUDGETS[1:]
@@ -203,7 +207,8 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
                                                                monkeypatch):
     # AR steps' target features reach the drafter cache (eager: each step stores its row; graphed: the
     # engine's AR bursts keep them pending, stored by the next draft, or by an AR burst once a request
-    # holds `pending_rows`; `gap`: some bursts read none out, and a switch feeds those tokens again);
+    # holds `pending_rows`; `gap`: the prompts and some bursts read none out, and a switch feeds those
+    # tokens again);
     # the next draft must see exactly the context a fresh engine builds by prefilling the same tokens.
     import ddtree.engine.engine as engine_mod
     import ddtree.spec.auto as auto
@@ -222,11 +227,12 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
     hook_draft_logits(llm, recorder(seen))
     plan = ["gap", "ar", "gap", 4, "ar", "gap", "gap", "wasted", "ar", 8] if gap else \
         ["ar", "ar", "ar", 4, "ar", "wasted", "ar", 8]
-    llm.engine.speculator.policy = ScriptedBursts(plan) if graphed else Scripted(plan)
+    llm.engine.speculator.policy = ScriptedBursts(plan, gap) if graphed else Scripted(plan)
     llm.generate(prompts, [SamplingParams(max_tokens=m) for m in MAX_TOKENS])
     assert (llm.engine.decode_graphs is not None) == graphed
     stats = llm.last_stats["bursts"]
     assert (stats.get("refeeds", 0) > 0 and stats.get("tap_free_bursts", 0) > 0) == gap, stats
+    assert (stats.get("tap_free_prefills", 0) > 0) == gap, stats
     keys = [k for k in seen if list(k[:-1]) not in prompts]
     assert len(keys) > (5 if graphed else 10)  # (AR bursts: fewer drafts)
     fresh = auto_llm(pairs, family, cost_table=table(roofline))
@@ -442,6 +448,7 @@ def test_graphed_auto_skips_the_drafter_context_where_speculation_is_hopeless(pa
     outs, hist = check_lossless(llm, prompts, ref)
     bursts = llm.last_stats["bursts"]  # (the last generate call: the four requests batched)
     assert bursts["tap_free_bursts"] > 0 and bursts["refeeds"] > 0 and bursts["spec_bursts"] > 0, bursts
+    assert bursts.get("tap_free_prefills", 0) > 0, bursts  # the batched prompts joined a hopeless batch
     assert all(bs <= 2 for bs, untapped in pools if not untapped), pools  # taps only where speculation may win
     assert any(bs > 2 for bs, untapped in pools if untapped), pools
 

@@ -421,8 +421,8 @@ def test_multi_prompt_prefills_replay_graphs_by_width_and_give_the_eager_outputs
     assert {T: g.max_batch for T, g in eng.prefill_graphs.items()} == {16: 2, 32: 1, 64: 1}
     replays, steps = [], []
     real_replay, real = eng._prefill_replay, eng._prefill_graphed
-    monkeypatch.setattr(eng, "_prefill_replay", lambda T, chunks: replays.append((T, [n for _, n in chunks]))
-                        or real_replay(T, chunks))
+    monkeypatch.setattr(eng, "_prefill_replay", lambda T, chunks, pools: replays.append((T, [n for _, n in chunks]))
+                        or real_replay(T, chunks, pools))
     monkeypatch.setattr(eng, "_prefill_graphed", lambda chunks, taps=None: (lambda r: steps.append(
         (len(chunks), r is not None)) or r)(real(chunks, taps)))
     prompts = prompts_of(corpus_ids, [3, 20, 9, 14])  # one step: widths 16, 32, 16, 16

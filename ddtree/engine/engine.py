@@ -26,7 +26,7 @@ from ddtree.spec.adaptive import candidate_budgets
 from ddtree.spec.auto import AdaptiveSpeculator
 from ddtree.spec.costs import CostTable
 from ddtree.spec.decode import SHORT_BURST, SPEC_BURST, Speculator
-from ddtree.spec.draft import DraftRunner, add_gap, has_gap
+from ddtree.spec.draft import DraftRunner, close_gap, has_gap, open_gap
 
 
 DECODE_BURST = 16  # graphed AR decode steps per engine step, pipelined (see LLMEngine._decode_graphed)
@@ -120,25 +120,19 @@ class LLMEngine:
             self.untapped_decode_graphs = self.decode_graphs = pool(None)
             if self.speculator is not None:
                 self.decode_graphs = pool(self.speculator.drafter.layer_ids)
+        # Prefill graphs by width; with a speculator they also store the drafter's context, and under
+        # auto a second set does not: prompts joining a batch size where speculation is hopeless.
         self.prefill_graphs: dict[int, GraphPool] = {}
+        self.untapped_prefill_graphs = self.prefill_graphs
         if self.use_graphs and PREFILL_GRAPHS:
             taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
             self.max_pages = max_pages
             pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # (CPU: tests)
             self.prefill_taps = taps
-            for T in PREFILL_WIDTHS:
-                if T > min(engine_cfg.max_num_batched_tokens, max_pages * engine_cfg.page_size, cfg.max_position):
-                    break
-                rows = min(engine_cfg.max_num_seqs,
-                           max(1, min(PREFILL_GRAPH_TOKENS, engine_cfg.max_num_batched_tokens) // T))
-                graphs = GraphPool(partial(self._graph_prefill, taps), rows,
-                                   pad={"block_tables": self.runner.scratch_page},
-                                   widths={"block_tables": max_pages, "ids": T}, mempool=pool)
-                # captured now (on padding: its K/V go to the scratch page), not in the middle of serving
-                with torch.inference_mode():
-                    graphs.capture_all(lambda bs: PrefillInputs(zeros(bs)[:, None].expand(bs, T), zeros(bs),
-                                                                scratch.expand(bs, 1), zeros(bs)))
-                self.prefill_graphs[T], pool = graphs, graphs.mempool
+            self.prefill_graphs, pool = self._prefill_pools(taps, engine_cfg, max_pages, pool)
+            self.untapped_prefill_graphs = self.prefill_graphs
+            if auto and taps:
+                self.untapped_prefill_graphs, _ = self._prefill_pools(None, engine_cfg, max_pages, pool)
         # Tokens a decode feeds per step, counted against prompt chunks: auto counts one (its AR steps;
         # where it speculates the batch is small), or a large batch would leave prompts a quarter of
         # the step's budget and admit them slowly.
@@ -155,6 +149,24 @@ class LLMEngine:
         self.eos_ids = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
+
+    def _prefill_pools(self, taps: list[int] | None, engine_cfg: EngineConfig, max_pages: int, pool):
+        """The prefill graphs of each width (with `taps`: storing the drafter's context), captured now (on
+        padding: its K/V go to the scratch page), not in the middle of serving; and their memory pool."""
+        zeros = lambda bs: torch.zeros(bs, dtype=torch.long, device=self.device)  # noqa: E731
+        scratch = torch.full((1, 1), self.runner.scratch_page, dtype=torch.long, device=self.device)
+        pools = {}
+        for T in PREFILL_WIDTHS:
+            if T > min(engine_cfg.max_num_batched_tokens, max_pages * engine_cfg.page_size, self.cfg.max_position):
+                break
+            rows = min(engine_cfg.max_num_seqs, max(1, min(PREFILL_GRAPH_TOKENS, engine_cfg.max_num_batched_tokens) // T))
+            graphs = GraphPool(partial(self._graph_prefill, taps), rows, pad={"block_tables": self.runner.scratch_page},
+                               widths={"block_tables": max_pages, "ids": T}, mempool=pool)
+            with torch.inference_mode():
+                graphs.capture_all(lambda bs: PrefillInputs(zeros(bs)[:, None].expand(bs, T), zeros(bs),
+                                                            scratch.expand(bs, 1), zeros(bs)))
+            pools[T], pool = graphs, graphs.mempool
+        return pools, pool
 
     def _graphs_supported(self) -> bool:
         # Graphs need the Triton kernels: the torch reference attention reads host values.
@@ -210,7 +222,7 @@ class LLMEngine:
             timing.update({"prefill_ms": ms if step.prefill else 0.0, "engine_ms": ms})
             return touched
         spec = self.speculator
-        touched = self._forward_and_sample(step.prefill, spec.drafter.layer_ids) if step.prefill else []
+        touched = self._spec_prefill(step.prefill) if step.prefill else []
         if step.prefill:
             timing["prefill_ms"] += (time.perf_counter() - t0) * 1e3
         if step.decode:
@@ -226,6 +238,20 @@ class LLMEngine:
                 spec.step(step.decode, self.commit)
         timing["engine_ms"] += (time.perf_counter() - t0) * 1e3
         return touched + step.decode
+
+    def _spec_prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """Prompt chunks that also store the drafter's context; under auto with graphed AR bursts, not
+        where the policy sees no chance for speculation at the batch they join, or a request's context
+        already has a gap: their context is left with one, as tap-free AR bursts leave it (fed again at
+        a switch, should one come)."""
+        spec = self.speculator
+        if isinstance(spec, AdaptiveSpeculator) and self.decode_graphs is not None and (
+                any(has_gap(seq) for seq, _ in chunks) or spec.tap_free_prefill(len(self.scheduler.running))):
+            for seq, _ in chunks:
+                open_gap(seq)
+            self.timing["tap_free_prefills"] += 1
+            return self._forward_and_sample(chunks)
+        return self._forward_and_sample(chunks, spec.drafter.layer_ids)
 
     def _forward_and_sample(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
         logits = self._prefill_graphed(chunks, taps)  # (with taps, the graph also stores the context)
@@ -264,37 +290,39 @@ class LLMEngine:
         no graph (a long one, or positions past the graphs' page-table width)."""
         if not self.prefill_graphs:
             return None
-        assert taps == self.prefill_taps, "the prefill graphs were captured with other taps"
+        assert taps in (None, self.prefill_taps), "the prefill graphs were captured with other taps"
+        pools = self.prefill_graphs if taps else self.untapped_prefill_graphs
         room = min(self.max_pages * self.runner.page_size, self.cfg.max_position)
         widths = []
         for seq, n in chunks:
             assert len(seq.block_table) * self.runner.page_size >= seq.num_cached + n, "pages must be allocated first"
-            T = next((w for w in self.prefill_graphs if w >= n), None)
+            T = next((w for w in pools if w >= n), None)
             if T is None or seq.num_cached + T > room:
                 return None
             widths.append(T)
         logits = [None] * len(chunks)
         for T in sorted(set(widths)):
             same = [i for i, w in enumerate(widths) if w == T]
-            most = self.prefill_graphs[T].max_batch
+            most = pools[T].max_batch
             for k in range(0, len(same), most):
                 part = same[k:k + most]
-                for i, row in zip(part, self._prefill_replay(T, [chunks[i] for i in part])):
+                for i, row in zip(part, self._prefill_replay(T, [chunks[i] for i in part], pools)):
                     logits[i] = row
         if taps:
             for seq, _ in chunks:
                 seq.draft_len = seq.num_cached
         return torch.stack(logits)
 
-    def _prefill_replay(self, T: int, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """One replay of width T's prefill graph for these chunks (each at most T tokens): their logits."""
+    def _prefill_replay(self, T: int, chunks: list[tuple[Sequence, int]], pools: dict[int, GraphPool]) -> torch.Tensor:
+        """One replay of width T's prefill graph in `pools` for these chunks (each at most T tokens): their
+        logits."""
         longest = max(n for _, n in chunks)
         starts = [seq.num_cached for seq, _ in chunks]
         ids = [seq.tokens(s, s + n) + [0] * (longest - n) for (seq, n), s in zip(chunks, starts)]
         columns = [starts, [n - 1 for _, n in chunks]] + [list(col) for col in zip(*ids)]
         rows = pack_rows([seq.block_table for seq, _ in chunks], columns, self.runner.scratch_page,
                          self.device)  # one copy
-        logits = self.prefill_graphs[T].run(PrefillInputs(rows[:, 2:2 + longest], rows[:, 0],
+        logits = pools[T].run(PrefillInputs(rows[:, 2:2 + longest], rows[:, 0],
                                                           rows[:, 2 + longest:], rows[:, 1]))
         for seq, n in chunks:
             seq.num_cached += n
@@ -325,16 +353,16 @@ class LLMEngine:
             spec.drafter.store_pending(full)
             spec.timed = False
             spec.stats.bursts["store_ms"] += (time.perf_counter() - t0) * 1e3
+        for seq in seqs:  # (tap-free: the gap opens, or goes on; else rows join the context after it)
+            if tap_free:
+                open_gap(seq)
+            elif seq.gap_from is not None:
+                close_gap(seq)
         outs = [len(s.output_ids) for s in seqs]
-        starts = [s.num_cached for s in seqs]
         t0 = time.perf_counter()
         steps = self._decode_graphed(seqs, most, self.untapped_decode_graphs if tap_free else self.decode_graphs)
         spec.after_ar_burst(len(seqs), steps, sum(len(s.output_ids) - n for s, n in zip(seqs, outs)),
                             (time.perf_counter() - t0) * 1e3)
-        if tap_free:
-            for seq, start in zip(seqs, starts):
-                if seq.num_cached > start and not seq.is_finished:
-                    add_gap(seq, start, seq.num_cached - start)
 
     def _decode_graphed(self, seqs: list[Sequence], most: int | None = None, pool: GraphPool | None = None) -> int:
         """AR decode steps for a fixed batch, pipelined: step i+1 is launched (its input tokens are step

@@ -38,11 +38,14 @@ class Sequence:
     # of positions [draft_len, num_cached) wait in pending_features until the next draft step: tensors
     # [n, K*D], or (buffer, i, n), the first n of row i of an AR burst's buffer [R, steps, K*D]
     # (spec/draft.py `pending_rows`).
-    # A pending entry (None, start, n) is a gap: AR steps that did not read out their features
-    # (spec/draft.py `add_gap`); gap_rows counts its rows.
+    # A pending entry (None, start, n) is a gap: AR steps or a prefill that did not read out their
+    # features; gap_rows counts its rows. While such steps go on the gap is open, from gap_from to
+    # num_cached (spec/draft.py `open_gap`: nothing to do per step), closed into an entry before
+    # anything else joins the context.
     draft_len: int = 0
     pending_features: list[torch.Tensor | tuple[torch.Tensor | None, int, int]] = field(default_factory=list)
     gap_rows: int = 0
+    gap_from: int | None = None
 
     def drop_cache(self) -> None:
         """Forget all cached state (pages were released): everything is recomputed on readmission."""
@@ -51,6 +54,7 @@ class Sequence:
         self.draft_len = 0
         self.pending_features = []
         self.gap_rows = 0
+        self.gap_from = None
 
     @property
     def token_ids(self) -> list[int]:

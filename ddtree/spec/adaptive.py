@@ -298,9 +298,7 @@ class AdaptivePolicy:
             if rate > best_rate:
                 best, best_rate = b, rate
         ar_rate = 1 / self.ar_ms(batch)
-        hope = max(self.hope_rate(b, batch) for b in self.budgets)
-        evidence = sum(v[1] for v in self.verified.values()) >= HOPE_EVIDENCE
-        self.hopeless = (evidence and hope < ar_rate) or (hope < SWITCH_MARGIN * ar_rate and self.lost(batch))
+        self.hopeless = self.hopeless_at(batch)
         # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
         # catch-up, so near break-even the policy keeps the mode it is in, at the batch size it chose
         # it for (speculation chosen for the few requests left at the end of a batch is not kept on
@@ -375,6 +373,15 @@ class AdaptivePolicy:
         seen = [k for (kind, k) in self.extra if kind == "spec" and k <= key]
         extra = self.extra[("spec", max(seen))] if seen else 0.0
         return (1 + accepted) / max(device + extra, 0.5 * device)
+
+    def hopeless_at(self, batch: int) -> bool:
+        """No chance for speculation at this batch size (`hope_rate`); False before the first draft."""
+        if not self.budgets or self.expected is None:
+            return False
+        ar_rate = 1 / self.ar_ms(batch)
+        hope = max(self.hope_rate(b, batch) for b in self.budgets)
+        evidence = sum(v[1] for v in self.verified.values()) >= HOPE_EVIDENCE
+        return (evidence and hope < ar_rate) or (hope < SWITCH_MARGIN * ar_rate and self.lost(batch))
 
     def lost(self, batch: int) -> bool:
         """Speculation at this batch bucket, all its timed bursts (at least HOPE_BURSTS) and the stores

@@ -67,9 +67,22 @@ def pending_rows(seqs: list[Sequence]) -> torch.Tensor | None:
     return flat[shift + torch.arange(total, device=flat.device)]
 
 
-def add_gap(seq: Sequence, start: int, n: int) -> None:
-    """Positions start .. start+n-1 went through AR steps that did not read out their target features
-    (a (None, start, n) entry: refed before the next draft, `gaps`); adjacent gaps are merged."""
+def open_gap(seq: Sequence) -> None:
+    """The forwards from here on do not read out the request's target features (tap-free AR bursts, a
+    prefill where speculation is hopeless): its context has a gap from num_cached on, open until
+    `close_gap` (a step in one costs nothing; an entry per request and burst cost ~1 us each, ~10 ms of
+    host time in a grid row at batch 128 on the H200)."""
+    if seq.gap_from is None:
+        seq.gap_from = seq.num_cached
+
+
+def close_gap(seq: Sequence) -> None:
+    """Ends an open gap at num_cached: a (None, start, n) pending entry (refed before the next draft,
+    `gaps`), merged with one just before it."""
+    start, seq.gap_from = seq.gap_from, None
+    if start is None or start == seq.num_cached:
+        return
+    n = seq.num_cached - start
     last = seq.pending_features[-1] if seq.pending_features else None
     if isinstance(last, tuple) and last[0] is None and last[1] + last[2] == start:
         seq.pending_features[-1] = (None, last[1], last[2] + n)
@@ -79,11 +92,18 @@ def add_gap(seq: Sequence, start: int, n: int) -> None:
 
 
 def has_gap(seq: Sequence) -> bool:
-    return seq.gap_rows > 0
+    return seq.gap_rows > 0 or seq.gap_from is not None
+
+
+def gap_rows(seq: Sequence) -> int:
+    """Rows of the request's context a switch would feed again, an open gap's included."""
+    return seq.gap_rows + (seq.num_cached - seq.gap_from if seq.gap_from is not None else 0)
 
 
 def gaps(seqs: list[Sequence]) -> list[tuple[Sequence, int, int, int]]:
-    """Every (request, index in its pending_features, start, n) of a gap, in order."""
+    """Every (request, index in its pending_features, start, n) of a gap, in order (open ones closed)."""
+    for s in seqs:
+        close_gap(s)
     return [(s, j, f[1], f[2]) for s in seqs if s.gap_rows for j, f in enumerate(s.pending_features)
             if isinstance(f, tuple) and f[0] is None]
 
