@@ -185,8 +185,8 @@ def run_batches(w: Batches, budget: int | None, policy: AdaptivePolicy | None = 
 
 def run_noisy_bursts(advantage: float, seed: int, plans: int = 3000, sigma: float = 0.3) -> float:
     """Tokens per ms over AR's at batch 1, where a speculative burst realizes `advantage` x AR's rate
-    times log-normal noise of `sigma` (the spread of bursts at C=1 on the H200) and the drafter's E says
-    nothing about it. The plan stops speculating after bad bursts, so an estimate that weighs the last
+    times log-normal noise of `sigma` (the spread of bursts at C=1 on the H200; its verify steps accept
+    that evenly) and the drafter's E says nothing about it. The plan stops speculating after bad bursts, so an estimate that weighs the last
     ones most is biased low (at C=1 on the H200 auto ran AR on 93% of request-steps where fixed budget
     32 ran 1.07x)."""
     ar = 0.87
@@ -208,13 +208,13 @@ def run_noisy_bursts(advantage: float, seed: int, plans: int = 3000, sigma: floa
         blind = policy.expected is None
         steps = 1 if blind else SPEC_BURST
         expected = {b: 1.5 * rng.lognormvariate(0, 0.3) for b in SHARE}
-        for _ in range(steps):
-            policy.record_draft(1, expected)
-            policy.probing = False
-            policy.observe(budget, 1, expected[budget], 1.4)
         t = steps * 2.0
         got = t * advantage / ar * rng.lognormvariate(0, sigma)
+        for _ in range(steps):  # (what the burst's verify steps accepted, evenly)
+            policy.record_draft(1, expected)
+            policy.probing = False
+            policy.observe(budget, 1, expected[budget], got / steps - 1)
         if not blind:  # (as spec/auto.py: not the first, one-step burst)
-            policy.observe_burst(budget, 1, got, t, expected[budget])
+            policy.observe_burst(budget, 1, got, t, expected[budget], steps=steps)
         ms, tokens = ms + t, tokens + got
     return tokens / ms * ar

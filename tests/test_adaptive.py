@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from ddtree.spec.adaptive import (HOPE_BURSTS, HOPE_EVIDENCE, HOPE_PRIOR_STEPS, HOPE_SPREAD, MAX_PROBE_EVERY,
+from ddtree.spec.adaptive import (FIT_PRIOR_STEPS, HOPE_BURSTS, HOPE_EVIDENCE, HOPE_PRIOR_STEPS, HOPE_SPREAD, MAX_PROBE_EVERY,
                                   PROBE_EVERY, PROBE_LOSS, BURST_STEPS,
                                   AdaptivePolicy, candidate_budgets)
 from ddtree.spec.costs import CostTable
@@ -205,32 +205,42 @@ def test_probe_intervals_are_kept_per_batch_size():
     assert policy.state()["probe_intervals"][16] == wide
 
 
-def test_realized_rates_overrule_the_model_per_batch_size():
-    # The model (table, calibrated E) says budget 32 at batch 4 and 1; bursts of every budget at batch
-    # 4 realized 0.5 tokens per ms and request where an AR step gives 1: AR from then on at batch 4,
-    # and at batch 1, where nothing was measured yet, the model counts at what it was worth at batch 4.
-    # A budget measured at batch 1 brings batch 1's own measure. A realized rate is scaled by half of
-    # how the drafter's E(b) now compares with then, while that E is fresh (not after AR steps).
+def test_a_batch_size_s_bursts_correct_the_model_s_step_cost_there_and_above():
+    # The model (table, run-long accepted lengths) says budget 32 at batches 1, 4 and 8. Bursts at batch
+    # 4 took 10x the model's step time: the bucket's fit (modelled over real ms, with FIT_PRIOR_STEPS
+    # of prior) sinks toward 0.1 and batch 4 turns to AR; batch 8, never measured, starts from batch
+    # 4's fit; batch 1 (smaller) from none. The tokens bursts realized do not count (text, not cost).
     policy = AdaptivePolicy(table(lambda n, bs: 1.0 + 0.001 * n), BUDGETS)
     policy.record_draft(1, E_PER_REQUEST)
-    assert policy.plan(4) == 32 and policy.plan(1) == 32
-    models = {b: policy.spec_rate(b, 4, expected=E_PER_REQUEST[b]) for b in BUDGETS[1:]}
-    for b in BUDGETS[1:]:
-        policy.observe_burst(b, 4, tokens=16, ms=8.0, expected=E_PER_REQUEST[b])  # 0.5 per ms and request
-    assert policy.request_rate(32, 4) == pytest.approx(0.5)
-    assert policy.plan(4) == 0 and policy.plan(1) == 0
-    worth = sum(0.5 / m for m in models.values()) / len(models)
-    assert policy.request_rate(16, 1) == pytest.approx(policy.spec_rate(16, 1) * worth)
-    policy.observe_burst(32, 1, tokens=24, ms=8.0, expected=E_PER_REQUEST[32])  # 3 per ms: batch 1's own
-    assert policy.plan(1) == 32 and policy.plan(4) == 0
-    assert policy.state()["realized"]["32@4"][:2] == [0.5, E_PER_REQUEST[32]]
-    assert policy.state()["totals"]["32@4"] == [1, 4.0, 8.0]  # (bursts, tokens per request, ms)
-    c = policy.calibration(32)
-    policy.expected, policy.fresh = {b: 2 * e for b, e in E_PER_REQUEST.items()}, True  # (as after drafts)
-    ratio = (1 + c * 2 * E_PER_REQUEST[32]) / (1 + c * E_PER_REQUEST[32])
-    assert policy.request_rate(32, 4) == pytest.approx(0.5 * (1 + 0.5 * (ratio - 1)))
-    assert policy.plan(4) == 0  # (AR next: the drafts' E grows stale, the realized rate counts alone)
-    assert policy.request_rate(32, 4) == pytest.approx(0.5)
+    assert policy.plan(4) == 32 and policy.plan(1) == 32 and policy.plan(8) == 32
+    modelled = took = 0.0
+    for _ in range(10):
+        for b in BUDGETS[1:]:
+            ms = 10 * 8 * policy.step_ms(b, 4)
+            modelled, took = modelled + 8 * policy.step_ms(b, 4), took + ms
+            policy.observe_burst(b, 4, tokens=4 * 30, ms=ms, expected=E_PER_REQUEST[b], steps=8)
+    weight = FIT_PRIOR_STEPS * policy.step_ms(BUDGETS[1], 4)
+    fit = (modelled + weight) / (took + weight)
+    assert policy.fit(4) == pytest.approx(fit) and policy.fit(1) == 1.0
+    assert policy.fit(8) == pytest.approx(fit)  # (batch 8's prior, alone)
+    assert policy.request_rate(32, 4) == pytest.approx(policy.model_rate(32, 4) * fit)
+    assert policy.plan(4) == 0 and policy.plan(8) == 0 and policy.plan(1) == 32
+    assert policy.state()["totals"]["32@4"][0] == 10  # (bursts, tokens per request, ms)
+
+
+def test_budgets_are_ranked_on_run_long_acceptance_not_on_the_text_now():
+    # Every budget costs the same but 32 accepts most over the run; a stretch of hard drafts (E = 0,
+    # nothing accepted for 20 steps of budget 8) moves the run-long means a little, and the plan keeps
+    # budget 32 where a rate following the text would have turned to AR or to budget 8.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
+    for _ in range(200):
+        policy.record_draft(1, {4: 1.0, 8: 1.4, 16: 1.7, 32: 2.0})
+        policy.observe(32, 1, predicted=2.0, accepted=2)
+    assert policy.plan(1) == 32
+    for _ in range(20):
+        policy.record_draft(1, {b: 0.0 for b in BUDGETS[1:]})
+        policy.observe(8, 1, predicted=0.0, accepted=0)
+    assert policy.mean_accepted(32) > 1.8 and policy.plan(1) == 32
 
 
 def test_a_switch_pays_the_context_store_once():
@@ -296,10 +306,10 @@ def test_a_switch_is_priced_from_the_table_store_and_a_stall_counts_at_most_10x(
 def test_hope_is_judged_on_the_runs_accepted_length_not_on_recent_bursts(accepted, hopeless):
     # AR 1 ms a token, a speculative step 2 ms (draft and verify): speculation has hope where its modelled
     # rate, at the accepted length the run's verify steps averaged (plus HOPE_SPREAD), beats AR's. At 1.5 a
-    # few probes' bursts that realized half of AR's rate and a hard draft (E = 0) make the plan choose
-    # AR, but the batch size keeps its hope (its AR steps keep reading out the drafter's context: on the
-    # H200 such dips made C=1 hopeless, 0.85x fixed budget 32); at 0.3 it has none, though a draft
-    # promise 1.5 (the drafter's own E is the prior of a few steps only).
+    # few bursts that realized half of AR's rate and a hard draft (E = 0) neither make the batch size
+    # hopeless nor turn the plan to AR (it plans on run-long figures: on the H200 such dips made C=1
+    # hopeless, 0.85x fixed budget 32, or sent it to long AR stretches, 0.88x); at 0.3 it has none,
+    # though a draft promise 1.5 (the drafter's own E is the prior of a few steps only).
     policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
     policy.record_draft(1, {b: accepted for b in BUDGETS[1:]})  # (a calibrated drafter)
     for _ in range(50):
@@ -313,8 +323,8 @@ def test_hope_is_judged_on_the_runs_accepted_length_not_on_recent_bursts(accepte
     policy.probing = True
     policy.record_draft(1, {b: 0.0 for b in BUDGETS[1:]})
     assert policy.lost(1)  # (the bursts lost to AR, but where the model shows a clear win that does not count)
-    assert policy.plan(1) == 0 and policy.hopeless == hopeless
-    assert policy.state()["plans"] == {("hopeless@1" if hopeless else "ar@1"): 1}
+    assert (policy.plan(1) == 0) == hopeless and policy.hopeless == hopeless
+    assert policy.state()["plans"] == {("hopeless@1" if hopeless else "spec@1"): 1}
     policy.probing = True
     policy.record_draft(1, {b: 1.5 for b in BUDGETS[1:]})  # a draft promising what the good run had
     policy.realized.clear()  # (the model alone)

@@ -117,7 +117,7 @@ class Scripted:
     def observe_refeed(self, rows, ms):
         assert rows > 0 and ms > 0
 
-    def observe_burst(self, budget, batch, tokens, ms, expected, store_ms=0.0):
+    def observe_burst(self, budget, batch, tokens, ms, expected, store_ms=0.0, steps=0):
         pass
 
     def tally(self, budget, batch, tokens, ms):
@@ -414,7 +414,7 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     import ddtree.spec.decode as decode
     llm, ref = graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, table(lambda n, bs: 1.0 + 0.01 * n))
     spec = llm.engine.speculator
-    learned = []  # what whole bursts teach the policy: (budget, batch, tokens, ms, E per request, store ms)
+    learned = []  # what whole bursts teach the policy: (budget, batch, tokens, ms, E per request, store ms, steps)
     spec.policy.observe_time, spec.policy.observe_burst = (lambda *a: None), (lambda *a: learned.append(a))
     monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed"))
     steps = []
@@ -428,7 +428,8 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     accepted = [a for o in outs for a in o.accept_lengths]
     assert sum(accepted) / len(accepted) > 1.5, accepted
     assert learned and all(b in BUDGETS[1:] and 1 <= n <= 4 and tokens >= auto.TIMED_BURST * n and ms > 0 and e >= 0
-                           and store >= 0 for b, n, tokens, ms, e, store in learned), learned
+                           and store >= 0 and auto.TIMED_BURST <= k <= auto.SPEC_BURST
+                           for b, n, tokens, ms, e, store, k in learned), learned
 
 
 def test_graphed_auto_skips_the_drafter_context_where_speculation_is_hopeless(pairs, prompts, ar_out, monkeypatch):

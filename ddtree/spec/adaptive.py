@@ -12,14 +12,13 @@ inputs, the read-backs mid-step, committing tokens. `observe_time` keeps, per ki
 speculative) and batch bucket, a running mean of what steps really took beyond the table's figure,
 and every cost the model compares includes it.
 
-That model (`spec_rate`) is only the prior. On the GPU the plan runs as pipelined bursts of
-whole-step graphs (spec/auto.py), and what the bursts of a budget realized at a batch size, tokens
-per ms and request with their starts and drains (a ratio of running sums), is what the plan compares
-with the AR step there (`request_rate`), scaled by part of how the drafter's fresh E(b) compares with
-the bursts', plus the context store a switch from AR pays first; a budget not yet measured at a batch
-size counts at its modelled rate times what the model was worth for the budgets that were. On the
-H200 the model alone chose speculation where it lost (regression to the mean after high averages,
-switching costs).
+On the GPU the plan runs as pipelined bursts of whole-step graphs (spec/auto.py), and plans on
+run-long figures, as a property of the drafter and the batch size rather than of the text now
+(`request_rate`): each budget's accepted length since the policy began (`mean_accepted`), the
+model's step cost, and per batch bucket what its bursts realized over what the model expected of
+them, starts and drains included (`fit`), plus the context store a switch from AR pays first. On
+the H200 rates realized by each budget's last bursts followed the text: they sent C=1 to long AR
+stretches after hard prompts and ranked budgets by the text each ran on.
 
 Choosing AR skips the draft, so the budget is planned before drafting, on the running averages of
 past drafts (`plan`), with a probe (a burst of the budget that looks best) as often as keeps what
@@ -69,7 +68,8 @@ HOPE_EVIDENCE = 16
 # bucket decides too: all of its timed bursts (at least this many) and the context stores before them
 # together realizing fewer tokens per ms than the AR bursts there, the batch size is hopeless (`lost`).
 HOPE_BURSTS = 4
-E_WEIGHT = 0.5  # share of the drafter's now-vs-then E(b) ratio that scales a realized rate
+# A batch bucket's `fit` starts from this many steps (two bursts) of the nearest smaller bucket's
+FIT_PRIOR_STEPS = 16
 # A budget's calibration is its own observed/predicted ratio shrunk toward the ratio over all budgets,
 # the overall one weighing as much as this many of its own recent steps: a budget tried a few times on
 # hard text (0.39 on the H200 at efd2b47, where fixed budget 32 ran 6% above AR) is not shut out.
@@ -101,12 +101,15 @@ class AdaptivePolicy:
         self.drafted: dict[int, list[float]] = {}  # per budget: every draft's E(b) per request summed, drafts
         self.total: tuple[float, float] | None = None  # running (accepted, predicted) over all budgets
         self.ar_streak = 0
+        self.overruled = 0  # drafts in a row `choose` threw away
         self.intervals: dict[int, int] = {}  # batch bucket -> AR steps before the next probe
         self.interval = probe_every  # ... the current batch's
         # (batch bucket, budget) -> running sums over its bursts of tokens per request and ms (their ratio
         # is the rate they realized, `_rate`), the running mean of their drafts' E(b), and that rate over
         # the model's at that E
         self.realized: dict[tuple[int, int], tuple[float, float, float, float]] = {}
+        # batch bucket -> over its timed bursts, the model's ms for their steps and the ms they took (`fit`)
+        self.fits: dict[int, list[float]] = {}
         # ... and what every timed burst of it (0: AR) added up to, undecayed, for benchmark rows:
         # [bursts, tokens per request, ms] (`tally`)
         self.totals: dict[tuple[int, int], list[float]] = {}
@@ -218,13 +221,17 @@ class AdaptivePolicy:
         return (w * own + CALIBRATION_PRIOR * overall) / (w + CALIBRATION_PRIOR)
 
     def observe_burst(self, budget: int, batch: int, tokens: int, ms: float, expected: float,
-                      store_ms: float = 0.0) -> None:
-        """A burst of `budget` committed `tokens` to `batch` requests in `ms` (host, from its first launch
-        to its last commit; a context store before it is a switch's cost, `observe_switch`), its drafts
-        expecting E(b) = `expected` per request and step; `store_ms` of such a store, counted with the
-        burst in `lost` (at most 10x the table's store, as a switch's cost)."""
+                      store_ms: float = 0.0, steps: int = 0) -> None:
+        """A burst of `steps` steps of `budget` committed `tokens` to `batch` requests in `ms` (host, from
+        its first launch to its last commit; a context store before it is a switch's cost,
+        `observe_switch`), its drafts expecting E(b) = `expected` per request and step; `store_ms` of
+        such a store, counted with the burst in `lost` (at most 10x the table's store, as a switch's
+        cost)."""
         key, a = (_bucket(batch), budget), RATE_DECAY
         self.tally(budget, batch, tokens, ms)
+        if steps:
+            fit = self.fits.setdefault(key[0], [0.0, 0.0])
+            fit[0], fit[1] = fit[0] + steps * self.step_ms(budget, batch), fit[1] + ms
         if store_ms:
             self.stored_ms[key[0]] = self.stored_ms.get(key[0], 0.0) + self._store_sample(key[0], store_ms)
         tokens, ms, e = tokens / batch, max(ms, 1e-3), expected
@@ -239,32 +246,59 @@ class AdaptivePolicy:
         t = self.totals.setdefault((_bucket(batch), budget), [0, 0.0, 0.0])
         t[0], t[1], t[2] = t[0] + 1, t[1] + tokens / batch, t[2] + ms
 
-    def correction(self, batch: int) -> float:
-        """Realized over modelled rate, over the budgets tried at this batch size (else at any)."""
-        here = [got[3] for (k, _), got in self.realized.items() if k == _bucket(batch)]
-        every = here or [got[3] for got in self.realized.values()]
-        return sum(every) / len(every) if every else 1.0
+    def mean_accepted(self, budget: int) -> float:
+        """The accepted length per request and step `budget` should give: its verify steps' mean since the
+        policy began, with HOPE_PRIOR_STEPS steps of a prior, the drafter's mean E(b) over the run's
+        drafts times what verify steps accepted over what they expected, over the run (at 5222c67 on
+        the H200 the drafter's raw E ran ~0.6x the accepted length at C=1)."""
+        drafted, drafts = self.drafted.get(budget, (0.0, 0))
+        got, promised = (sum(v[i] for v in self.verified.values()) for i in (0, 2))  # (run-long, all budgets)
+        prior = (drafted / drafts if drafts else self.expected[budget]) * (got / promised if promised > 0 else 1.0)
+        total, steps = self.verified.get(budget, (0.0, 0, 0.0))[:2]
+        return (total + HOPE_PRIOR_STEPS * prior) / (steps + HOPE_PRIOR_STEPS)
+
+    def step_ms(self, budget: int, batch: int) -> float:
+        """A whole speculative step of `budget` as the model prices it: the table's draft and verify, plus
+        the learned host extra (at a batch bucket no speculative step has run at yet, the nearest smaller
+        one's, as host work grows with the batch)."""
+        device = self.table.draft_ms(batch) + self.table.verify_ms(budget, batch)
+        key = _bucket(batch)
+        seen = [k for (kind, k) in self.extra if kind == "spec" and k <= key]
+        return max(device + (self.extra[("spec", max(seen))] if seen else 0.0), 0.5 * device)
+
+    def fit(self, batch: int) -> float:
+        """What the model's steps (`step_ms`) of this batch bucket's timed speculative bursts add up to
+        over what the bursts took, starts and drains included: running sums, with FIT_PRIOR_STEPS steps
+        (of the smallest budget) of the nearest smaller bucket's fit (else 1). A cost's correction
+        only: the tokens the bursts realized follow the text (a hard prompt at C=1 is not a cost)."""
+        key = _bucket(batch)
+        smaller = [k for k in self.fits if k < key]
+        prior = self.fit(max(smaller)) if smaller else 1.0
+        weight = FIT_PRIOR_STEPS * self.step_ms(self.budgets[0], batch)
+        modelled, took = self.fits.get(key, (0.0, 0.0))
+        return (modelled + weight * prior) / (took + weight)
+
+    def model_rate(self, budget: int, batch: int) -> float:
+        """The model's committed tokens per ms and request of `budget`, on run-long figures."""
+        return (1 + self.mean_accepted(budget)) / self.step_ms(budget, batch)
 
     def request_rate(self, budget: int, batch: int, store: bool = False) -> float:
-        """Expected committed tokens per ms and request of speculating with `budget` at this batch size:
-        what its bursts here realized (starts and drains included), scaled by part of how the drafter's
-        E(b) now compares with theirs while that E is fresh (after an AR stretch it is as old as the
-        stretch: a dip on hard text kept the H200 on AR for whole easy prompts, math at C=1 ran 0.84x
-        fixed budget 32); never tried here, the model (`spec_rate`) times what the budgets tried here
-        (else anywhere) realized over it. With a `store` due (after AR steps), one burst also pays it.
+        """Expected committed tokens per ms and request of speculating with `budget` at this batch size,
+        on run-long figures: the model's (`model_rate`: `step_ms` at the budget's `mean_accepted`) times
+        the bucket's `fit`. With a `store` due (after AR steps), one burst also
+        pays it.
 
-        The model alone went wrong on the H200: at C=16 the plan chose budget 8 on 45% of request-steps
-        where fixed budget 8 ran 0.86x AR (it speculates where the averages run high, and the steps
-        after regress toward the mean; host costs of switching), while measuring acceptance against the
-        averages it planned on instead (0.35 at C=1) kept C=1 on AR where fixed budget 32 ran 1.08x."""
-        got = self.realized.get((_bucket(batch), budget))
-        if got is None:
-            return self.spec_rate(budget, batch, store) * self.correction(batch)
-        rate, then, c = _rate(got), got[2], self.calibration(budget)
-        if self.fresh:
-            rate *= 1 + E_WEIGHT * ((1 + c * self.expected[budget]) / (1 + c * then) - 1)
+        Not on the recent past: rates realized by each budget's last bursts, or the drafter's last E,
+        follow the text, and on the H200 (a802534, run 6 drafter) they sent C=1 to AR stretches of
+        hundreds of steps after hard prompts (AR on 3,384 of 5,365 request-steps, auto 0.88x fixed
+        budget 32, where every category ran faster speculating), and ranked the budgets by the text they
+        happened to run on (at batch 1 budget 8 realized 1.16 and 32 0.94 tokens per ms; fixed, 32 ran
+        1.05x 8). Earlier still, the model on recent averages chose budget 8 on 45% of request-steps at
+        C=16 where fixed budget 8 ran 0.86x AR (it speculated where the averages ran high, and the steps
+        after regressed toward the mean)."""
+        rate = self.model_rate(budget, batch) * self.fit(batch)
         if store and self.switch_ms(batch) > 0:  # a burst's tokens per request, over its time and the store's
-            tokens = BURST_STEPS * (1 + c * self.expected[budget])
+            tokens = BURST_STEPS * (1 + self.mean_accepted(budget))
             rate = tokens / (tokens / rate + self.switch_ms(batch))
         return rate
 
@@ -361,18 +395,9 @@ class AdaptivePolicy:
         the model times what the budgets tried realized), one hard stretch made C=1 hopeless (48d119e:
         61 AR bursts ran tap-free, where fixed budget 32 ran 1.10x AR), and C=64 kept reading out where
         fixed budget 8 ran 0.66x AR (623f5b3, run 5 drafter: auto 0.89x AR)."""
-        t = self.table
-        drafted, drafts = self.drafted.get(budget, (0.0, 0))
-        got, promised = (sum(v[i] for v in self.verified.values()) for i in (0, 2))  # (run-long, all budgets)
-        prior = (drafted / drafts if drafts else self.expected[budget]) * (got / promised if promised > 0 else 1.0)
-        total, steps = self.verified.get(budget, (0.0, 0, 0.0))[:2]
         pooled = sum(v[1] for v in self.verified.values()) + HOPE_PRIOR_STEPS
-        accepted = (total + HOPE_PRIOR_STEPS * prior) / (steps + HOPE_PRIOR_STEPS) + HOPE_SPREAD / math.sqrt(pooled)
-        device = t.draft_ms(batch) + t.verify_ms(budget, batch)
-        key = _bucket(batch)
-        seen = [k for (kind, k) in self.extra if kind == "spec" and k <= key]
-        extra = self.extra[("spec", max(seen))] if seen else 0.0
-        return (1 + accepted) / max(device + extra, 0.5 * device)
+        accepted = self.mean_accepted(budget) + HOPE_SPREAD / math.sqrt(pooled)
+        return (1 + accepted) / self.step_ms(budget, batch) * self.fit(batch)
 
     def hopeless_at(self, batch: int) -> bool:
         """No chance for speculation at this batch size (`hope_rate`); False before the first draft."""
@@ -472,10 +497,12 @@ class AdaptivePolicy:
             rate = (batch + self.calibration(b) * expected[b]) / (t.verify_ms(b, batch) + extra)
             if rate > best_rate:
                 best, best_rate = b, rate
-        if best == 0 and self.probing:
-            # A probe verifies the smallest tree anyway: the calibration only learns from verified steps,
-            # so without this a drafter that looked bad once could keep the policy on AR for good.
-            best = self.budgets[0]
+        # A probe verifies the smallest tree anyway, and so does every PROBE_EVERY-th draft in a row thrown
+        # away where the plan (on run-long figures) said speculate: the calibration only learns from
+        # verified steps, so without this a drafter that looked bad once could keep the policy on AR for good.
+        self.overruled = self.overruled + 1 if best == 0 and not self.probing else 0
+        if best == 0 and (self.probing or self.overruled >= self.probe_every):
+            best, self.overruled = self.budgets[0], 0
         elif best == 0:
             self.speculating = False  # the draft says AR after all: the next plan starts from AR
         self.probing = False

@@ -59,8 +59,8 @@ class AdaptiveSpeculator(Speculator):
     b > 0 runs as a pipelined burst (`_burst`) of one whole-step graph per budget: draft, candidates
     for the largest budget, the tree of b cut from them, verify, accept; each step also reads back
     the drafter's E(b) of every budget, which keeps the averages current, and what the whole bursts
-    realized (tokens per ms; a context store before one is a switch's cost, learnt apart) is what the
-    policy plans on next time at that batch size. A probe is a whole burst of the budget that looks
+    took against the model's steps (a context store before one is a switch's cost, learnt apart)
+    corrects the model's cost at that batch size. A probe is a whole burst of the budget that looks
     best.
 
     Without graphs (the CPU, sampled requests) a step is split in two at the budget choice: draft
@@ -283,14 +283,14 @@ class AdaptiveSpeculator(Speculator):
         self.policy.probing = False
         if not (self.timed and captured):  # (a prefill chunk in flight, or a graph captured: no lesson)
             return
-        # What a whole burst realized, start and drain included, is what the plan compares next time at
-        # this batch size; those without a store before them (whose device work it may still wait on)
-        # also teach the model a step's host time. (A short burst, the first blind step or one cut short
+        # What a whole burst took, start and drain included, against the model's steps corrects the
+        # model's cost at this batch size (and counts in `lost`); those without a store before them
+        # (whose device work it may still wait on) also teach the model a step's host time. (A short burst, the first blind step or one cut short
         # by a finishing request, is mostly its start and drain, which the AR bursts around it pay too.)
         if steps < TIMED_BURST:
             return
         self.policy.observe_burst(budget, R, self.stats.committed - committed, (t2 - t1) * 1e3,
-                                  sum(self.burst_expected) / len(self.burst_expected), store_ms)
+                                  sum(self.burst_expected) / len(self.burst_expected), store_ms, steps)
         if not stored:
             t = self.policy.table
             self.policy.observe_time("spec", R, (t2 - t1) * 1e3 / steps, t.draft_ms(R) + t.verify_ms(budget, R))
