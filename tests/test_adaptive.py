@@ -662,3 +662,17 @@ def test_a_small_noisy_gain_is_taken_and_a_small_loss_avoided(seed):
     # mostly the last ones.)
     assert run_noisy_bursts(1.1, seed) >= 1.1
     assert run_noisy_bursts(0.9, seed) >= 0.98
+
+
+def test_a_burst_step_s_draft_brings_e_of_the_budgets_up_to_its_own():
+    # A whole step of budget 8 computes candidates for 8 alone: E(4) and E(8). The first such draft
+    # gives the larger budgets E(8) (a lower bound); later ones leave their means and draft counts alone.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0), BUDGETS)
+    policy.record_draft(2, {4: 2.0, 8: 3.0})
+    assert policy.expected == {4: 1.0, 8: 1.5, 16: 1.5, 32: 1.5}
+    policy.record_draft(1, {4: 2.0, 8: 2.5, 16: 3.0, 32: 4.0})
+    policy.record_draft(1, {4: 1.0})
+    assert policy.expected[32] == pytest.approx(0.9 * 1.5 + 0.1 * 4.0)
+    assert policy.expected[4] == pytest.approx(0.9 * (0.9 * 1.0 + 0.1 * 2.0) + 0.1 * 1.0)
+    assert policy.state()["drafted"] == {4: [4.0, 3], 8: [4.0, 2], 16: [3.0, 1], 32: [4.0, 1]}
+    assert policy.mean_accepted(32) == pytest.approx(4.0)  # (no verify steps yet: the drafts' mean)

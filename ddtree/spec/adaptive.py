@@ -464,6 +464,8 @@ class AdaptivePolicy:
                 "realized": {f"{b}@{k}": [round(x, 4) for x in (_rate(v), v[2], v[3])]
                              for (k, b), v in sorted(self.realized.items())},
                 "probe_intervals": dict(sorted(self.intervals.items())),
+                # per batch bucket: the model's step cost over what its timed bursts took, and `fit`
+                "fits": {k: [round(m, 2), round(t, 2), round(self.fit(k), 4)] for k, (m, t) in sorted(self.fits.items())},
                 "plans": dict(sorted(self.plans.items())), "stored_ms": dict(sorted(self.stored_ms.items())),
                 # accepted length per request summed, verify steps, the drafter's E(b) for them summed
                 "verified": {b: [round(acc, 2), n, round(e, 2)] for b, (acc, n, e) in sorted(self.verified.items())},
@@ -474,17 +476,22 @@ class AdaptivePolicy:
                            in sorted(self.totals.items())}}
 
     def record_draft(self, batch: int, expected: dict[int, float]) -> None:
-        """A draft's E(b) summed over the batch, into the running means `plan` compares. A probe's
-        draft replaces them: they are as old as the AR stretch before it (no drafts), and blended in at
-        `decay` one probe could hardly move them, which kept the policy on AR where speculation paid."""
+        """A draft's E(b) summed over the batch, into the running means `plan` compares (a burst step of
+        budget b brings E of the budgets up to b alone: a larger one keeps its means, or at first takes
+        the largest E given, a lower bound). A probe's draft replaces them: they are as old as the AR
+        stretch before it (no drafts), and blended in at `decay` one probe could hardly move them, which
+        kept the policy on AR where speculation paid."""
         a = self.decay
         mean = {b: e / batch for b, e in expected.items()}
-        for b in self.budgets:
+        for b, e in mean.items():
             total = self.drafted.setdefault(b, [0.0, 0])
-            total[0], total[1] = total[0] + mean[b], total[1] + 1
+            total[0], total[1] = total[0] + e, total[1] + 1
         self.fresh = True
-        self.expected = mean if self.expected is None or self.probing else \
-            {b: (1 - a) * self.expected[b] + a * mean[b] for b in self.budgets}
+        if self.expected is None:
+            self.expected = {b: mean.get(b, mean[max(mean)]) for b in self.budgets}
+        else:
+            for b, e in mean.items():
+                self.expected[b] = e if self.probing else (1 - a) * self.expected[b] + a * e
 
     def choose(self, batch: int, expected: dict[int, float]) -> int:
         """After drafting: `expected[b]`, the drafter's E(b) summed over the batch. Returns the budget
