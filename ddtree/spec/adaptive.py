@@ -110,6 +110,8 @@ class AdaptivePolicy:
         self.realized: dict[tuple[int, int], tuple[float, float, float, float]] = {}
         # batch bucket -> over its timed bursts, the model's ms for their steps and the ms they took (`fit`)
         self.fits: dict[int, list[float]] = {}
+        self.fit_at: dict[int, float] = {}  # batch -> `fit`, until the next lesson
+        self.hopeless_seen: dict[int, bool] = {}  # batch bucket -> what its last plan found (`hopeless_at`)
         # ... and what every timed burst of it (0: AR) added up to, undecayed, for benchmark rows:
         # [bursts, tokens per request, ms] (`tally`)
         self.totals: dict[tuple[int, int], list[float]] = {}
@@ -144,6 +146,7 @@ class AdaptivePolicy:
         (the table's is auto's own AR graph; the engine's bursts run their own), a speculative one down
         to three quarters (the extra is added to every budget's cost, small ones included)."""
         key = (kind, _bucket(batch))
+        self.fit_at.clear()  # (`fit` weighs by the step's cost, which the extra is part of)
         low = (-0.5 if kind == "ar" else -0.25) * table_ms
         sample = max(low, min(measured_ms, 4 * table_ms) - table_ms)
         old = self.extra.get(key)
@@ -230,6 +233,7 @@ class AdaptivePolicy:
         key, a = (_bucket(batch), budget), RATE_DECAY
         self.tally(budget, batch, tokens, ms)
         if steps:
+            self.fit_at.clear()
             fit = self.fits.setdefault(key[0], [0.0, 0.0])
             fit[0], fit[1] = fit[0] + steps * self.step_ms(budget, batch), fit[1] + ms
         if store_ms:
@@ -271,12 +275,16 @@ class AdaptivePolicy:
         over what the bursts took, starts and drains included: running sums, with FIT_PRIOR_STEPS steps
         (of the smallest budget) of the nearest smaller bucket's fit (else 1). A cost's correction
         only: the tokens the bursts realized follow the text (a hard prompt at C=1 is not a cost)."""
+        known = self.fit_at.get(batch)  # (kept until the next burst or step time is learnt)
+        if known is not None:
+            return known
         key = _bucket(batch)
         smaller = [k for k in self.fits if k < key]
         prior = self.fit(max(smaller)) if smaller else 1.0
         weight = FIT_PRIOR_STEPS * self.step_ms(self.budgets[0], batch)
         modelled, took = self.fits.get(key, (0.0, 0.0))
-        return (modelled + weight * prior) / (took + weight)
+        self.fit_at[batch] = fit = (modelled + weight * prior) / (took + weight)
+        return fit
 
     def model_rate(self, budget: int, batch: int) -> float:
         """The model's committed tokens per ms and request of `budget`, on run-long figures."""
@@ -326,13 +334,11 @@ class AdaptivePolicy:
             return self.budgets[0]
         switching = not self.speculating
         store = switching and not self.fresh  # (after a probe its burst stored the AR stretch already)
-        best, best_rate = self.budgets[0], self.request_rate(self.budgets[0], batch, store)
-        for b in self.budgets[1:]:  # ascending: a larger budget must be strictly better
-            rate = self.request_rate(b, batch, store)
-            if rate > best_rate:
-                best, best_rate = b, rate
         ar_rate = 1 / self.ar_ms(batch)
-        self.hopeless = self.hopeless_at(batch)
+        self.hopeless = self.hopeless_seen[_bucket(batch)] = self._hopeless(batch)
+        # (hopeless: the budgets are ranked only for a probe; a plan is made per burst, ~160 times a grid
+        # row at C=64 on the H200, and its host time is the GPU's idle time)
+        best, best_rate = (None, 0.0) if self.hopeless else self._best(batch, store)
         # Hysteresis: switching between AR and speculation costs a pipeline drain and the drafter's
         # catch-up, so near break-even the policy keeps the mode it is in, at the batch size it chose
         # it for (speculation chosen for the few requests left at the end of a batch is not kept on
@@ -358,10 +364,12 @@ class AdaptivePolicy:
         # size with hope, and its probe refed a few hundred rows in ~30 ms, ~1.5% of the grid row).
         bucket = _bucket(batch)
         if bucket not in self.intervals:
+            best = best or self._best(batch, store)[0]
             self.intervals[bucket] = self.probe_cap(batch, best)
         self.interval = self.max_probe_every if self.hopeless else self.intervals[bucket]
         affordable = self.gap_ms <= PROBE_LOSS * self.ar_streak * self.ar_ms(batch)
         if self.ar_streak >= self.interval and affordable:
+            best = best or self._best(batch, store)[0]
             self.probing, self.ar_streak = True, 0
             self.intervals[bucket] = self.probe_cap(batch, best)
             self._count("probe", batch)
@@ -372,6 +380,15 @@ class AdaptivePolicy:
         self.fresh = False  # AR steps next: no drafts, the averages grow stale
         self._count("hopeless" if self.hopeless else "ar", batch)
         return 0
+
+    def _best(self, batch: int, store: bool) -> tuple[int, float]:
+        """The budget with the highest `request_rate` here, and that rate."""
+        best, best_rate = self.budgets[0], self.request_rate(self.budgets[0], batch, store)
+        for b in self.budgets[1:]:  # ascending: a larger budget must be strictly better
+            rate = self.request_rate(b, batch, store)
+            if rate > best_rate:
+                best, best_rate = b, rate
+        return best, best_rate
 
     def _count(self, outcome: str, batch: int) -> None:
         key = f"{outcome}@{_bucket(batch)}"
@@ -400,6 +417,12 @@ class AdaptivePolicy:
         return (1 + accepted) / self.step_ms(budget, batch) * self.fit(batch)
 
     def hopeless_at(self, batch: int) -> bool:
+        """No chance for speculation at this batch size: as the last plan at its bucket found (a prompt's
+        prefill asks, every step it has one), else judged now."""
+        seen = self.hopeless_seen.get(_bucket(batch))
+        return self._hopeless(batch) if seen is None else seen
+
+    def _hopeless(self, batch: int) -> bool:
         """No chance for speculation at this batch size (`hope_rate`); False before the first draft."""
         if not self.budgets or self.expected is None:
             return False
@@ -464,7 +487,7 @@ class AdaptivePolicy:
                 "realized": {f"{b}@{k}": [round(x, 4) for x in (_rate(v), v[2], v[3])]
                              for (k, b), v in sorted(self.realized.items())},
                 "probe_intervals": dict(sorted(self.intervals.items())),
-                # per batch bucket: the model's step cost over what its timed bursts took, and `fit`
+                # per batch bucket: the model's step cost and what its timed bursts took, summed, and `fit`
                 "fits": {k: [round(m, 2), round(t, 2), round(self.fit(k), 4)] for k, (m, t) in sorted(self.fits.items())},
                 "plans": dict(sorted(self.plans.items())), "stored_ms": dict(sorted(self.stored_ms.items())),
                 # accepted length per request summed, verify steps, the drafter's E(b) for them summed
@@ -476,22 +499,17 @@ class AdaptivePolicy:
                            in sorted(self.totals.items())}}
 
     def record_draft(self, batch: int, expected: dict[int, float]) -> None:
-        """A draft's E(b) summed over the batch, into the running means `plan` compares (a burst step of
-        budget b brings E of the budgets up to b alone: a larger one keeps its means, or at first takes
-        the largest E given, a lower bound). A probe's draft replaces them: they are as old as the AR
-        stretch before it (no drafts), and blended in at `decay` one probe could hardly move them, which
-        kept the policy on AR where speculation paid."""
+        """A draft's E(b) summed over the batch, into the running means `plan` compares. A probe's
+        draft replaces them: they are as old as the AR stretch before it (no drafts), and blended in at
+        `decay` one probe could hardly move them, which kept the policy on AR where speculation paid."""
         a = self.decay
         mean = {b: e / batch for b, e in expected.items()}
-        for b, e in mean.items():
+        for b in self.budgets:
             total = self.drafted.setdefault(b, [0.0, 0])
-            total[0], total[1] = total[0] + e, total[1] + 1
+            total[0], total[1] = total[0] + mean[b], total[1] + 1
         self.fresh = True
-        if self.expected is None:
-            self.expected = {b: mean.get(b, mean[max(mean)]) for b in self.budgets}
-        else:
-            for b, e in mean.items():
-                self.expected[b] = e if self.probing else (1 - a) * self.expected[b] + a * e
+        self.expected = mean if self.expected is None or self.probing else \
+            {b: (1 - a) * self.expected[b] + a * mean[b] for b in self.budgets}
 
     def choose(self, batch: int, expected: dict[int, float]) -> int:
         """After drafting: `expected[b]`, the drafter's E(b) summed over the batch. Returns the budget

@@ -129,16 +129,11 @@ class AdaptiveSpeculator(Speculator):
         return self.depth + 3 + len(self.budgets) - 1  # then E(b) of each budget b > 0, in fixed point
 
     def _whole_step(self, budget: int, inp: StepInputs) -> StepOutputs:
-        """A burst step of `budget` (device ops only): the packed rows gain E(b) of every budget up to
-        this one, in fixed point so that one integer read-back carries them (-1: a larger budget). The
-        candidates are this budget's alone: those of the largest, cut down, made auto's steps of budget
-        8 ~8% slower per request-step than fixed budget 8's at C=8 on the H200 (2fba951)."""
-        c = candidates(self.drafter.logits(inp), budget, self.topk)
-        known = [b for b in self.budgets[1:] if b <= budget]
+        """A burst step of `budget` (device ops only): the packed rows gain E(b) of every budget, in
+        fixed point so that one integer read-back carries them."""
+        c, expected = self._draft(inp)
         out = self._verify(inp, cut_tree(c, inp.roots, budget), _argmax)
-        fixed = (expected_accepts(c, known) * EXPECTED_SCALE).round().long()
-        if len(known) < len(self.budgets) - 1:
-            fixed = torch.cat([fixed, fixed.new_full((fixed.shape[0], len(self.budgets) - 1 - len(known)), -1)], 1)
+        fixed = (expected * EXPECTED_SCALE).round().long()
         return StepOutputs(torch.cat([out.packed, fixed], dim=1), out.feats)
 
     def _budget_step(self, budget: int, inp: RootInputs | TreeInputs, pred_fn) -> StepOutputs:
@@ -301,13 +296,12 @@ class AdaptiveSpeculator(Speculator):
             self.policy.observe_time("spec", R, (t2 - t1) * 1e3 / steps, t.draft_ms(R) + t.verify_ms(budget, R))
 
     def _burst_step_done(self, budget: int, rows: list[list[int]]) -> None:
-        """A burst step's E(b) of every budget up to its own into the policy's averages (a probe's first
-        step replaces them), and its acceptance against its own draft's E(b)."""
+        """A burst step's E(b) of every budget into the policy's averages (a probe's first step
+        replaces them), and its acceptance against its own draft's E(b)."""
         if not rows:
             return
         n, first = len(rows), super().packed_width
-        expected = {b: sum(r[first + j] for r in rows) / EXPECTED_SCALE for j, b in enumerate(self.budgets[1:])
-                    if rows[0][first + j] >= 0}
+        expected = {b: sum(r[first + j] for r in rows) / EXPECTED_SCALE for j, b in enumerate(self.budgets[1:])}
         self.policy.record_draft(n, expected)
         self.policy.probing = False
         self.policy.observe(budget, n, expected[budget], sum(r[0] for r in rows))
