@@ -15,6 +15,7 @@ from ddtree.models.dflash import random_drafter, save_drafter
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import candidate_budgets
 from ddtree.spec.costs import CostTable
+from ddtree.spec.draft import has_gap
 from emulated import emulated_pool, fake_gpu_graphs
 from test_adaptive import BATCHES, BUDGETS, one_thread, roofline, table  # noqa: F401 (one_thread: autouse)
 from test_spec import assert_idle, continuation, hook_draft_logits, noisy_oracle, plant
@@ -77,10 +78,11 @@ def plant_noisy_oracle(llm: LLM, ref: dict) -> None:
 
 class Scripted:
     """A policy that follows a fixed cycle: "ar" (no draft), "gap" (AR that reads out no drafter context),
-    "wasted" (draft, then AR) or a budget; `tap_free_prefills`: prompts never read out their context."""
+    "wasted" (draft, then AR) or a budget; `tap_free_prefills`: prompts never read out their context
+    (True), always do (False), or each prefill step in turn ("mixed")."""
     def __init__(self, plan, tap_free_prefills=False):
         self.plan_, self.now, self.seen = itertools.cycle(plan), None, []
-        self.tap_free_prefills = tap_free_prefills
+        self.prefills = itertools.cycle([True, False] if tap_free_prefills == "mixed" else [tap_free_prefills])
 
     table = table(lambda n, bs: 1.0)
     probing, expected, hopeless = False, {}, False
@@ -91,7 +93,7 @@ class Scripted:
         return {"ar": 0, "gap": 0, "wasted": BUDGETS[-1]}.get(self.now, self.now)
 
     def hopeless_at(self, batch):
-        return self.tap_free_prefills
+        return next(self.prefills)
 
     def record_draft(self, batch, expected):
         assert sorted(expected) == BUDGETS[1:]
@@ -202,13 +204,14 @@ class ScriptedBursts(Scripted):
 
 
 @pytest.mark.parametrize("graphed,pending_rows,gap", [(False, None, False), (True, None, False), (True, 2, False),
-                                                     (True, 2, True)])
+                                                     (True, 2, True), (True, 2, "mixed")])
 def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, ar_out, graphed, pending_rows, gap,
                                                                monkeypatch):
     # AR steps' target features reach the drafter cache (eager: each step stores its row; graphed: the
     # engine's AR bursts keep them pending, stored by the next draft, or by an AR burst once a request
     # holds `pending_rows`; `gap`: the prompts and some bursts read none out, and a switch feeds those
-    # tokens again);
+    # tokens again; "mixed": prompts in chunks of a few tokens, every other prefill step without the
+    # read-out, a request whose context has a gap prefilled without it alongside others with it);
     # the next draft must see exactly the context a fresh engine builds by prefilling the same tokens.
     import ddtree.engine.engine as engine_mod
     import ddtree.spec.auto as auto
@@ -223,6 +226,16 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
     llm = auto_llm(pairs, family, cost_table=table(roofline))
     if gap:  # refeeds in forwards of at most 3 tokens: gaps split across them
         llm.engine.runner.max_num_batched_tokens = 3
+    if gap == "mixed":
+        llm.engine.scheduler.max_num_batched_tokens = 8
+    steps = []
+    prefill = llm.engine._forward_and_sample
+    monkeypatch.setattr(llm.engine, "_forward_and_sample", lambda chunks, taps=None: steps.append(
+        ([has_gap(seq) for seq, _ in chunks], taps is not None)) or prefill(chunks, taps))
+    split = []  # prefill steps whose chunks ran as two forwards, one without the read-out, one with
+    spec_prefill = llm.engine._spec_prefill
+    monkeypatch.setattr(llm.engine, "_spec_prefill", lambda chunks: (lambda n, out: split.append(
+        [tapped for _, tapped in steps[n:]] == [False, True]) or out)(len(steps), spec_prefill(chunks)))
     seen = {}
     hook_draft_logits(llm, recorder(seen))
     plan = ["gap", "ar", "gap", 4, "ar", "gap", "gap", "wasted", "ar", 8] if gap else \
@@ -231,8 +244,10 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
     llm.generate(prompts, [SamplingParams(max_tokens=m) for m in MAX_TOKENS])
     assert (llm.engine.decode_graphs is not None) == graphed
     stats = llm.last_stats["bursts"]
-    assert (stats.get("refeeds", 0) > 0 and stats.get("tap_free_bursts", 0) > 0) == gap, stats
-    assert (stats.get("tap_free_prefills", 0) > 0) == gap, stats
+    assert (stats.get("refeeds", 0) > 0 and stats.get("tap_free_bursts", 0) > 0) == bool(gap), stats
+    assert (stats.get("tap_free_prefills", 0) > 0) == bool(gap), stats
+    assert all(not any(gaps) for gaps, tapped in steps if tapped)  # (no read-out where a gap is open)
+    assert any(split) == (gap == "mixed")  # (a request's gap does not take a new prompt's read-out away)
     keys = [k for k in seen if list(k[:-1]) not in prompts]
     assert len(keys) > (5 if graphed else 10)  # (AR bursts: fewer drafts)
     fresh = auto_llm(pairs, family, cost_table=table(roofline))

@@ -159,7 +159,8 @@ class LLMEngine:
         for T in PREFILL_WIDTHS:
             if T > min(engine_cfg.max_num_batched_tokens, max_pages * engine_cfg.page_size, self.cfg.max_position):
                 break
-            rows = min(engine_cfg.max_num_seqs, max(1, min(PREFILL_GRAPH_TOKENS, engine_cfg.max_num_batched_tokens) // T))
+            tokens = min(PREFILL_GRAPH_TOKENS, engine_cfg.max_num_batched_tokens)
+            rows = min(engine_cfg.max_num_seqs, max(1, tokens // T))
             graphs = GraphPool(partial(self._graph_prefill, taps), rows, pad={"block_tables": self.runner.scratch_page},
                                widths={"block_tables": max_pages, "ids": T}, mempool=pool)
             with torch.inference_mode():
@@ -245,13 +246,18 @@ class LLMEngine:
         already has a gap: their context is left with one, as tap-free AR bursts leave it (fed again at
         a switch, should one come)."""
         spec = self.speculator
-        if isinstance(spec, AdaptiveSpeculator) and self.decode_graphs is not None and (
-                any(has_gap(seq) for seq, _ in chunks) or spec.tap_free_prefill(len(self.scheduler.running))):
-            for seq, _ in chunks:
-                open_gap(seq)
-            self.timing["tap_free_prefills"] += 1
-            return self._forward_and_sample(chunks)
-        return self._forward_and_sample(chunks, spec.drafter.layer_ids)
+        taps = spec.drafter.layer_ids
+        if not (isinstance(spec, AdaptiveSpeculator) and self.decode_graphs is not None):
+            return self._forward_and_sample(chunks, taps)
+        hopeless = spec.tap_free_prefill(len(self.scheduler.running))
+        free = [(seq, n) for seq, n in chunks if hopeless or has_gap(seq)]
+        if not free:
+            return self._forward_and_sample(chunks, taps)
+        tapped = [(seq, n) for seq, n in chunks if not (hopeless or has_gap(seq))]
+        for seq, _ in free:
+            open_gap(seq)
+        self.timing["tap_free_prefills"] += 1
+        return self._forward_and_sample(free) + (self._forward_and_sample(tapped, taps) if tapped else [])
 
     def _forward_and_sample(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
         logits = self._prefill_graphed(chunks, taps)  # (with taps, the graph also stores the context)

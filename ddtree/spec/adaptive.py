@@ -4,8 +4,9 @@ committed tokens per second.
 Cost: a table of step times measured at start-up on the device (spec/costs.py): one AR step, one
 draft step and one verify step of each candidate width, at a few batch sizes (linear in between).
 Gain: the drafter's own probabilities give the expected accepted length E(b) of the best-first tree
-of each budget b (spec/tree.py `expected_accepts`); the drafter is miscalibrated, so E is scaled by
-a running ratio of observed to predicted accepted lengths. One budget per step for the whole batch.
+of each budget b (spec/tree.py `expected_accepts`); the drafter is miscalibrated, so the plan
+counts what verify steps accepted (`mean_accepted`), and a choice on one draft (`choose`) scales its E
+by a running ratio of observed to predicted accepted lengths. One budget per step for the whole batch.
 
 The table times the device work (graph replays); a real step also pays host work around it: building
 inputs, the read-backs mid-step, committing tokens. `observe_time` keeps, per kind of step (AR or
@@ -15,14 +16,14 @@ and every cost the model compares includes it.
 On the GPU the plan runs as pipelined bursts of whole-step graphs (spec/auto.py), and plans on
 run-long figures, as a property of the drafter and the batch size rather than of the text now
 (`request_rate`): each budget's accepted length since the policy began (`mean_accepted`), the
-model's step cost, and per batch bucket what its bursts realized over what the model expected of
-them, starts and drains included (`fit`), plus the context store a switch from AR pays first. On
+model's step cost, and per batch bucket the model's step time over what its bursts took, starts
+and drains included (`fit`), plus the context store a switch from AR pays first. On
 the H200 rates realized by each budget's last bursts followed the text: they sent C=1 to long AR
 stretches after hard prompts and ranked budgets by the text each ran on.
 
-Choosing AR skips the draft, so the budget is planned before drafting, on the running averages of
-past drafts (`plan`), with a probe (a burst of the budget that looks best) as often as keeps what
-probes lose within PROBE_LOSS of the AR time at that batch size (`probe_cap`). Without graphs (the
+Choosing AR skips the draft, so the budget is planned before drafting (`plan`), with a probe (a
+burst of the budget that looks best) as often as keeps what probes lose within PROBE_LOSS of the AR
+time at that batch size (`probe_cap`, on the rate the budget's recent bursts realized there). Without graphs (the
 CPU, sampled requests) a step drafts first and then picks the budget on the current draft's
 probabilities among the remaining costs: verify(b) for b > 0, or the AR step for 0 (`choose`).
 """
@@ -40,10 +41,11 @@ PROBE_LOSS = 0.01  # ... within this share of the AR time
 # Steps of a speculative burst (spec/decode.py runs them): a probe is one whole burst, whose rate means
 # something, and the model spreads a switch's context store over one
 BURST_STEPS = 8
-# Weight of a speculative burst in its budget's realized rate at its batch size. At 0.25 an estimate was
-# mostly the last few bursts, and the plan stops speculating after bad ones, so it sat low: at C=1 on the
-# H200 (5634d33) each budget's read 0.95-1.05 tokens per ms, where all of auto's bursts together realized
-# 1.28 and AR steps 1.16.
+# Weight of a speculative burst in its budget's realized rate at its batch size (`realized`: what a probe
+# should cost, `probe_cap`; the plan itself no longer compares these rates, which follow the text). At
+# 0.25 an estimate was mostly the last few bursts, and the plan stopped speculating after bad ones, so it
+# sat low: at C=1 on the H200 (5634d33) each budget's read 0.95-1.05 tokens per ms, where all of auto's
+# bursts together realized 1.28 and AR steps 1.16.
 RATE_DECAY = 0.1
 # Speculation has hope at a batch size where a budget's `hope_rate` beats AR's: an upper estimate, its
 # accepted length plus this many tokens over the square root of the run's verify steps (with the
@@ -83,8 +85,9 @@ def candidate_budgets(depth: int, topk: int) -> list[int]:
 
 
 class AdaptivePolicy:
-    """The per-step budget choice for a batch; its state is running averages (weight `decay` per step
-    for drafts and acceptance, RATE_DECAY per burst for realized rates)."""
+    """The per-step budget choice for a batch; its state is run-long sums (verify steps, drafts, bursts'
+    costs) and running averages (weight `decay` per step for drafts and acceptance, RATE_DECAY per burst
+    for realized rates)."""
 
     def __init__(self, table: CostTable, budgets: list[int], probe_every: int = PROBE_EVERY, decay: float = 0.1,
                  max_probe_every: int = MAX_PROBE_EVERY):
@@ -321,8 +324,8 @@ class AdaptivePolicy:
         return gain / max(device + self.spec_extra_ms(batch) + switch, 0.5 * device)
 
     def plan(self, batch: int, gap_rows: int = 0) -> int:
-        """Before drafting: the budget to speculate with next (0: AR) on past drafts' averages and past
-        bursts' rates; a probe (a burst of the budget that looks best, `probing` set) when one is due.
+        """Before drafting: the budget to speculate with next (0: AR) on run-long figures
+        (`request_rate`); a probe (a burst of the budget that looks best, `probing` set) when one is due.
         Nothing known yet: the smallest budget (one blind step). `gap_rows`: rows a switch would feed
         again first (tap-free AR steps')."""
         if not self.budgets:
@@ -396,9 +399,8 @@ class AdaptivePolicy:
 
     def hope_rate(self, budget: int, batch: int) -> float:
         """Whether speculation can pay at this batch size at all: the model's committed tokens per ms and
-        request of `budget` (the table, the learned host extra: at a batch bucket no speculative step
-        has run at yet, the nearest smaller one's, as host work grows with the batch) at the accepted
-        length its verify steps averaged since the policy began (`HOPE_PRIOR_STEPS`), plus HOPE_SPREAD
+        request of `budget` (`step_ms` times the bucket's `fit`) at the accepted length its verify steps
+        averaged since the policy began (`mean_accepted`), plus HOPE_SPREAD
         over the root of the run's verify steps (all of them, pooled: the prior's calibration rests on
         them; after a long run that margin is small even for a budget seldom verified). Where no
         budget's beats the AR step (after HOPE_EVIDENCE verify steps; or, where none beats it clearly,
@@ -418,7 +420,9 @@ class AdaptivePolicy:
 
     def hopeless_at(self, batch: int) -> bool:
         """No chance for speculation at this batch size: as the last plan at its bucket found (a prompt's
-        prefill asks, every step it has one), else judged now."""
+        prefill asks, every step it has one; a plan is made every burst, so at the batch running now this
+        is at most a burst old, while a bucket the batch only passes through, as prompts are admitted,
+        may answer from an earlier stretch of the run), else judged now."""
         seen = self.hopeless_seen.get(_bucket(batch))
         return self._hopeless(batch) if seen is None else seen
 
@@ -488,7 +492,8 @@ class AdaptivePolicy:
                              for (k, b), v in sorted(self.realized.items())},
                 "probe_intervals": dict(sorted(self.intervals.items())),
                 # per batch bucket: the model's step cost and what its timed bursts took, summed, and `fit`
-                "fits": {k: [round(m, 2), round(t, 2), round(self.fit(k), 4)] for k, (m, t) in sorted(self.fits.items())},
+                "fits": {k: [round(m, 2), round(t, 2), round(self.fit(k), 4)]
+                         for k, (m, t) in sorted(self.fits.items())},
                 "plans": dict(sorted(self.plans.items())), "stored_ms": dict(sorted(self.stored_ms.items())),
                 # accepted length per request summed, verify steps, the drafter's E(b) for them summed
                 "verified": {b: [round(acc, 2), n, round(e, 2)] for b, (acc, n, e) in sorted(self.verified.items())},
@@ -522,9 +527,10 @@ class AdaptivePolicy:
             rate = (batch + self.calibration(b) * expected[b]) / (t.verify_ms(b, batch) + extra)
             if rate > best_rate:
                 best, best_rate = b, rate
-        # A probe verifies the smallest tree anyway, and so does every PROBE_EVERY-th draft in a row thrown
-        # away where the plan (on run-long figures) said speculate: the calibration only learns from
-        # verified steps, so without this a drafter that looked bad once could keep the policy on AR for good.
+        # A probe verifies the smallest tree anyway, and so does the `probe_every`-th draft in a row that
+        # would be thrown away (the plan, on run-long figures, said speculate): the calibration only learns
+        # from verified steps, so without this a drafter that looked bad once could keep the policy on AR
+        # for good.
         self.overruled = self.overruled + 1 if best == 0 and not self.probing else 0
         if best == 0 and (self.probing or self.overruled >= self.probe_every):
             best, self.overruled = self.budgets[0], 0

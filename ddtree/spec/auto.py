@@ -52,10 +52,11 @@ class AdaptiveSpeculator(Speculator):
     """`budget auto`: the budget in `budgets` (0 = AR) for the whole batch, chosen per burst on the GPU
     and per step without graphs (spec/adaptive.py).
 
-    Before each decode step the engine asks `ar_steps`, which plans the next budget on the running
-    averages of past drafts. AR runs as the engine's own graphed AR bursts, whose steps also read out
-    their target features: each request keeps them as pending drafter context, stored in one go
-    before the next draft (or by an AR burst, once a request holds `PENDING_ROWS` of them). A budget
+    Before each decode step the engine asks `ar_steps`, which plans the next budget on run-long
+    figures (spec/adaptive.py `request_rate`). AR runs as the engine's own graphed AR bursts, whose
+    steps also read out their target features: each request keeps them as pending drafter context,
+    stored in one go before the next draft (or by an AR burst, once a request holds `PENDING_ROWS` of
+    them). A budget
     b > 0 runs as a pipelined burst (`_burst`) of one whole-step graph per budget: draft, candidates
     for the largest budget, the tree of b cut from them, verify, accept; each step also reads back
     the drafter's E(b) of every budget, which keeps the averages current, and what the whole bursts
@@ -285,8 +286,9 @@ class AdaptiveSpeculator(Speculator):
             return
         # What a whole burst took, start and drain included, against the model's steps corrects the
         # model's cost at this batch size (and counts in `lost`); those without a store before them
-        # (whose device work it may still wait on) also teach the model a step's host time. (A short burst, the first blind step or one cut short
-        # by a finishing request, is mostly its start and drain, which the AR bursts around it pay too.)
+        # (whose device work it may still wait on) also teach the model a step's host time. (A short
+        # burst, the first blind step or one cut short by a finishing request, is mostly its start and
+        # drain, which the AR bursts around it pay too.)
         if steps < TIMED_BURST:
             return
         self.policy.observe_burst(budget, R, self.stats.committed - committed, (t2 - t1) * 1e3,
