@@ -319,7 +319,8 @@ class LLMEngine:
                 seq.draft_len = seq.num_cached
         return torch.stack(logits)
 
-    def _prefill_replay(self, T: int, chunks: list[tuple[Sequence, int]], pools: dict[int, GraphPool]) -> torch.Tensor:
+    def _prefill_replay(self, T: int, chunks: list[tuple[Sequence, int]],
+                        pools: dict[int, GraphPool]) -> torch.Tensor:
         """One replay of width T's prefill graph in `pools` for these chunks (each at most T tokens): their
         logits."""
         longest = max(n for _, n in chunks)
@@ -328,8 +329,7 @@ class LLMEngine:
         columns = [starts, [n - 1 for _, n in chunks]] + [list(col) for col in zip(*ids)]
         rows = pack_rows([seq.block_table for seq, _ in chunks], columns, self.runner.scratch_page,
                          self.device)  # one copy
-        logits = pools[T].run(PrefillInputs(rows[:, 2:2 + longest], rows[:, 0],
-                                                          rows[:, 2 + longest:], rows[:, 1]))
+        logits = pools[T].run(PrefillInputs(rows[:, 2:2 + longest], rows[:, 0], rows[:, 2 + longest:], rows[:, 1]))
         for seq, n in chunks:
             seq.num_cached += n
         return logits[:len(chunks)].clone()  # a static output, overwritten by the next replay

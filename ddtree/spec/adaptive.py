@@ -17,15 +17,16 @@ On the GPU the plan runs as pipelined bursts of whole-step graphs (spec/auto.py)
 run-long figures, as a property of the drafter and the batch size rather than of the text now
 (`request_rate`): each budget's accepted length since the policy began (`mean_accepted`), the
 model's step cost, and per batch bucket the model's step time over what its bursts took, starts
-and drains included (`fit`), plus the context store a switch from AR pays first. On
-the H200 rates realized by each budget's last bursts followed the text: they sent C=1 to long AR
-stretches after hard prompts and ranked budgets by the text each ran on.
+and drains included (`fit`), plus the context store a switch from AR pays first. On the H200 rates
+realized by each budget's last bursts followed the text: they sent C=1 to long AR stretches after
+hard prompts and ranked budgets by the text each ran on.
 
 Choosing AR skips the draft, so the budget is planned before drafting (`plan`), with a probe (a
 burst of the budget that looks best) as often as keeps what probes lose within PROBE_LOSS of the AR
-time at that batch size (`probe_cap`, on the rate the budget's recent bursts realized there). Without graphs (the
-CPU, sampled requests) a step drafts first and then picks the budget on the current draft's
-probabilities among the remaining costs: verify(b) for b > 0, or the AR step for 0 (`choose`).
+time at that batch size (`probe_cap`, on the rate the budget's recent bursts realized there).
+Without graphs (the CPU, sampled requests) a step drafts first and then picks the budget on the
+current draft's probabilities among the remaining costs: verify(b) for b > 0, or the AR step for 0
+(`choose`).
 """
 from __future__ import annotations
 
@@ -296,8 +297,7 @@ class AdaptivePolicy:
     def request_rate(self, budget: int, batch: int, store: bool = False) -> float:
         """Expected committed tokens per ms and request of speculating with `budget` at this batch size,
         on run-long figures: the model's (`model_rate`: `step_ms` at the budget's `mean_accepted`) times
-        the bucket's `fit`. With a `store` due (after AR steps), one burst also
-        pays it.
+        the bucket's `fit`. With a `store` due (after AR steps), one burst also pays it.
 
         Not on the recent past: rates realized by each budget's last bursts, or the drafter's last E,
         follow the text, and on the H200 (a802534, run 6 drafter) they sent C=1 to AR stretches of
@@ -400,9 +400,9 @@ class AdaptivePolicy:
     def hope_rate(self, budget: int, batch: int) -> float:
         """Whether speculation can pay at this batch size at all: the model's committed tokens per ms and
         request of `budget` (`step_ms` times the bucket's `fit`) at the accepted length its verify steps
-        averaged since the policy began (`mean_accepted`), plus HOPE_SPREAD
-        over the root of the run's verify steps (all of them, pooled: the prior's calibration rests on
-        them; after a long run that margin is small even for a budget seldom verified). Where no
+        averaged since the policy began (`mean_accepted`), plus HOPE_SPREAD over the root of the run's
+        verify steps (all of them, pooled: the prior's calibration rests on them; after a long run that
+        margin is small even for a budget seldom verified). Where no
         budget's beats the AR step (after HOPE_EVIDENCE verify steps; or, where none beats it clearly,
         the plan's own bursts lost to AR's: `lost`), AR steps do not read out the drafter's context (fed
         again at a switch, should one come): auto runs plain AR's own steps, and probes come only every

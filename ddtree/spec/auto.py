@@ -56,13 +56,12 @@ class AdaptiveSpeculator(Speculator):
     figures (spec/adaptive.py `request_rate`). AR runs as the engine's own graphed AR bursts, whose
     steps also read out their target features: each request keeps them as pending drafter context,
     stored in one go before the next draft (or by an AR burst, once a request holds `PENDING_ROWS` of
-    them). A budget
-    b > 0 runs as a pipelined burst (`_burst`) of one whole-step graph per budget: draft, candidates
-    for the largest budget, the tree of b cut from them, verify, accept; each step also reads back
-    the drafter's E(b) of every budget, which keeps the averages current, and what the whole bursts
-    took against the model's steps (a context store before one is a switch's cost, learnt apart)
-    corrects the model's cost at that batch size. A probe is a whole burst of the budget that looks
-    best.
+    them). A budget b > 0 runs as a pipelined burst (`_burst`) of one whole-step graph per budget:
+    draft, candidates for the largest budget, the tree of b cut from them, verify, accept; each step
+    also reads back the drafter's E(b) of every budget, which keeps the averages current, and what
+    the whole bursts took against the model's steps (a context store before one is a switch's cost,
+    learnt apart) corrects the model's cost at that batch size. A probe is a whole burst of the
+    budget that looks best.
 
     Without graphs (the CPU, sampled requests) a step is split in two at the budget choice: draft
     (candidates and E(b) of every budget), one read-back, the budget chosen on the current draft
