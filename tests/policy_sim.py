@@ -68,17 +68,17 @@ def run_policy(r: Regime, tokens: int, policy: AdaptivePolicy | None = None) -> 
         if from_ar:
             policy.observe_switch(r.batch, store)
         t = 0.0
-        drafts = []
+        verified = 0
         for _ in range(1 if policy.expected is None else SPEC_BURST):
             accepted = r.mean_accepted(int(pos), budget)
             expected = {b: r.over * r.mean_accepted(int(pos), b) * noise.lognormvariate(0, r.noise) for b in r.step_ms}
             policy.record_draft(r.batch, {b: e * r.batch for b, e in expected.items()})
             policy.probing = False
             policy.observe(budget, r.batch, expected[budget] * r.batch, accepted * r.batch)
-            drafts.append(expected[budget])
+            verified += 1
             pos, t = pos + 1 + accepted, t + r.step_ms[budget]
-        if len(drafts) > 1:  # (as spec/auto.py: not the first, blind, one-step burst)
-            policy.observe_burst(budget, r.batch, (pos - start) * r.batch, t, sum(drafts) / len(drafts))
+        if verified > 1:  # (as spec/auto.py: not the first, blind, one-step burst)
+            policy.observe_burst(budget, r.batch, (pos - start) * r.batch, t)
         ms, from_ar = ms + store + t, False
     return pos * r.batch / ms, policy
 
@@ -160,7 +160,7 @@ def run_batches(w: Batches, budget: int | None, policy: AdaptivePolicy | None = 
                 policy.observe_switch(B, store)
             t = 0.0
             steps = 1 if budget is not None or policy.expected is None else SPEC_BURST
-            got, drafts = 0.0, []
+            got, verified = 0.0, 0
             for _ in range(steps):
                 acc = {i: w.mean_accepted(i, pos[i], b) for i in live}
                 if budget is None:
@@ -169,14 +169,14 @@ def run_batches(w: Batches, budget: int | None, policy: AdaptivePolicy | None = 
                     policy.record_draft(B, e)
                     policy.probing = False
                     policy.observe(b, B, e[b], sum(acc.values()))
-                    drafts.append(e[b] / B)
+                    verified += 1
                 for i in live:
                     pos[i] += 1 + acc[i]
                 got, t = got + sum(1 + a for a in acc.values()), t + w.step_ms(b, B)
                 if any(pos[i] >= want[i] for i in live):
                     break
-            if budget is None and len(drafts) >= 4:
-                policy.observe_burst(b, B, got, t, sum(drafts) / len(drafts))
+            if budget is None and verified >= 4:
+                policy.observe_burst(b, B, got, t)
             tokens, ms, from_ar = tokens + got, ms + store + t, False
     return tokens / ms
 
@@ -215,6 +215,6 @@ def run_noisy_bursts(advantage: float, seed: int, plans: int = 3000, sigma: floa
             policy.probing = False
             policy.observe(budget, 1, expected[budget], got / steps - 1)
         if not blind:  # (as spec/auto.py: not the first, one-step burst)
-            policy.observe_burst(budget, 1, got, t, expected[budget], steps=steps)
+            policy.observe_burst(budget, 1, got, t, steps=steps)
         ms, tokens = ms + t, tokens + got
     return tokens / ms * ar

@@ -218,7 +218,7 @@ def test_a_batch_size_s_bursts_correct_the_model_s_step_cost_there_and_above():
         for b in BUDGETS[1:]:
             ms = 10 * 8 * policy.step_ms(b, 4)
             modelled, took = modelled + 8 * policy.step_ms(b, 4), took + ms
-            policy.observe_burst(b, 4, tokens=4 * 30, ms=ms, expected=E_PER_REQUEST[b], steps=8)
+            policy.observe_burst(b, 4, tokens=4 * 30, ms=ms, steps=8)
     weight = FIT_PRIOR_STEPS * policy.step_ms(BUDGETS[1], 4)
     fit = (modelled + weight) / (took + weight)
     assert policy.fit(4) == pytest.approx(fit) and policy.fit(1) == 1.0
@@ -321,7 +321,7 @@ def test_hope_is_judged_on_the_runs_accepted_length_not_on_recent_bursts(accepte
     assert policy.hope_rate(8, 1) == pytest.approx((1 + accepted + HOPE_SPREAD / math.sqrt(208)) / 2.0)
     assert (max(policy.hope_rate(b, 1) for b in BUDGETS[1:]) < 1 / policy.ar_ms(1)) == hopeless
     for b in BUDGETS[1:]:
-        policy.observe_burst(b, 1, tokens=4.0, ms=8.0, expected=E_PER_REQUEST[b])  # 0.5 tokens per ms
+        policy.observe_burst(b, 1, tokens=4.0, ms=8.0)  # 0.5 tokens per ms
     policy.probing = True
     policy.record_draft(1, {b: 0.0 for b in BUDGETS[1:]})
     assert policy.lost(1)  # (the bursts lost to AR, but where the model shows a clear win that does not count)
@@ -456,7 +456,7 @@ def test_where_the_model_shows_no_clear_win_bursts_that_lost_to_ar_make_a_batch_
         for b in BUDGETS[1:]:
             policy.observe(b, 16, predicted=16 * accepted, accepted=16 * accepted)
     policy.tally(0, 16, tokens=16 * 100, ms=100.0)  # AR's bursts: 1 token per ms and request
-    burst = dict(tokens=16 * 10 * rate, ms=10.0, expected=E_PER_REQUEST[8], store_ms=store_ms)
+    burst = dict(tokens=16 * 10 * rate, ms=10.0, store_ms=store_ms)
     for _ in range(HOPE_BURSTS - 1):
         policy.observe_burst(8, 16, **burst)
     policy.plan(16)

@@ -119,7 +119,7 @@ class Scripted:
     def observe_refeed(self, rows, ms):
         assert rows > 0 and ms > 0
 
-    def observe_burst(self, budget, batch, tokens, ms, expected, store_ms=0.0, steps=0):
+    def observe_burst(self, budget, batch, tokens, ms, store_ms=0.0, steps=0):
         pass
 
     def tally(self, budget, batch, tokens, ms):
@@ -429,7 +429,7 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     import ddtree.spec.decode as decode
     llm, ref = graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, table(lambda n, bs: 1.0 + 0.01 * n))
     spec = llm.engine.speculator
-    learned = []  # what whole bursts teach the policy: (budget, batch, tokens, ms, E per request, store ms, steps)
+    learned = []  # what whole bursts teach the policy: (budget, batch, tokens, ms, store ms, steps)
     spec.policy.observe_time, spec.policy.observe_burst = (lambda *a: None), (lambda *a: learned.append(a))
     monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed"))
     steps = []
@@ -442,9 +442,9 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     assert bursts["spec_bursts"] > 0 and bursts["spec_steps"] > bursts["spec_bursts"], bursts
     accepted = [a for o in outs for a in o.accept_lengths]
     assert sum(accepted) / len(accepted) > 1.5, accepted
-    assert learned and all(b in BUDGETS[1:] and 1 <= n <= 4 and tokens >= auto.TIMED_BURST * n and ms > 0 and e >= 0
+    assert learned and all(b in BUDGETS[1:] and 1 <= n <= 4 and tokens >= auto.TIMED_BURST * n and ms > 0
                            and store >= 0 and auto.TIMED_BURST <= k <= auto.SPEC_BURST
-                           for b, n, tokens, ms, e, store, k in learned), learned
+                           for b, n, tokens, ms, store, k in learned), learned
 
 
 def test_graphed_auto_skips_the_drafter_context_where_speculation_is_hopeless(pairs, prompts, ar_out, monkeypatch):

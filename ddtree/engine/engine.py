@@ -250,10 +250,11 @@ class LLMEngine:
         if not (isinstance(spec, AdaptiveSpeculator) and self.decode_graphs is not None):
             return self._forward_and_sample(chunks, taps)
         hopeless = spec.tap_free_prefill(len(self.scheduler.running))
-        free = [(seq, n) for seq, n in chunks if hopeless or has_gap(seq)]
+        free, tapped = [], []
+        for chunk in chunks:
+            (free if hopeless or has_gap(chunk[0]) else tapped).append(chunk)
         if not free:
             return self._forward_and_sample(chunks, taps)
-        tapped = [(seq, n) for seq, n in chunks if not (hopeless or has_gap(seq))]
         for seq, _ in free:
             open_gap(seq)
         self.timing["tap_free_prefills"] += 1

@@ -109,9 +109,8 @@ class AdaptivePolicy:
         self.intervals: dict[int, int] = {}  # batch bucket -> AR steps before the next probe
         self.interval = probe_every  # ... the current batch's
         # (batch bucket, budget) -> running sums over its bursts of tokens per request and ms (their ratio
-        # is the rate they realized, `_rate`), the running mean of their drafts' E(b), and that rate over
-        # the model's at that E
-        self.realized: dict[tuple[int, int], tuple[float, float, float, float]] = {}
+        # is the rate they realized, `_rate`: what a probe should cost, `probe_cap`)
+        self.realized: dict[tuple[int, int], tuple[float, float]] = {}
         # batch bucket -> over its timed bursts, the model's ms for their steps and the ms they took (`fit`)
         self.fits: dict[int, list[float]] = {}
         self.fit_at: dict[int, float] = {}  # batch -> `fit`, until the next lesson
@@ -227,13 +226,12 @@ class AdaptivePolicy:
         own = acc / pred if pred > 0 else 1.0
         return (w * own + CALIBRATION_PRIOR * overall) / (w + CALIBRATION_PRIOR)
 
-    def observe_burst(self, budget: int, batch: int, tokens: int, ms: float, expected: float,
-                      store_ms: float = 0.0, steps: int = 0) -> None:
+    def observe_burst(self, budget: int, batch: int, tokens: int, ms: float, store_ms: float = 0.0,
+                      steps: int = 0) -> None:
         """A burst of `steps` steps of `budget` committed `tokens` to `batch` requests in `ms` (host, from
         its first launch to its last commit; a context store before it is a switch's cost,
-        `observe_switch`), its drafts expecting E(b) = `expected` per request and step; `store_ms` of
-        such a store, counted with the burst in `lost` (at most 10x the table's store, as a switch's
-        cost)."""
+        `observe_switch`); `store_ms` of such a store, counted with the burst in `lost` (at most 10x the
+        table's store, as a switch's cost)."""
         key, a = (_bucket(batch), budget), RATE_DECAY
         self.tally(budget, batch, tokens, ms)
         if steps:
@@ -242,12 +240,9 @@ class AdaptivePolicy:
             fit[0], fit[1] = fit[0] + steps * self.step_ms(budget, batch), fit[1] + ms
         if store_ms:
             self.stored_ms[key[0]] = self.stored_ms.get(key[0], 0.0) + self._store_sample(key[0], store_ms)
-        tokens, ms, e = tokens / batch, max(ms, 1e-3), expected
+        tokens, ms = tokens / batch, max(ms, 1e-3)
         old = self.realized.get(key)
-        if old is not None:
-            tokens, ms, e = ((1 - a) * o + a * x for o, x in zip(old, (tokens, ms, e)))
-        rate = _rate((tokens, ms))
-        self.realized[key] = (tokens, ms, e, rate / self.spec_rate(budget, batch, expected=e))
+        self.realized[key] = (tokens, ms) if old is None else ((1 - a) * old[0] + a * tokens, (1 - a) * old[1] + a * ms)
 
     def tally(self, budget: int, batch: int, tokens: int, ms: float) -> None:
         """Counts a burst of `budget` (0: AR) that committed `tokens` to `batch` requests in `ms`."""
@@ -312,16 +307,6 @@ class AdaptivePolicy:
             tokens = BURST_STEPS * (1 + self.mean_accepted(budget))
             rate = tokens / (tokens / rate + self.switch_ms(batch))
         return rate
-
-    def spec_rate(self, budget: int, batch: int, store: bool = False, expected: float | None = None) -> float:
-        """The model's committed tokens per ms and request of a whole speculative step of `budget` (draft
-        included): the table, the learned host extra and the calibrated E(b) (`expected`, default the
-        running mean); with a `store` due (after AR steps), a burst's share of it."""
-        t = self.table
-        gain = 1 + self.calibration(budget) * (self.expected[budget] if expected is None else expected)
-        device = t.draft_ms(batch) + t.verify_ms(budget, batch)
-        switch = self.switch_ms(batch) / BURST_STEPS if store else 0.0
-        return gain / max(device + self.spec_extra_ms(batch) + switch, 0.5 * device)
 
     def plan(self, batch: int, gap_rows: int = 0) -> int:
         """Before drafting: the budget to speculate with next (0: AR) on run-long figures
@@ -487,9 +472,8 @@ class AdaptivePolicy:
                 "refeed": {"fixed_ms": self.refeed_fixed_ms, "row_ms": self.refeed_row_ms, "scale": self.refeed_scale},
                 "expected": self.expected,
                 "calibration": {b: self.calibration(b) for b in self.budgets},
-                # rate, E(b), rate over the model's
-                "realized": {f"{b}@{k}": [round(x, 4) for x in (_rate(v), v[2], v[3])]
-                             for (k, b), v in sorted(self.realized.items())},
+                # tokens per ms and request of each budget's recent bursts (RATE_DECAY)
+                "realized": {f"{b}@{k}": round(_rate(v), 4) for (k, b), v in sorted(self.realized.items())},
                 "probe_intervals": dict(sorted(self.intervals.items())),
                 # per batch bucket: the model's step cost and what its timed bursts took, summed, and `fit`
                 "fits": {k: [round(m, 2), round(t, 2), round(self.fit(k), 4)]

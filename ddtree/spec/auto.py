@@ -74,7 +74,6 @@ class AdaptiveSpeculator(Speculator):
         super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
         self.ctx_rows = drafter.block_size  # a burst's context width: the last accepted path (more: stored first)
         self.max_pages, self.planned = max_pages, 0
-        self.burst_expected: list[float] = []  # the current burst's E(b) per request, step by step
         self.draft_graphs, self.ar_graphs, self.step_graphs = None, None, {}
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
             pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
@@ -274,7 +273,7 @@ class AdaptiveSpeculator(Speculator):
                 self.policy.observe_switch(R, store_ms)
         t1 = time.perf_counter()
         probing = self.policy.probing
-        committed, self.burst_expected = self.stats.committed, []
+        committed = self.stats.committed
         blind = self.policy.expected is None  # no draft seen yet: one step to learn from
         steps = self._burst(seqs, commit, graphs, budget, most=1 if blind else SPEC_BURST)
         t2 = time.perf_counter()
@@ -290,8 +289,7 @@ class AdaptiveSpeculator(Speculator):
         # drain, which the AR bursts around it pay too.)
         if steps < TIMED_BURST:
             return
-        self.policy.observe_burst(budget, R, self.stats.committed - committed, (t2 - t1) * 1e3,
-                                  sum(self.burst_expected) / len(self.burst_expected), store_ms, steps)
+        self.policy.observe_burst(budget, R, self.stats.committed - committed, (t2 - t1) * 1e3, store_ms, steps)
         if not stored:
             t = self.policy.table
             self.policy.observe_time("spec", R, (t2 - t1) * 1e3 / steps, t.draft_ms(R) + t.verify_ms(budget, R))
@@ -306,7 +304,6 @@ class AdaptiveSpeculator(Speculator):
         self.policy.record_draft(n, expected)
         self.policy.probing = False
         self.policy.observe(budget, n, expected[budget], sum(r[0] for r in rows))
-        self.burst_expected.append(expected[budget] / n)
 
     def _fake_context(self) -> int:
         ps = self.runner.page_size
