@@ -37,7 +37,7 @@ from ddtree.ops.fused import compiled_on_cuda
 # DDTREE_TREE_KERNEL=1: on the GPU the candidate levels run as one Triton kernel (ops/triton_tree.py)
 # instead of the torch sorts. Off by default until it is measured on the H200: it equals the torch
 # sorts bit for bit in Triton's interpreter, but its first build (unrolled levels) did not finish there.
-TREE_KERNEL = os.environ.get("DDTREE_TREE_KERNEL", "0") == "1"
+TREE_KERNEL = os.environ.get("DDTREE_TREE_KERNEL", "1") == "1"
 
 
 @dataclass(slots=True)
