@@ -435,7 +435,7 @@ def test_a_plan_where_speculation_is_hopeless_ranks_no_budgets_and_prefills_ask_
     ranked.clear()
     assert [policy.plan(64) for _ in range(10)] == [0] * 10 and not ranked
     judged = []
-    policy._hopeless = lambda batch: judged.append(batch) or AdaptivePolicy._hopeless(policy, batch)
+    policy._hopeless = lambda batch, *a: judged.append(batch) or AdaptivePolicy._hopeless(policy, batch, *a)
     assert policy.hopeless_at(50) and not judged  # (bucket 64: its last plan's finding)
     assert policy.hopeless_at(100) and judged == [100]  # (bucket 128: not planned yet, judged now)
     assert policy.plan(4) > 0 and not policy.hopeless_at(4) and judged == [100, 4]  # (the plan judged)
@@ -449,7 +449,8 @@ def test_where_the_model_shows_no_clear_win_bursts_that_lost_to_ar_make_a_batch_
     # root of 208 steps: 0.21) the model's rate is 1.03x AR's (no clear win), and HOPE_BURSTS bursts that
     # realized 0.9x AR's bursts there make the batch size hopeless (as at C=16-32 on the H200); at 1.5
     # (1.35x: C=1) the same bursts do not. Bursts at 1.02x AR's keep it hopeful, unless the stores before
-    # them (2 ms each on 10 ms bursts) tip it.
+    # them (2 ms each on 10 ms bursts) tip it. (Speculating there: from AR the model's 1.03x alone makes
+    # it hopeless, as the next test shows.)
     policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
     policy.record_draft(1, {b: accepted for b in BUDGETS[1:]})  # (a calibrated drafter)
     for _ in range(50):
@@ -459,12 +460,29 @@ def test_where_the_model_shows_no_clear_win_bursts_that_lost_to_ar_make_a_batch_
     burst = dict(tokens=16 * 10 * rate, ms=10.0, store_ms=store_ms)
     for _ in range(HOPE_BURSTS - 1):
         policy.observe_burst(8, 16, **burst)
+    policy.speculating, policy.spec_bucket = True, 16
     policy.plan(16)
     assert not policy.hopeless and not policy.lost(16)  # (too few bursts to judge by)
     policy.observe_burst(8, 16, **burst)
+    policy.speculating, policy.spec_bucket = True, 16
     policy.plan(16)
     assert policy.hopeless == hopeless and policy.lost(16) == (hopeless or accepted > 0.85)
     assert policy.state()["stored_ms"] == {16: pytest.approx(store_ms * HOPE_BURSTS)}
+
+
+@pytest.mark.parametrize("accepted, hopeless", [(0.85, True), (1.0, False)])
+def test_from_ar_a_batch_size_whose_hope_does_not_beat_ar_by_the_switch_margin_is_hopeless(accepted, hopeless):
+    # AR 1 ms a token, a speculative step 2 ms, 208 verify steps (HOPE_SPREAD over their root: 0.21): at
+    # 0.85 tokens accepted the best hope is 1.03x AR's, short of the SWITCH_MARGIN a plan needs to leave
+    # AR, so the AR steps stop reading out the drafter's context (no bursts needed to judge); at 1.0
+    # (1.1x) the plan could still switch, and they keep reading it out.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
+    policy.record_draft(1, {b: accepted for b in BUDGETS[1:]})
+    for _ in range(52):
+        for b in BUDGETS[1:]:
+            policy.observe(b, 16, predicted=16 * accepted, accepted=16 * accepted)
+    assert policy.plan(16) == 0 and policy.hopeless == hopeless and not policy.lost(16)
+    assert policy.hopeless_at(16) == hopeless
 
 
 def test_a_probe_waits_until_the_rows_it_would_feed_again_are_affordable():

@@ -322,8 +322,9 @@ class AdaptivePolicy:
             return self.budgets[0]
         switching = not self.speculating
         store = switching and not self.fresh  # (after a probe its burst stored the AR stretch already)
+        staying = not switching and self.spec_bucket == _bucket(batch)
         ar_rate = 1 / self.ar_ms(batch)
-        self.hopeless = self.hopeless_seen[_bucket(batch)] = self._hopeless(batch)
+        self.hopeless = self.hopeless_seen[_bucket(batch)] = self._hopeless(batch, staying)
         # (hopeless: the budgets are ranked only for a probe; a plan is made per burst, ~160 times a grid
         # row at C=64 on the H200, and its host time is the GPU's idle time)
         best, best_rate = (None, 0.0) if self.hopeless else self._best(batch, store)
@@ -334,7 +335,6 @@ class AdaptivePolicy:
         # the margin there, at 36c0319 on the H200, the plan at C=16 took budget 8 on 17% of request-steps,
         # realizing 0.88 tokens per ms against AR's 0.85 in its own accounting, where fixed budget 8 ran
         # 0.83x AR end to end; auto 0.87x AR.)
-        staying = not switching and self.spec_bucket == _bucket(batch)
         if not self.hopeless and best_rate > ar_rate * (SWITCH_MARGIN if switching else 1 / SWITCH_MARGIN
                                                         if staying else 1.0):
             self.probing, self.ar_streak, self.speculating = False, 0, True
@@ -411,14 +411,21 @@ class AdaptivePolicy:
         seen = self.hopeless_seen.get(_bucket(batch))
         return self._hopeless(batch) if seen is None else seen
 
-    def _hopeless(self, batch: int) -> bool:
-        """No chance for speculation at this batch size (`hope_rate`); False before the first draft."""
+    def _hopeless(self, batch: int, staying: bool = False) -> bool:
+        """No chance for speculation at this batch size (`hope_rate`); False before the first draft.
+
+        From AR, where no budget's hope beats AR by SWITCH_MARGIN, the margin a plan needs to switch:
+        such a batch size would stay on AR anyway, so its AR steps need not read out the drafter's
+        context (on the H200 at a112e10, at C=32 the best hope read ~1.02x AR after the tree kernel
+        made speculation cheaper: 34 of 125 AR bursts kept reading out, and a probe every ~1,000 steps
+        fed their gaps again, for nothing: auto 0.97x AR). Speculating there (`staying`): AR's rate."""
         if not self.budgets or self.expected is None:
             return False
         ar_rate = 1 / self.ar_ms(batch)
         hope = max(self.hope_rate(b, batch) for b in self.budgets)
         evidence = sum(v[1] for v in self.verified.values()) >= HOPE_EVIDENCE
-        return (evidence and hope < ar_rate) or (hope < SWITCH_MARGIN * ar_rate and self.lost(batch))
+        below = hope < (1.0 if staying else SWITCH_MARGIN) * ar_rate
+        return (evidence and below) or (hope < SWITCH_MARGIN * ar_rate and self.lost(batch))
 
     def lost(self, batch: int) -> bool:
         """Speculation at this batch bucket, all its timed bursts (at least HOPE_BURSTS) and the stores
