@@ -9,7 +9,8 @@
 #   bash benchmarks/h200_suite.sh auto      # auto vs AR, DFlash and DDTree 8/16/32 (topk 4) at C=1..128:
 #   bash benchmarks/h200_suite.sh auto 1,2,4,8   # ... more than one 10-minute call holds: split it
 #   bash benchmarks/h200_suite.sh auto 16,32,64,128
-#   bash benchmarks/h200_suite.sh grid      # both halves in one call, C >= 16 with --repeats 3 (~7.5 min)
+#   bash benchmarks/h200_suite.sh grid      # both halves in one call, C >= 16 with --repeats 5, the modes
+#                                           # interleaved run by run (~7 min)
 #   CONTINUOUS=1 bash benchmarks/h200_suite.sh grid   # ... every prompt queued, at most C running (not
 #                                           # batches run to completion); rows to sweep_auto_continuous_h200.jsonl
 #   bash benchmarks/h200_suite.sh autocheck 1,32,64,128   # AR and auto only, continuous, one run each (~2 min:
@@ -25,6 +26,7 @@ sweep=("${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 1
 auto_sweep() {  # REPEATS CONCURRENCIES: auto vs AR, DFlash and DDTree 8/16/32 (topk 4), rows appended
   local warm=(--warmup-pass) out=sweep_auto_h200.jsonl cont=(); [ "${WARMUP:-1}" = 0 ] && warm=()
   [ "${CONTINUOUS:-0}" = 1 ] && cont=(--continuous) && out=sweep_auto_continuous_h200.jsonl
+  [ "${INTERLEAVE:-1}" = 1 ] && cont+=(--interleave)  # (INTERLEAVE=0: each mode's runs back to back)
   "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4 \
     --with-auto --repeats "$1" --concurrency "$2" --num-pages 16384 "${warm[@]}" "${cont[@]}" --out "$OUT/$out"
 }
@@ -44,8 +46,8 @@ case $1 in
   auto)  # WARMUP=0: without the untimed AR pass over every batch first (as at 0d6f2ff and efd2b47);
          # REPEATS=3: the median of three runs per row (the single-batch rows at C >= 64 vary by ~8%)
     auto_sweep "${REPEATS:-1}" "${2:-1,2,4,8,16,32,64,128}" > "$OUT/sweep_auto.log" 2>&1 ;;
-  grid)  # the whole auto grid in one call (~7.5 minutes on the H200): C=1-8 once, C=16-128 median of 3
-    { auto_sweep 1 1,2,4,8 && auto_sweep 3 16,32,64,128; } > "$OUT/sweep_auto.log" 2>&1 ;;
+  grid)  # the whole auto grid in one call (~7 minutes on the H200): C=1-8 once, C=16-128 median of 5
+    { auto_sweep 1 1,2,4,8 && auto_sweep "${REPEATS:-5}" 16,32,64,128; } > "$OUT/sweep_auto.log" 2>&1 ;;
   autocheck)
     "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget '' --topk 4 --auto-topk 4 \
       --no-dflash --with-auto --repeats 1 --concurrency "${2:-1,32,64,128}" --num-pages 16384 --warmup-pass \

@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--continuous", action="store_true",
                     help="queue every prompt at once with at most C running (continuous batching), instead of "
                          "batches of C prompts each run to completion")
+    sw.add_argument("--interleave", action="store_true",
+                    help="keep every mode's engine and run the modes in turn, run by run, at each concurrency (a "
+                         "drift of the machine's speed then falls on every mode alike; a KV cache per mode)")
     sw.add_argument("--num-pages", type=int, default=None)
     sw.add_argument("--out", default="benchmarks/results/sweep.jsonl")
     sw.set_defaults(func=cmd_bench_sweep)

@@ -62,6 +62,7 @@ class LLM:
             self.drafter = load_drafter(str(draft), self.config, self.device, self.dtype) \
                 if isinstance(draft, (str, os.PathLike)) else draft
         self.engine = None
+        self.kept: dict[tuple, LLMEngine] = {}  # engines of other modes (`switch_mode`)
         self.set_mode(spec or ("ddtree" if draft is not None else "none"), budget, topk)
         self.last_stats: dict = {}
 
@@ -70,6 +71,44 @@ class LLM:
         """(Re)builds the engine for a decoding mode, keeping the loaded weights and drafter. `budget`
         "auto" chooses it per step (0 = AR included) from a table of step costs (`cost_table`, a
         `ddtree.spec.costs.CostTable`; measured on the device when not given)."""
+        self.spec, self.budget, self.topk = self._mode(spec, budget, topk)
+        if self.engine is not None or self.kept:  # free the old KV caches and graphs before sizing a new one
+            self.engine = None
+            self.kept.clear()
+            layers = [layer.self_attn for layer in self.net.model.layers]
+            layers += [layer.self_attn for layer in self.drafter.layers] if self.drafter is not None else []
+            for attn in layers:  # the layers hold views of the old cache
+                attn.k_cache = attn.v_cache = torch.empty(0)
+            gc.collect()  # graph pools hold bound methods of the engine: a reference cycle
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.engine = self._build(cost_table)
+
+    def switch_mode(self, spec: str, budget: int | str | None = None, topk: int | None = None) -> None:
+        """`set_mode`, but every engine built so far is kept (its KV cache, CUDA graphs and, under auto,
+        what its policy learned) and switched back to: benchmarks interleave the modes they compare run
+        by run, so that a drift of the machine's speed over minutes does not fall on one mode's rows.
+        Each kept mode holds its own KV cache (size it with `num_pages`)."""
+        key = self._mode(spec, budget, topk)
+        if self.engine is not None and key == (self.spec, self.budget, self.topk):
+            return
+        if self.engine is not None:
+            self.kept[(self.spec, self.budget, self.topk)] = self.engine
+        self.spec, self.budget, self.topk = key
+        self.engine = self.kept.pop(key, None)
+        if self.engine is None:
+            self.engine = self._build(None)
+        else:
+            self.engine.runner.bind_cache()
+            if self.engine.speculator is not None:
+                self.engine.speculator.drafter.bind_cache()
+
+    def _build(self, cost_table) -> LLMEngine:
+        return LLMEngine(self.net, self.config, self.tokenizer, self.engine_cfg, self.device, self.dtype,
+                         self.drafter if self.spec != "none" else None, self.budget, self.topk, cost_table)
+
+    def _mode(self, spec: str, budget: int | str | None, topk: int | None) -> tuple[str, int | str, int]:
+        """(spec, budget, topk) checked and with their defaults."""
         if spec not in SPEC_MODES:
             raise ValueError(f"spec must be one of {SPEC_MODES}, got {spec!r}")
         if spec != "none" and self.drafter is None:
@@ -90,18 +129,7 @@ class LLM:
                 topk = DEFAULT_TOPK if topk is None else topk
         if spec == "none" and budget == "auto":
             budget = 0
-        self.spec, self.budget, self.topk = spec, budget or 0, topk or 1
-        if self.engine is not None:  # free the old KV cache and graphs before sizing a new one
-            self.engine = None
-            layers = [layer.self_attn for layer in self.net.model.layers]
-            layers += [layer.self_attn for layer in self.drafter.layers] if self.drafter is not None else []
-            for attn in layers:  # the layers hold views of the old cache
-                attn.k_cache = attn.v_cache = torch.empty(0)
-            gc.collect()  # graph pools hold bound methods of the engine: a reference cycle
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-        self.engine = LLMEngine(self.net, self.config, self.tokenizer, self.engine_cfg, self.device, self.dtype,
-                                self.drafter if spec != "none" else None, self.budget, self.topk, cost_table)
+        return spec, budget or 0, topk or 1
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

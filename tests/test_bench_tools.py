@@ -170,6 +170,42 @@ def test_sweep_continuous_queues_every_prompt_with_at_most_c_running(pair, tmp_p
     assert "in-process, continuous" in (tmp_path / "report" / "report.md").read_text()
 
 
+def test_sweep_interleaved_runs_the_modes_in_turn_on_engines_it_keeps(pair, tmp_path, monkeypatch):
+    from ddtree import LLM
+    from ddtree.cli import main
+    from ddtree.engine.engine import LLMEngine
+    model, draft = pair
+    out = str(tmp_path / "interleaved.jsonl")
+    calls, built = [], []  # (engine, its mode, prompts) of every generate call; engines built
+    real_generate, real_init = LLM.generate, LLMEngine.__init__
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, *a, **k: calls.append(
+        (self.engine, (self.spec, self.budget), len(prompts))) or real_generate(self, prompts, *a, **k))
+    monkeypatch.setattr(LLMEngine, "__init__", lambda self, *a, **k: built.append(self) or real_init(self, *a, **k))
+    rc = main(["bench", "sweep", "--model", model, "--draft", draft, "--device", "cpu", "--dtype", "float32",
+               "--num-prompts", "3", "--max-tokens", "4", "--ignore-eos", "--concurrency", "1,2", "--budget", "2",
+               "--topk", "1", "--no-dflash", "--repeats", "2", "--num-pages", "256", "--continuous",
+               "--interleave", "--out", out])
+    assert rc == 0
+    rows = read_rows(out)
+    assert [(r["mode"], r["concurrency"], r["interleaved"]) for r in rows] == \
+        [(m, c, True) for c in (1, 2) for m in ("ar", "ddtree")]
+    assert all(len(r["runs_tok_per_s"]) == 2 for r in rows)
+    assert [r["generated_tokens"] for r in rows] == [3 * 4] * 2 + [4 * 4] * 2  # (C=2: the queue cycled to 2C)
+    # one engine per mode, built once and kept (the AR rows' is the one the LLM started with)
+    assert len(built) == 2
+    # at each C: a warm-up per mode, then the modes in turn, run by run, each on its own engine
+    ar, dd = ("none", 0), ("ddtree", 2)
+    at_1 = [ar, dd] + ([ar] * 3 + [dd] * 3) * 2  # (C=1: a run is 3 batches of one prompt)
+    at_2 = [ar, dd] * 3  # (continuous: a run is one queue)
+    assert [m for _, m, _ in calls] == at_1 + at_2
+    engines = {m: {id(e) for e, mm, _ in calls if mm == m} for m in (ar, dd)}
+    assert all(len(ids) == 1 for ids in engines.values())
+    # the model's layers point at the KV cache of the engine that ran last
+    llm_engine = calls[-1][0]
+    assert llm_engine.runner.model.model.layers[0].self_attn.k_cache.data_ptr() == \
+        llm_engine.runner.kv_cache[0, 0].data_ptr()
+
+
 def test_serve_bench_reports_latency_stats_and_acceptance_from_metrics(serve_file):
     rows = read_rows(serve_file)
     assert [r["concurrency"] for r in rows] == [1, 2]

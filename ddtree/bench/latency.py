@@ -56,11 +56,27 @@ def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, r
     """`labels`: the category of each batch (a batch holds one category), for per-category results;
     `warmup`: the untimed first call's prompts (default: the first batch)."""
     llm.generate(batches[0] if warmup is None else warmup, params)  # warm-up: graphs, kernels, allocator
-    speeds, accepts, tokens = [], [], 0
-    cats: dict[str, dict] = {}
-    budget_hist: dict[str, int] = {}
-    bursts: dict[str, float] = {}
+    tally = RunTally(labels)
     for _ in range(repeats):
+        tally.run(llm, batches, params)
+    return tally.row(llm)
+
+
+class RunTally:
+    """Timed runs of one mode over the same batches, added up into one results row (the median run's
+    tok/s); the runs may interleave with other modes' (`LLM.switch_mode`)."""
+
+    def __init__(self, labels: list[str] | None = None):
+        self.labels = labels
+        self.speeds: list[float] = []
+        self.accepts: list[int] = []
+        self.tokens = 0
+        self.cats: dict[str, dict] = {}
+        self.budget_hist: dict[str, int] = {}
+        self.bursts: dict[str, float] = {}
+
+    def run(self, llm: LLM, batches: list[list[list[int]]], params: SamplingParams) -> None:
+        """One timed run: every batch once, in order."""
         gen, elapsed = 0, 0.0
         for i, batch in enumerate(batches):
             sync()
@@ -72,36 +88,40 @@ def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, r
             n = sum(len(o.token_ids) for o in outs)
             gen += n
             acc = [a for o in outs for a in o.accept_lengths]
-            accepts += acc
+            self.accepts += acc
             for b, m in llm.last_stats.get("budget_hist", {}).items():  # what `auto` chose (request-steps)
-                budget_hist[str(b)] = budget_hist.get(str(b), 0) + m
+                self.budget_hist[str(b)] = self.budget_hist.get(str(b), 0) + m
             if llm.last_stats.get("bursts"):  # ... how it grouped its steps, and their share of the wall time
                 for k, m in {**llm.last_stats["bursts"], "wall_ms": dt * 1e3}.items():
-                    bursts[k] = bursts.get(k, 0) + m
-            if labels:
-                c = cats.setdefault(labels[i], {"tokens": 0, "time": 0.0, "accepts": []})
+                    self.bursts[k] = self.bursts.get(k, 0) + m
+            if self.labels:
+                c = self.cats.setdefault(self.labels[i], {"tokens": 0, "time": 0.0, "accepts": []})
                 c["tokens"], c["time"] = c["tokens"] + n, c["time"] + dt
                 c["accepts"] += acc
-        speeds.append(gen / elapsed)
-        tokens = gen
-    # (the acceptance figures, budget_hist and bursts add up every repeat, len(runs_tok_per_s) of them;
-    # generated_tokens is one run's)
-    row = {"output_tok_per_s": statistics.median(speeds), "runs_tok_per_s": speeds,
-           "mean_accept_length": sum(accepts) / len(accepts) if accepts else None, "generated_tokens": tokens,
-           "accept_length_hist": accept_hist(accepts)}
-    if budget_hist:
-        row["budget_hist"] = dict(sorted(budget_hist.items(), key=lambda kv: int(kv[0])))
-    if bursts:
-        row["bursts"] = {k: round(v, 1) if isinstance(v, float) else v for k, v in bursts.items()}
-    policy = getattr(llm.engine.speculator, "policy", None)
-    if policy is not None and hasattr(policy, "state"):  # auto: what it learned by the end
-        row["policy"] = policy.state()
-    if labels:
-        row["per_category"] = {
-            k: {"output_tok_per_s": c["tokens"] / c["time"], "generated_tokens": c["tokens"] // repeats,
-                "mean_accept_length": sum(c["accepts"]) / len(c["accepts"]) if c["accepts"] else None}
-            for k, c in cats.items()}
-    return row
+        self.speeds.append(gen / elapsed)
+        self.tokens = gen
+
+    def row(self, llm: LLM) -> dict:
+        """The row (with, under auto, what its policy learned by now: call it in that mode)."""
+        # (the acceptance figures, budget_hist and bursts add up every run, len(runs_tok_per_s) of them;
+        # generated_tokens is one run's)
+        accepts, runs = self.accepts, len(self.speeds)
+        row = {"output_tok_per_s": statistics.median(self.speeds), "runs_tok_per_s": self.speeds,
+               "mean_accept_length": sum(accepts) / len(accepts) if accepts else None, "generated_tokens": self.tokens,
+               "accept_length_hist": accept_hist(accepts)}
+        if self.budget_hist:
+            row["budget_hist"] = dict(sorted(self.budget_hist.items(), key=lambda kv: int(kv[0])))
+        if self.bursts:
+            row["bursts"] = {k: round(v, 1) if isinstance(v, float) else v for k, v in self.bursts.items()}
+        policy = getattr(llm.engine.speculator, "policy", None)
+        if policy is not None and hasattr(policy, "state"):  # auto: what it learned by the end
+            row["policy"] = policy.state()
+        if self.labels:
+            row["per_category"] = {
+                k: {"output_tok_per_s": c["tokens"] / c["time"], "generated_tokens": c["tokens"] // runs,
+                    "mean_accept_length": sum(c["accepts"]) / len(c["accepts"]) if c["accepts"] else None}
+                for k, c in self.cats.items()}
+        return row
 
 
 def accept_hist(accepts: list[int]) -> dict[str, int]:

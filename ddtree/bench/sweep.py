@@ -5,6 +5,11 @@ completion, median over repeats), over a grid of configurations, so one run answ
 topk are fastest at each concurrency". With `--with-auto` an adaptive-budget row (mode `auto`, budget
 "auto") is added. Rows carry the acceptance length histogram and, at C=1 on a dataset with categories
 (MT-Bench), per-category results; all rows are appended as JSON lines.
+
+`--interleave` keeps every mode's engine (`LLM.switch_mode`) and, at each concurrency, runs the modes in
+turn, run by run: on the H200 a mode's three runs, a minute apart from the next mode's, read up to 5%
+apart from one grid to the next at C=32-128 (AR at C=128: 39,927 tok/s at 2fba951, 42,897 at a112e10),
+where auto and AR run the same AR steps; in turn, a drift falls on every mode alike.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import os
 
 from ddtree import LLM, SamplingParams
 from ddtree.bench.datasets import sample_prompts
-from ddtree.bench.latency import environment, full_batches, print_table, run_mode
+from ddtree.bench.latency import RunTally, environment, full_batches, print_table, run_mode
 
 
 def check_auto(llm: LLM, topk: int | None) -> None:
@@ -60,32 +65,59 @@ def main(args) -> int:
     env = environment(llm)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     results = []
-    for n, (name, spec, budget, topk) in enumerate(modes(args)):
-        if not (n == 0 and name == "auto"):
-            llm.set_mode(spec, budget, topk)
+
+    def workload(c: int):
+        """(batches, warm-up prompts, per-batch labels) at concurrency c."""
+        # per category only at C=1, where a batch is one prompt and its time is that category's alone
+        labels = cats if c == 1 and len(set(cats)) > 1 else None
+        if args.continuous and c > 1:
+            # every prompt queued at once (cycled to at least 2c, so that c run for most of the time), at
+            # most c running: a finished request's slot goes to the next prompt (continuous batching, as a
+            # server at concurrency c), where a batch run to completion spends its end on its slowest request
+            return [list(itertools.islice(itertools.cycle(prompts), max(len(prompts), 2 * c)))], prompts[:c], labels
+        return full_batches(prompts, c), None, labels
+
+    def enter(c: int) -> None:
+        if args.continuous and c > 1:
+            llm.engine.scheduler.max_num_seqs = c
+
+    def record(name: str, spec: str, c: int, r: dict) -> None:
+        row = {**env, "bench": "sweep", "mode": name, "spec": spec, "budget": llm.budget, "topk": llm.topk,
+               # (at C=1 one request at a time either way: a --continuous run's rows all say so)
+               "concurrency": c, "batching": "continuous" if args.continuous else "to completion",
+               "interleaved": args.interleave, "dataset": args.dataset, "num_prompts": len(prompts),
+               "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, **r}
+        results.append(row)
+        with open(args.out, "a") as f:  # row by row: a long grid that dies keeps what it measured
+            f.write(json.dumps(row) + "\n")
+        print(f"{name:7s} budget {str(llm.budget):>4s} topk {llm.topk} C={c:3d}: "
+              f"{r['output_tok_per_s']:8.1f} tok/s  tau {r['mean_accept_length'] or 1.0:.2f}", flush=True)
+
+    if args.interleave:  # per concurrency: each mode warmed up, then the modes in turn, run by run
         for c in args.concurrency:
-            batches, warmup = full_batches(prompts, c), None
-            # per category only at C=1, where a batch is one prompt and its time is that category's alone
-            labels = cats if c == 1 and len(set(cats)) > 1 else None
-            if args.continuous and c > 1:
-                # every prompt queued at once (cycled to at least 2c, so that c run for most of the time),
-                # at most c running: a finished request's slot goes to the next prompt (continuous
-                # batching, as a server at concurrency c), where a batch run to completion spends its end
-                # on its slowest request
-                queue = list(itertools.islice(itertools.cycle(prompts), max(len(prompts), 2 * c)))
-                batches, warmup = [queue], prompts[:c]
-                llm.engine.scheduler.max_num_seqs = c
-            r = run_mode(llm, batches, params, args.repeats, labels, warmup)
-            row = {**env, "bench": "sweep", "mode": name, "spec": spec, "budget": llm.budget, "topk": llm.topk,
-                   # (at C=1 one request at a time either way: a --continuous run's rows all say so)
-                   "concurrency": c, "batching": "continuous" if args.continuous else "to completion",
-                   "dataset": args.dataset, "num_prompts": len(prompts),
-                   "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, **r}
-            results.append(row)
-            with open(args.out, "a") as f:  # row by row: a long grid that dies keeps what it measured
-                f.write(json.dumps(row) + "\n")
-            print(f"{name:7s} budget {str(llm.budget):>4s} topk {llm.topk} C={c:3d}: "
-                  f"{r['output_tok_per_s']:8.1f} tok/s  tau {r['mean_accept_length'] or 1.0:.2f}", flush=True)
+            batches, warmup, labels = workload(c)
+            tallies = []
+            for name, spec, budget, topk in modes(args):
+                llm.switch_mode(spec, budget, topk)
+                enter(c)
+                llm.generate(batches[0] if warmup is None else warmup, params)  # warm-up
+                tallies.append(RunTally(labels))
+            for _ in range(args.repeats):
+                for (name, spec, budget, topk), tally in zip(modes(args), tallies):
+                    llm.switch_mode(spec, budget, topk)
+                    enter(c)
+                    tally.run(llm, batches, params)
+            for (name, spec, budget, topk), tally in zip(modes(args), tallies):
+                llm.switch_mode(spec, budget, topk)
+                record(name, spec, c, tally.row(llm))
+    else:
+        for n, (name, spec, budget, topk) in enumerate(modes(args)):
+            if not (n == 0 and name == "auto"):
+                llm.set_mode(spec, budget, topk)
+            for c in args.concurrency:
+                batches, warmup, labels = workload(c)
+                enter(c)
+                record(name, spec, c, run_mode(llm, batches, params, args.repeats, labels, warmup))
     print_table(results)
     print(f"results appended to {args.out}")
     return 0

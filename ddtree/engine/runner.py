@@ -34,7 +34,12 @@ class ModelRunner:
                                           cfg.head_dim, dtype, device)
         self.scratch_page = self.num_pages
         self.num_slots = (self.num_pages + 1) * self.page_size
-        for i, layer in enumerate(model.model.layers):
+        self.bind_cache()
+
+    def bind_cache(self) -> None:
+        """Points the model's attention layers at this runner's KV cache (again: `LLM.switch_mode` keeps
+        engines of several modes over one model; CUDA graphs hold their own engine's cache anyway)."""
+        for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
 

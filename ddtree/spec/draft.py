@@ -116,9 +116,7 @@ class DraftRunner:
         # The drafter's own paged cache, addressed by the target's page tables (same slot space).
         self.kv_cache = torch.zeros(2, cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim,
                                     dtype=dtype, device=device)
-        for i, layer in enumerate(drafter.layers):
-            layer.self_attn.k_cache = self.kv_cache[0, i]
-            layer.self_attn.v_cache = self.kv_cache[1, i]
+        self.bind_cache()
         self.block_size = drafter.dcfg.block_size
         self.layer_ids = drafter.dcfg.target_layer_ids
         self.scratch_slot = scratch_slot
@@ -126,6 +124,12 @@ class DraftRunner:
         self.heads_per_kv = cfg.num_heads // cfg.num_kv_heads
         self.feat_dim = drafter.fc.in_features
         self.dtype = dtype
+
+    def bind_cache(self) -> None:
+        """Points the drafter's attention layers at this runner's cache (again: see `ModelRunner.bind_cache`)."""
+        for i, layer in enumerate(self.drafter.layers):
+            layer.self_attn.k_cache = self.kv_cache[0, i]
+            layer.self_attn.v_cache = self.kv_cache[1, i]
 
     def prepare(self, seqs: list[Sequence], ctx_rows: int | None = None) -> StepInputs:
         """Host -> device inputs. Consumes each request's pending features (the drafter cache will hold
