@@ -56,11 +56,8 @@ RATE_DECAY = 0.1
 # (0.84x) at 32, 0.69x (0.67x) at 64. A flat slack instead (1.3x hope at 5222c67, 1.1x at 61b7355) left
 # C=32 reading out the drafter's context (auto 0.95x and 0.93x AR) and, at 1.3x, C=64-128 too.
 HOPE_SPREAD = 3.0
-# A budget's accepted length for `hope_rate`: its verify steps' mean since the policy began, with this
-# many steps of a prior: the drafter's mean E(b) over the run's drafts times what verify steps accepted
-# over what they expected, over the run (at 5222c67 on the H200 the drafter's raw E ran ~0.6x the
-# accepted length at C=1; the recent drafts' E, the prior before, read 1.7 for budget 4 at C=64, which
-# had accepted ~1.3).
+# `hope_rate`'s spread counts the run's verify steps and this many more (a fresh engine's first ones
+# are not taken at face value)
 HOPE_PRIOR_STEPS = 8
 # ... and the model says "hopeless" only after this many verify steps in all: not on a fresh engine's
 # blind first step, alone or with one probe (1 + 8 steps; 5222c67: from its blind step batch 1 was
@@ -250,15 +247,17 @@ class AdaptivePolicy:
         t[0], t[1], t[2] = t[0] + 1, t[1] + tokens / batch, t[2] + ms
 
     def mean_accepted(self, budget: int) -> float:
-        """The accepted length per request and step `budget` should give: its verify steps' mean since the
-        policy began, with HOPE_PRIOR_STEPS steps of a prior, the drafter's mean E(b) over the run's
-        drafts times what verify steps accepted over what they expected, over the run (at 5222c67 on
-        the H200 the drafter's raw E ran ~0.6x the accepted length at C=1)."""
+        """The accepted length per request and step `budget` should give: the drafter's mean E(b) over the
+        run's drafts times what verify steps accepted over what they expected, over the run and pooled
+        over the budgets. Every draft carries E of every budget, so the budgets are ranked on the same
+        text (a budget's own verify steps are text that happened to come its way): on the H200 at
+        85a716d, budget 32's first eight steps (a blind burst on a hard prompt) accepted one token, and
+        its own mean kept C=1-2 on budget 8 (auto 0.93x fixed budget 32), and C=16 on budget 4 after a few
+        bursts of 8 at the end of runs (0.93x fixed budget 8). (At 5222c67 the drafter's raw E ran ~0.6x
+        the accepted length at C=1.)"""
         drafted, drafts = self.drafted.get(budget, (0.0, 0))
-        got, promised = (sum(v[i] for v in self.verified.values()) for i in (0, 2))  # (run-long, all budgets)
-        prior = (drafted / drafts if drafts else self.expected[budget]) * (got / promised if promised > 0 else 1.0)
-        total, steps = self.verified.get(budget, (0.0, 0, 0.0))[:2]
-        return (total + HOPE_PRIOR_STEPS * prior) / (steps + HOPE_PRIOR_STEPS)
+        got, promised = (sum(v[i] for v in self.verified.values()) for i in (0, 2))
+        return (drafted / drafts if drafts else self.expected[budget]) * (got / promised if promised > 0 else 1.0)
 
     def step_ms(self, budget: int, batch: int) -> float:
         """A whole speculative step of `budget` as the model prices it: the table's draft and verify, plus
