@@ -9,7 +9,8 @@ topk are fastest at each concurrency". With `--with-auto` an adaptive-budget row
 `--interleave` keeps every mode's engine (`LLM.switch_mode`) and, at each concurrency, runs the modes in
 turn, run by run: on the H200 a mode's three runs, a minute apart from the next mode's, read up to 5%
 apart from one grid to the next at C=32-128 (AR at C=128: 39,927 tok/s at 2fba951, 42,897 at a112e10),
-where auto and AR run the same AR steps; in turn, a drift falls on every mode alike.
+where auto and AR run the same AR steps; in turn, a drift falls on every mode alike. Each round starts
+one mode later than the last.
 """
 from __future__ import annotations
 
@@ -102,8 +103,11 @@ def main(args) -> int:
                 enter(c)
                 llm.generate(batches[0] if warmup is None else warmup, params)  # warm-up
                 tallies.append(RunTally(labels))
-            for _ in range(args.repeats):
-                for (name, spec, budget, topk), tally in zip(modes(args), tallies):
+            turn = list(zip(modes(args), tallies))
+            for rep in range(args.repeats):
+                # (each round starts one mode later: no mode always runs right after the same one, e.g. the
+                # slowest, whose long run may leave the GPU's clocks or the host's caches otherwise)
+                for (name, spec, budget, topk), tally in turn[rep % len(turn):] + turn[:rep % len(turn)]:
                     llm.switch_mode(spec, budget, topk)
                     enter(c)
                     tally.run(llm, batches, params)
