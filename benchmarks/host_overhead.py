@@ -7,10 +7,11 @@ out so that what is timed is only the host code around it:
   so a step is schedule -> pack inputs -> (stub) -> sample + read-back -> commit, as on the H200.
 - `ar-eager`: the CPU path (`ModelRunner.run`: prepare inputs and attention metadata), with the
   model's forward and LM head stubbed.
-- `auto-ar`: `--budget auto` on a cost table where speculation never pays, so every step is one of its
-  graphed AR bursts: what auto's AR costs on the host beyond `ar`'s. After its first (blind) draft
-  the policy finds speculation hopeless, so the bursts are tap-free (plain AR's stub, gaps kept per
-  request); the tapped pool's stub also returns the target features each step reads out.
+- `auto-ar`: `--budget auto` on a cost table where speculation never pays, with a run's evidence of it
+  (32 verify steps), so every step is one of its graphed AR bursts, tap-free (plain AR's stub, gaps
+  kept per request): what auto's AR costs on the host beyond `ar`'s. (Session 15: 1.00x `ar`'s host
+  time at batch 64 over 256 tokens; the tapped pool's stub also returns the target features each step
+  reads out.)
 - `ddtree`: the GPU speculative path (budget 16, topk 4, block 16). The step's graph pool is replaced
   by a stub returning a fixed outcome (3 draft tokens accepted + bonus), so a step is schedule ->
   drafter inputs -> (stub) -> read-back -> commit.
@@ -90,6 +91,10 @@ def make_llm(path: str, mode: str) -> LLM:
             sizes = [1, 8, 64]
             llm.set_mode("ddtree", budget="auto", topk=4, cost_table=CostTable(
                 sizes, [1.0] * 3, [1.0] * 3, {b: [100.0] * 3 for b in (4, 8, 16, 32)}))
+            policy = llm.engine.speculator.policy  # a run's evidence: hopeless from the first plan
+            for _ in range(32):
+                policy.record_draft(1, {b: 0.2 for b in policy.budgets})
+                policy.observe(policy.budgets[0], 1, 0.2, 0.2)
         else:
             llm.set_mode("ddtree", budget=16, topk=4)
     else:
