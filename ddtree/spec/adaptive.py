@@ -15,8 +15,8 @@ and every cost the model compares includes it.
 
 On the GPU the plan runs as pipelined bursts of whole-step graphs (spec/auto.py), and plans on
 run-long figures, as a property of the drafter and the batch size rather than of the text now
-(`request_rate`): each budget's accepted length since the policy began (`mean_accepted`), the
-model's step cost, and per batch bucket the model's step time over what its bursts took, starts
+(`request_rate`): each budget's accepted length over the run (`mean_accepted`: every draft's E of it,
+calibrated by what verify steps accepted), the model's step cost, and per batch bucket the model's step time over what its bursts took, starts
 and drains included (`fit`), plus the context store a switch from AR pays first. On the H200 rates
 realized by each budget's last bursts followed the text: they sent C=1 to long AR stretches after
 hard prompts and ranked budgets by the text each ran on.
@@ -383,10 +383,9 @@ class AdaptivePolicy:
 
     def hope_rate(self, budget: int, batch: int) -> float:
         """Whether speculation can pay at this batch size at all: the model's committed tokens per ms and
-        request of `budget` (`step_ms` times the bucket's `fit`) at the accepted length its verify steps
-        averaged since the policy began (`mean_accepted`), plus HOPE_SPREAD over the root of the run's
-        verify steps (all of them, pooled: the prior's calibration rests on them; after a long run that
-        margin is small even for a budget seldom verified). Where no
+        request of `budget` (`step_ms` times the bucket's `fit`) at its accepted length over the run
+        (`mean_accepted`), plus HOPE_SPREAD over the root of the run's verify steps (all of them, pooled:
+        the calibration rests on them; after a long run that margin is small). Where no
         budget's beats the AR step (after HOPE_EVIDENCE verify steps; or, where none beats it clearly,
         the plan's own bursts lost to AR's: `lost`), AR steps do not read out the drafter's context (fed
         again at a switch, should one come): auto runs plain AR's own steps, and probes come only every
