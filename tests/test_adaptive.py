@@ -307,11 +307,11 @@ def test_a_switch_is_priced_from_the_table_store_and_a_stall_counts_at_most_10x(
 @pytest.mark.parametrize("accepted, hopeless", [(1.5, False), (0.3, True)])
 def test_hope_is_judged_on_the_runs_accepted_length_not_on_recent_bursts(accepted, hopeless):
     # AR 1 ms a token, a speculative step 2 ms (draft and verify): speculation has hope where its modelled
-    # rate, at the accepted length the run's verify steps averaged (plus HOPE_SPREAD), beats AR's. At 1.5 a
-    # few bursts that realized half of AR's rate and a hard draft (E = 0) neither make the batch size
-    # hopeless nor turn the plan to AR (it plans on run-long figures: on the H200 such dips made C=1
-    # hopeless, 0.85x fixed budget 32, or sent it to long AR stretches, 0.88x); at 0.3 it has none,
-    # though a draft promise 1.5 (the drafter's own E is the prior of a few steps only).
+    # rate, at the run's accepted length (the drafts' mean E, calibrated by the verify steps; plus
+    # HOPE_SPREAD), beats AR's. At 1.5 a few bursts that realized half of AR's rate and a hard draft (E =
+    # 0) neither make the batch size hopeless nor turn the plan to AR (it plans on run-long figures: on
+    # the H200 such dips made C=1 hopeless, 0.85x fixed budget 32, or sent it to long AR stretches,
+    # 0.88x); at 0.3 it has none.
     policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
     for _ in range(50):
         policy.record_draft(1, {b: accepted for b in BUDGETS[1:]})  # (a calibrated drafter, a draft a step)
@@ -350,7 +350,7 @@ def test_a_blind_first_step_that_accepted_nothing_leaves_hope():
 
 
 @pytest.mark.parametrize("accepted", [0.2, 2.5])
-def test_hope_s_prior_is_the_run_s_mean_draft_calibrated_by_the_run_s_verify_steps(accepted):
+def test_a_budget_s_accepted_length_is_the_run_s_mean_draft_calibrated_by_its_verify_steps(accepted):
     # Budget 4 never verified: its accepted length is the drafter's mean E(4) over the run's drafts
     # (1.0) times what the run's verify steps accepted over what they expected (`accepted` / 2). The
     # last drafts (an easy tail promising 3.0) move it little: on the H200 (5222c67) such a tail read
@@ -362,7 +362,7 @@ def test_hope_s_prior_is_the_run_s_mean_draft_calibrated_by_the_run_s_verify_ste
         policy.observe(32, 1, predicted=2.0, accepted=accepted)
     policy.record_draft(1, {4: 3.0, 8: 3.5, 16: 3.8, 32: 4.0})
     prior = (99 * 1.0 + 3.0) / 100 * accepted / 2.0
-    spread = HOPE_SPREAD / math.sqrt(HOPE_EVIDENCE + HOPE_PRIOR_STEPS)  # (the run's verify steps and the prior's)
+    spread = HOPE_SPREAD / math.sqrt(HOPE_EVIDENCE + HOPE_PRIOR_STEPS)  # (the run's verify steps, padded)
     assert policy.hope_rate(4, 1) == pytest.approx((1 + prior + spread) / 2.0)
     policy.plan(1)
     assert policy.hopeless == (accepted < 1)
@@ -421,7 +421,9 @@ def test_hope_in_the_states_the_h200_check_at_61b7355_saw():
     # run's 0.94: 1.52 accepted), not on its own 24 verify steps (1.19): there the bursts' `fit` decides
     # (fixed budget 8 ran 0.99x AR at C=16 then, 1.06x at 85a716d).
     late = AdaptivePolicy(H200_61B7355, BUDGETS)
-    late.record_draft(1, {4: 1.36, 8: 1.62, 16: 1.81, 32: 1.95})  # (the drafts' E: as the verify steps')
+    # (the drafts' mean E: budget 16's as its verify steps' (4,769.55 / 2,639), the others in the proportions
+    # of the E that state recorded, 1.09 / 1.30 / 1.45 / 1.56: every verify step comes with a draft)
+    late.record_draft(1, {4: 1.36, 8: 1.62, 16: 1.81, 32: 1.95})
     late.verified = {4: [1.0, 1, 0.69], 8: [28.67, 24, 37.03], 16: [4469.0, 2639, 4769.55], 32: [6.0, 8, 6.85]}
     late.extra = {("ar", 1): -0.017, ("ar", 4): 0.037, ("ar", 16): 0.023, ("ar", 32): 0.039, ("spec", 1): -0.015,
                   ("spec", 4): 0.168}

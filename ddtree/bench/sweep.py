@@ -9,8 +9,8 @@ topk are fastest at each concurrency". With `--with-auto` an adaptive-budget row
 `--interleave` keeps every mode's engine (`LLM.switch_mode`) and, at each concurrency, runs the modes in
 turn, run by run: on the H200 a mode's three runs, a minute apart from the next mode's, read up to 5%
 apart from one grid to the next at C=32-128 (AR at C=128: 39,927 tok/s at 2fba951, 42,897 at a112e10),
-where auto and AR run the same AR steps; in turn, a drift falls on every mode alike. Each round starts
-one mode later than the last.
+where auto and AR run the same AR steps; in turn, a drift falls on every mode alike. Every other round
+runs in reverse order. Each mode keeps its own KV cache: give `--num-pages` on a GPU.
 """
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ def main(args) -> int:
         raise ValueError(f"budgets and topk must be >= 1, got --budget {args.budget} --topk {args.topk}")
     llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
               max_num_seqs=max(args.concurrency), num_pages=args.num_pages)
+    if args.interleave and args.num_pages is None and llm.device.type == "cuda":
+        # (sized from free memory, the first engine's cache would leave the next ones none)
+        raise ValueError("--interleave keeps a KV cache per mode: give --num-pages (e.g. 16384)")
     rows_in = sample_prompts(args.dataset, args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
     cats = [r["category"] for r in rows_in]
@@ -105,9 +108,10 @@ def main(args) -> int:
                 tallies.append(RunTally(labels))
             turn = list(zip(modes(args), tallies))
             for rep in range(args.repeats):
-                # (each round starts one mode later: no mode always runs right after the same one, e.g. the
-                # slowest, whose long run may leave the GPU's clocks or the host's caches otherwise)
-                for (name, spec, budget, topk), tally in turn[rep % len(turn):] + turn[:rep % len(turn)]:
+                # (every other round in reverse: a mode runs after one neighbour, then after the other, not
+                # always right after the same one, e.g. the slowest, whose long run may leave the GPU's
+                # clocks or the host's caches otherwise)
+                for (name, spec, budget, topk), tally in (turn if rep % 2 == 0 else turn[::-1]):
                     llm.switch_mode(spec, budget, topk)
                     enter(c)
                     tally.run(llm, batches, params)

@@ -15,11 +15,12 @@ and every cost the model compares includes it.
 
 On the GPU the plan runs as pipelined bursts of whole-step graphs (spec/auto.py), and plans on
 run-long figures, as a property of the drafter and the batch size rather than of the text now
-(`request_rate`): each budget's accepted length over the run (`mean_accepted`: every draft's E of it,
-calibrated by what verify steps accepted), the model's step cost, and per batch bucket the model's step time over what its bursts took, starts
-and drains included (`fit`), plus the context store a switch from AR pays first. On the H200 rates
-realized by each budget's last bursts followed the text: they sent C=1 to long AR stretches after
-hard prompts and ranked budgets by the text each ran on.
+(`request_rate`): each budget's accepted length over the run (`mean_accepted`: every draft's E
+of it, calibrated by what verify steps accepted), the model's step cost, and per batch bucket the
+model's step time over what its bursts took, starts and drains included (`fit`), plus the context
+store a switch from AR pays first. On the H200 rates realized by each budget's last bursts followed
+the text: they sent C=1 to long AR stretches after hard prompts and ranked budgets by the text each
+ran on.
 
 Choosing AR skips the draft, so the budget is planned before drafting (`plan`), with a probe (a
 burst of the budget that looks best) as often as keeps what probes lose within PROBE_LOSS of the AR
@@ -49,8 +50,8 @@ BURST_STEPS = 8
 # bursts together realized 1.28 and AR steps 1.16.
 RATE_DECAY = 0.1
 # Speculation has hope at a batch size where a budget's `hope_rate` beats AR's: an upper estimate, its
-# accepted length plus this many tokens over the square root of the run's verify steps (with the
-# prior's), two standard deviations of one request's accepted length in a step (1.3-1.6 at C=1 on
+# accepted length plus this many tokens over the square root of the run's verify steps (plus
+# HOPE_PRIOR_STEPS), two standard deviations of one request's accepted length in a step (1.3-1.6 at C=1 on
 # MT-Bench, 5222c67). With the host extra in, the model at the mean matched fixed budget 8 against AR
 # within 4% on the H200 (5222c67, run 6 drafter): 1.16x (ran 1.12x) at C=8, 0.99x (0.99x) at 16, 0.84x
 # (0.84x) at 32, 0.69x (0.67x) at 64. A flat slack instead (1.3x hope at 5222c67, 1.1x at 61b7355) left
@@ -323,7 +324,7 @@ class AdaptivePolicy:
         store = switching and not self.fresh  # (after a probe its burst stored the AR stretch already)
         staying = not switching and self.spec_bucket == _bucket(batch)
         ar_rate = 1 / self.ar_ms(batch)
-        self.hopeless = self.hopeless_seen[_bucket(batch)] = self._hopeless(batch, staying)
+        self.hopeless = self.hopeless_seen[_bucket(batch)] = self._hopeless(batch, switching)
         # (hopeless: the budgets are ranked only for a probe; a plan is made per burst, ~160 times a grid
         # row at C=64 on the H200, and its host time is the GPU's idle time)
         best, best_rate = (None, 0.0) if self.hopeless else self._best(batch, store)
@@ -385,15 +386,16 @@ class AdaptivePolicy:
         """Whether speculation can pay at this batch size at all: the model's committed tokens per ms and
         request of `budget` (`step_ms` times the bucket's `fit`) at its accepted length over the run
         (`mean_accepted`), plus HOPE_SPREAD over the root of the run's verify steps (all of them, pooled:
-        the calibration rests on them; after a long run that margin is small). Where no
-        budget's beats the AR step (after HOPE_EVIDENCE verify steps; or, where none beats it clearly,
-        the plan's own bursts lost to AR's: `lost`), AR steps do not read out the drafter's context (fed
+        the calibration rests on them; after a long run that margin is small). Where no budget's beats
+        the AR step by the margin a plan needs (`_hopeless`: SWITCH_MARGIN from AR; after HOPE_EVIDENCE
+        verify steps; or, where none beats it clearly, the plan's own bursts lost to AR's: `lost`), AR
+        steps do not read out the drafter's context (fed
         again at a switch, should one come): auto runs plain AR's own steps, and probes come only every
         `max_probe_every` AR steps. On the H200 those read-outs cost 3-7% of AR's steps at C=32-128, and
         prefills 5-7% more.
 
         Meant as a property of the drafter and the batch size rather than of the text now (the drafter's
-        E, its run-long means, weighs only as a prior): judged on the rates plans compare (realized, or
+        E over the run, calibrated over the run): judged on the rates plans compare (realized, or
         the model times what the budgets tried realized), one hard stretch made C=1 hopeless (48d119e:
         61 AR bursts ran tap-free, where fixed budget 32 ran 1.10x AR), and C=64 kept reading out where
         fixed budget 8 ran 0.66x AR (623f5b3, run 5 drafter: auto 0.89x AR)."""
@@ -409,20 +411,21 @@ class AdaptivePolicy:
         seen = self.hopeless_seen.get(_bucket(batch))
         return self._hopeless(batch) if seen is None else seen
 
-    def _hopeless(self, batch: int, staying: bool = False) -> bool:
+    def _hopeless(self, batch: int, from_ar: bool = True) -> bool:
         """No chance for speculation at this batch size (`hope_rate`); False before the first draft.
 
         From AR, where no budget's hope beats AR by SWITCH_MARGIN, the margin a plan needs to switch:
         such a batch size would stay on AR anyway, so its AR steps need not read out the drafter's
         context (on the H200 at a112e10, at C=32 the best hope read ~1.02x AR after the tree kernel
         made speculation cheaper: 34 of 125 AR bursts kept reading out, and a probe every ~1,000 steps
-        fed their gaps again, for nothing: auto 0.97x AR). Speculating there (`staying`): AR's rate."""
+        fed their gaps again, for nothing: auto 0.97x AR). While speculating (not `from_ar`): AR's rate,
+        the plan's own threshold then."""
         if not self.budgets or self.expected is None:
             return False
         ar_rate = 1 / self.ar_ms(batch)
         hope = max(self.hope_rate(b, batch) for b in self.budgets)
         evidence = sum(v[1] for v in self.verified.values()) >= HOPE_EVIDENCE
-        below = hope < (1.0 if staying else SWITCH_MARGIN) * ar_rate
+        below = hope < (SWITCH_MARGIN if from_ar else 1.0) * ar_rate
         return (evidence and below) or (hope < SWITCH_MARGIN * ar_rate and self.lost(batch))
 
     def lost(self, batch: int) -> bool:
@@ -486,7 +489,7 @@ class AdaptivePolicy:
                 "plans": dict(sorted(self.plans.items())), "stored_ms": dict(sorted(self.stored_ms.items())),
                 # accepted length per request summed, verify steps, the drafter's E(b) for them summed
                 "verified": {b: [round(acc, 2), n, round(e, 2)] for b, (acc, n, e) in sorted(self.verified.items())},
-                # every draft's E(b) per request summed, drafts (hope's prior is their mean)
+                # every draft's E(b) per request summed, drafts (their mean is `mean_accepted`'s base)
                 "drafted": {b: [round(e, 2), n] for b, (e, n) in sorted(self.drafted.items())},
                 # every timed burst of each budget at each batch bucket: bursts, tokens per request, ms
                 "totals": {f"{b}@{k}": [n, round(tokens, 2), round(ms, 2)] for (k, b), (n, tokens, ms)

@@ -37,8 +37,11 @@ from ddtree.ops.fused import compiled_on_cuda
 # On the GPU the candidate levels run as one Triton kernel (ops/triton_tree.py) instead of the torch
 # sorts (DDTREE_TREE_KERNEL=0: the sorts). On the H200 (8171212, benchmarks/tree_kernel_ab.py) it equals
 # them bit for bit on real drafter logits and makes a graphed DDTree step 0.21-0.26 ms shorter at batch
-# 1-32 (budget 8 at batch 1: 1.73 -> 1.52 ms).
+# 1-32 (budget 8 at batch 1: 1.73 -> 1.52 ms). Only up to the widths and top-k measured there (auto's
+# candidates: 32 nodes, top-4): a wider sort in registers is unmeasured (its build time, spills); in
+# Triton's interpreter width 64, top-8 also equals the sorts (48 s, not in CI).
 TREE_KERNEL = os.environ.get("DDTREE_TREE_KERNEL", "1") == "1"
+TREE_KERNEL_MAX_WIDTH, TREE_KERNEL_MAX_TOPK = 32, 4
 
 
 @dataclass(slots=True)
@@ -83,7 +86,7 @@ def candidates(logits: torch.Tensor, width: int, topk: int) -> Candidates:
     """The `width` best nodes per depth and overall (see the module docstring)."""
     assert width >= 1 and topk >= 1 and logits.shape[1] >= 1
     top_lp, top_tok = top_logprobs(logits, topk)  # [R, D, K], best first
-    if top_lp.is_cuda and TREE_KERNEL:
+    if top_lp.is_cuda and TREE_KERNEL and width <= TREE_KERNEL_MAX_WIDTH and topk <= TREE_KERNEL_MAX_TOPK:
         from ddtree.ops.triton_tree import levels
         return Candidates(*levels(top_lp, width, topk), top_tok)
     return Candidates(*_levels(top_lp, width, topk), top_tok)
