@@ -17,6 +17,8 @@
 #                                           # a policy change checked with what device time is left)
 #   bash benchmarks/h200_suite.sh checks    # greedy DDTree and DFlash vs AR on HumanEval in float32
 #   bash benchmarks/h200_suite.sh ab        # bench latency at C=1 without, then with, graphed prefill
+#   bash benchmarks/h200_suite.sh table     # auto's cost table on the scratch page vs distinct pages, longer
+#                                           # contexts (random model of the default shapes: wheels only, ~2 min)
 #   bash benchmarks/h200_suite.sh kernels   # the tree kernels against torch (real shapes), draft times with the
 #                                           # candidate-levels kernel off and on (random model)
 set -u
@@ -52,6 +54,8 @@ case $1 in
     "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget '' --topk 4 --auto-topk 4 \
       --no-dflash --with-auto --repeats 1 --concurrency "${2:-1,32,64,128}" --num-pages 16384 --warmup-pass \
       --continuous --out "$OUT/sweep_check.jsonl" > "$OUT/sweep_check.log" 2>&1 ;;
+  table)
+    timeout 300 python3 benchmarks/table_ab.py "$OUT/table" "${2:-1,4,8,16,32}" > "$OUT/table_ab.log" 2>&1 ;;
   checks)  # float32: every kernel rounds alike, so a divergence is a real near-tie or a bug
     python3 benchmarks/gpu_checks.py --draft ddtree/models/default_drafter --dtype float32 \
       --skip kernels,transformers --out "$OUT/gpu_checks_fp32.jsonl" > "$OUT/checks_fp32.log" 2>&1 ;;

@@ -3,6 +3,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,3 +20,31 @@ def test_auto_overhead_runs_on_the_cpu(tmp_path):
     assert row["concurrency"] == 2 and row["ar"]["tok_per_s"] > 0 and row["auto"]["tok_per_s"] > 0
     assert row["auto"]["stats"]["budget_hist"] and row["auto"]["policy"]["table"]["batch"]
     assert {"scheduler.schedule", "spec.ar_steps", "drafter.store_pending"} <= row["auto"]["host_s"].keys()
+
+
+def test_table_ab_runs_on_the_cpu(tmp_path):
+    # auto's cost table on the scratch page and on distinct pages (spec/decode.py `padding_inputs`)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "table_ab.py"), str(tmp_path), "1,2",
+                           "--cpu"], capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "profile.jsonl").read_text().splitlines()]
+    assert [(r["batch"], r["layout"], r["context"]) for r in rows] == \
+        [(b, n, c) for b in (1, 2) for n, c in (("scratch", 256), ("distinct", 256), ("distinct", 640))]
+    assert all(set(r["step_ms"]) == {"4", "8", "16", "32"} and r["ar_ms"] > 0 for r in rows)
+
+
+def test_distinct_padding_inputs_give_each_fake_request_its_own_pages():
+    from ddtree import LLM
+    from ddtree.models.dflash import random_drafter
+    from ddtree.ops.attention import page_slots
+    from tiny import make_tiny_model
+    llm = LLM(make_tiny_model(tempfile.mkdtemp(), "qwen2", num_hidden_layers=2), spec="none", device="cpu",
+              dtype="float32", num_pages=128)
+    llm.drafter = random_drafter(llm.config, num_layers=1, block_size=8, target_layer_ids=[0, 1])
+    llm.set_mode("ddtree", budget=8, topk=2)
+    spec = llm.engine.speculator
+    shared, own = spec.padding_inputs(3, 40), spec.padding_inputs(3, 40, distinct=True)
+    assert (shared.block_tables == spec.runner.scratch_page).all() and (shared.ctx_slots == spec.drafter.scratch_slot).all()
+    pages = own.block_tables.flatten().tolist()
+    assert len(set(pages)) == len(pages) and spec.runner.scratch_page not in pages
+    assert torch.equal(own.ctx_slots, page_slots(own.block_tables, own.ctx_pos, spec.runner.page_size))

@@ -310,12 +310,13 @@ class AdaptiveSpeculator(Speculator):
         room = self.max_pages * ps - self.width if self.max_pages else 256
         return max(1, min(256, room, self.runner.cfg.max_position - self.width - 1))
 
-    def fake_steps(self, bs: int, context: int) -> dict:
+    def fake_steps(self, bs: int, context: int, distinct: bool = False) -> dict:
         """Step closures on `bs` fake requests with `context` cached tokens whose pages are all the
-        scratch page (timing only: their K/V are garbage): {"draft": the draft, 0: auto's AR step, b: a
-        whole step of budget b (draft included), "store": a switch's store of STORE_ROWS pending rows a
-        request, kept as AR bursts keep them}."""
-        inp = self.padding_inputs(bs, context)
+        scratch page, or with `distinct` pages of their own (`padding_inputs`; timing only: their K/V
+        are garbage): {"draft": the draft, 0: auto's AR step, b: a whole step of budget b (draft
+        included), "store": a switch's store of STORE_ROWS pending rows a request, kept as AR bursts
+        keep them}."""
+        inp = self.padding_inputs(bs, context, distinct)
         root = RootInputs(inp.roots, inp.starts, inp.block_tables)
         if self.draft_graphs is not None:
             steps = {"draft": partial(self.draft_graphs.run, inp), 0: partial(self.ar_graphs.run, root)}
@@ -327,8 +328,8 @@ class AdaptiveSpeculator(Speculator):
         # timed too, ~0.3 ms at 512 requests on the CPU, against table stores of ~1 ms)
         per = min(STORE_ENTRY_ROWS, context)
         bursts = max(1, min(STORE_ROWS, context) // per)
-        seqs = [Sequence([0] * context, SamplingParams(), None, block_table=inp.block_tables[0].tolist(),
-                         num_cached=context) for _ in range(bs)]
+        seqs = [Sequence([0] * context, SamplingParams(), None, block_table=table, num_cached=context)
+                for table in inp.block_tables.tolist()]
         bufs = [torch.zeros(bs, per, self.drafter.feat_dim, dtype=self.drafter.dtype, device=self.runner.device)
                 for _ in range(bursts)]
 
