@@ -203,6 +203,14 @@ def test_sweep_interleaved_runs_the_modes_in_turn_on_engines_it_keeps(pair, tmp_
     assert all(len(ids) == 1 for ids in engines.values())
 
 
+def test_sweep_interleaved_needs_num_pages(pair, capsys):
+    from ddtree.cli import main
+    model, draft = pair
+    rc = main(["bench", "sweep", "--model", model, "--draft", draft, "--device", "cpu", "--interleave",
+               "--concurrency", "1", "--budget", "2", "--topk", "1"])
+    assert rc == 2 and "--num-pages" in capsys.readouterr().err
+
+
 def test_switch_mode_keeps_engines_and_points_the_layers_at_the_running_ones_cache(pair):
     from ddtree import LLM, SamplingParams
     model, draft = pair

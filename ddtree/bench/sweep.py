@@ -10,7 +10,7 @@ topk are fastest at each concurrency". With `--with-auto` an adaptive-budget row
 turn, run by run: on the H200 a mode's three runs, a minute apart from the next mode's, read up to 5%
 apart from one grid to the next at C=32-128 (AR at C=128: 39,927 tok/s at 2fba951, 42,897 at a112e10),
 where auto and AR run the same AR steps; in turn, a drift falls on every mode alike. Every other round
-runs in reverse order. Each mode keeps its own KV cache: give `--num-pages` on a GPU.
+runs in reverse order. Each mode keeps its own KV cache: `--num-pages` sizes them.
 """
 from __future__ import annotations
 
@@ -50,11 +50,12 @@ def main(args) -> int:
         raise ValueError("bench sweep needs --draft (a DFlash drafter checkpoint dir)")
     if any(b < 1 for b in args.budget) or any(k < 1 for k in args.topk):
         raise ValueError(f"budgets and topk must be >= 1, got --budget {args.budget} --topk {args.topk}")
+    if args.interleave and args.num_pages is None:
+        # (sized from free memory on a GPU, the first engine's cache would leave the next ones none; on the
+        # CPU each would take kv_cache_gb)
+        raise ValueError("--interleave keeps a KV cache per mode: give --num-pages (e.g. 16384 on the H200)")
     llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
               max_num_seqs=max(args.concurrency), num_pages=args.num_pages)
-    if args.interleave and args.num_pages is None and llm.device.type == "cuda":
-        # (sized from free memory, the first engine's cache would leave the next ones none)
-        raise ValueError("--interleave keeps a KV cache per mode: give --num-pages (e.g. 16384)")
     rows_in = sample_prompts(args.dataset, args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
     cats = [r["category"] for r in rows_in]
