@@ -270,3 +270,27 @@ def test_speculative_steps_on_the_triton_path_equal_ar(spec, budget, topk, tmp_p
     assert 2 * tree in target_rows  # both requests' trees verified in one step, through the fused products
     # ... and the drafter's blocks (2 x 4 rows): norm_linear calls beyond the target layers' two per step
     assert rows.count(2 * 4) > 2 * target_rows.count(2 * 4)
+
+
+@pytest.mark.parametrize("max_rows", [1, 8, 64, 128])
+def test_the_variant_warm_up_covers_every_eager_batch(max_rows):
+    """Every eager batch (a prefill's, a refeed's) of up to max_rows rows picks a kernel variant (tile
+    height, key splits) that `variant_shapes`' batches compiled ahead of serving."""
+    group, kv_heads, max_tokens = 7, 2, 2048  # the default target's
+
+    def variant(lengths):
+        bm = tri.choose_block_m(max(lengths), group)
+        return bm, tri.choose_splits(sum(-(-n // bm) for n in lengths), kv_heads, max(lengths))
+
+    shapes = tri.variant_shapes(max_rows, max_tokens, group, kv_heads)
+    assert all(len(s) <= max_rows and sum(s) <= max_tokens for s in shapes)
+    warmed = {variant(s) for s in shapes}
+    g = torch.Generator().manual_seed(max_rows)
+    for _ in range(3000):
+        rows = int(torch.randint(1, max_rows + 1, (1,), generator=g))
+        longest = int(torch.randint(1, [2, 4, 64, 300][int(torch.randint(0, 4, (1,), generator=g))] + 1, (1,),
+                                    generator=g))
+        lengths = torch.randint(1, longest + 1, (rows,), generator=g).tolist()
+        lengths[0] = longest
+        if sum(lengths) <= max_tokens:
+            assert variant(lengths) in warmed, lengths

@@ -39,7 +39,9 @@ def choose_block_m(max_q: int, group: int) -> int:
     return bm
 
 
-@triton.jit
+# (Not specialized on the page-table width: Triton would compile a variant for each batch whose widest
+# table is a multiple of 16 pages, mid-run in an eager prefill or refeed, 0.5-1 s on the H200.)
+@triton.jit(do_not_specialize=["stride_bt", "stride_mr", "stride_mi"])
 def _paged_attention_kernel(
         Q, K, V, Out, BlockTables, PrefixLens, QLens, QStarts, BlkReq, BlkQ, Mask,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_bt,
@@ -136,6 +138,24 @@ def choose_splits(num_blocks: int, num_kv_heads: int, max_q: int) -> int:
         return 1
     want = 2 * 132 // max(1, num_blocks * num_kv_heads)
     return max(1, min(16, triton.next_power_of_2(want) if want > 1 else 1))
+
+
+def variant_shapes(max_rows: int, max_tokens: int, group: int, num_kv_heads: int) -> list[list[int]]:
+    """Eager batches (each a list of rows' token counts) of at most `max_rows` rows and `max_tokens`
+    tokens that between them compile every kernel variant (tile height, key splits) such a batch can
+    pick: warmed up ahead of serving, no batch compiles one mid-run."""
+    shapes, seen = [], set()
+    for longest in (2, 4, 64, 100):  # tiles of 2, 4 and 8 tokens (a longest row of <= 64), and 16
+        bm = choose_block_m(longest, group)
+        per_row = -(-longest // bm)  # tiles of a longest row
+        for tiles in range(1, per_row * max_rows + 1):  # (fewest tiles first: the smallest such batch)
+            splits = choose_splits(tiles, num_kv_heads, longest)
+            rows = [longest] * (tiles // per_row) + ([tiles % per_row * bm] if tiles % per_row else [])
+            if (bm, splits) in seen or sum(rows) > max_tokens or choose_block_m(max(rows), group) != bm:
+                continue
+            seen.add((bm, splits))
+            shapes.append(rows)
+    return shapes
 
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: "AttentionBatch",

@@ -96,21 +96,27 @@ class AdaptiveSpeculator(Speculator):
                 self._warm_refeed(max_batch)
 
     def _warm_refeed(self, max_batch: int) -> None:
-        """Refeeds of a few widths and batch sizes on the scratch page, ahead of serving: the first refeed
-        of a shape compiles the attention kernel's variant for it (a first one mid-run took 0.5-1 s
-        on the H200). Then a small refeed and a large one (one forward, as wide as the runner feeds at
-        once) timed again, the best of three each: the policy's refeed cost, a fixed part (a forward)
-        and a part per row."""
-        ps, scratch = self.runner.page_size, self.runner.scratch_page
+        """Refeeds on the scratch page, ahead of serving, of the shapes that compile every variant of
+        the attention kernel a refeed can pick (a first one mid-run took 0.5-1 s on the H200: at
+        53abc1a, one refeed of 4,512 rows 942 ms). Then a small refeed and a large one (one forward, as
+        wide as the runner feeds at once) timed again, the best of three each: the policy's refeed
+        cost, a fixed part (a forward) and a part per row."""
+        from ddtree.ops.triton_attention import variant_shapes  # (GPU only: Triton)
+        ps, scratch, runner = self.runner.page_size, self.runner.scratch_page, self.runner
         seqs = {}
-        for n in (2, 4, 33, 100):
-            seqs[n] = Sequence([0] * (ps + n), SamplingParams(), None)
-            seqs[n].block_table = [scratch] * (1 + n // ps + 1)
-            for rows in sorted({1, min(4, max_batch), min(16, max_batch), min(64, max_batch)}):
-                self.runner.refeed([(seqs[n], ps, n)] * rows, self.drafter.layer_ids)
+
+        def row(n: int) -> tuple[Sequence, int, int]:  # n tokens after a page of context
+            if n not in seqs:
+                seqs[n] = Sequence([0] * (ps + n), SamplingParams(), None)
+                seqs[n].block_table = [scratch] * (1 + n // ps + 1)
+            return seqs[n], ps, n
+
+        for lengths in variant_shapes(max_batch, runner.max_num_batched_tokens, runner.heads_per_kv,
+                                      runner.cfg.num_kv_heads):
+            runner.refeed([row(n) for n in lengths], self.drafter.layer_ids)
 
         def timed(n: int, rows: int) -> float:
-            refeed = partial(self.runner.refeed, [(seqs[n], ps, n)] * rows, self.drafter.layer_ids)
+            refeed = partial(self.runner.refeed, [row(n)] * rows, self.drafter.layer_ids)
             return min(wall_ms(refeed, self.runner.device, reps=3))
 
         most = max(1, min(64, max_batch, self.runner.max_num_batched_tokens // 100))
