@@ -502,6 +502,22 @@ def test_from_ar_a_batch_size_whose_hope_does_not_beat_ar_by_the_switch_margin_i
     assert policy.hopeless_at(16) == hopeless
 
 
+def test_ar_steps_skip_the_read_out_where_the_waiting_prompts_take_the_batch_to_a_hopeless_size():
+    # AR 1 ms a token; a speculative step 2 ms up to batch 16, 4 ms above. At batch 16 the plan stays on AR
+    # without being hopeless (as in the test above at 1.0 accepted), and its AR steps read out the
+    # context, unless the prompts waiting for a slot take the batch to 128, where speculation has no
+    # chance (a run at C=128 lets its first prompts in a few at a time).
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0 if bs <= 16 else 4.0,
+                                  draft_ms=lambda bs: 0.0), BUDGETS)
+    policy.record_draft(1, {b: 1.0 for b in BUDGETS[1:]})
+    for _ in range(52):
+        for b in BUDGETS[1:]:
+            policy.observe(b, 16, predicted=16.0, accepted=16.0)
+    assert policy.plan(16, joined=16) == 0 and not policy.hopeless and not policy.tap_free
+    assert policy.plan(16, joined=128) == 0 and not policy.hopeless and policy.tap_free
+    assert policy.plan(128) == 0 and policy.hopeless and policy.tap_free
+
+
 def test_a_probe_waits_until_the_rows_it_would_feed_again_are_affordable():
     # AR looks better at batch 4 (not hopeless): probes come every `probe_cap` steps (at most
     # MAX_PROBE_EVERY), but where tap-free steps of a larger batch left rows to feed again (~30 ms), only

@@ -85,11 +85,11 @@ class Scripted:
         self.prefills = itertools.cycle([True, False] if tap_free_prefills == "mixed" else [tap_free_prefills])
 
     table = table(lambda n, bs: 1.0)
-    probing, expected, hopeless = False, {}, False
+    probing, expected, hopeless, tap_free = False, {}, False, False
 
-    def plan(self, batch, gap_rows=0):  # "wasted": the largest budget (drafted; `choose` then throws it away)
+    def plan(self, batch, gap_rows=0, joined=0):  # "wasted": the largest budget (drafted; `choose` then throws it away)
         self.now = next(self.plan_)
-        self.hopeless = self.now == "gap"
+        self.hopeless = self.tap_free = self.now == "gap"
         return {"ar": 0, "gap": 0, "wasted": BUDGETS[-1]}.get(self.now, self.now)
 
     def hopeless_at(self, batch):

@@ -212,7 +212,7 @@ class LLMEngine:
             if self.decode_graphs is not None and step.decode and len(step.decode) <= self.decode_graphs.max_batch:
                 touched = self._forward_and_sample(step.prefill) if step.prefill else []
                 t1 = time.perf_counter()
-                steps = self._decode_graphed(step.decode)
+                steps, _ = self._decode_graphed(step.decode)
                 t2 = time.perf_counter()
                 timing.update({"prefill_ms": (t1 - t0) * 1e3 if step.prefill else 0.0, "ar_bursts": 1,
                                "ar_steps": steps, "ar_ms": (t2 - t1) * 1e3, "engine_ms": (t2 - t0) * 1e3})
@@ -230,7 +230,7 @@ class LLMEngine:
             # a prefill chunk still running on the device would count in the step times auto measures
             spec.timed = not step.prefill
             spec.short_bursts = self._admitting()
-            ar = spec.ar_steps(step.decode) if isinstance(spec, AdaptiveSpeculator) else 0
+            ar = spec.ar_steps(step.decode, self._joined()) if isinstance(spec, AdaptiveSpeculator) else 0
             if ar and self.decode_graphs is not None and len(step.decode) <= self.decode_graphs.max_batch:
                 self._auto_ar_burst(step.decode, ar)
             elif ar:
@@ -249,7 +249,7 @@ class LLMEngine:
         taps = spec.drafter.layer_ids
         if not (isinstance(spec, AdaptiveSpeculator) and self.decode_graphs is not None):
             return self._forward_and_sample(chunks, taps)
-        hopeless = spec.tap_free_prefill(len(self.scheduler.running))
+        hopeless = spec.tap_free_prefill(self._joined())
         free, tapped = [], []
         for chunk in chunks:
             (free if hopeless or has_gap(chunk[0]) else tapped).append(chunk)
@@ -365,19 +365,19 @@ class LLMEngine:
                 open_gap(seq)
             elif seq.gap_from is not None:
                 close_gap(seq)
-        outs = [len(s.output_ids) for s in seqs]
         t0 = time.perf_counter()
-        steps = self._decode_graphed(seqs, most, self.untapped_decode_graphs if tap_free else self.decode_graphs)
-        spec.after_ar_burst(len(seqs), steps, sum(len(s.output_ids) - n for s, n in zip(seqs, outs)),
-                            (time.perf_counter() - t0) * 1e3)
+        steps, committed = self._decode_graphed(seqs, most, self.untapped_decode_graphs if tap_free else
+                                                self.decode_graphs)
+        spec.after_ar_burst(len(seqs), steps, committed, (time.perf_counter() - t0) * 1e3)
 
-    def _decode_graphed(self, seqs: list[Sequence], most: int | None = None, pool: GraphPool | None = None) -> int:
+    def _decode_graphed(self, seqs: list[Sequence], most: int | None = None,
+                        pool: GraphPool | None = None) -> tuple[int, int]:
         """AR decode steps for a fixed batch, pipelined: step i+1 is launched (its input tokens are step
         i's samples, still on the device) before step i's tokens are read back and committed, so the
         GPU never waits for the host's graph launch, read-back and bookkeeping. The burst ends after
         `_burst_length` steps or one step after a request finishes (that request's last step is wasted;
         its K/V land in pages it held, which nobody reuses before the next schedule). Returns the number
-        of steps run."""
+        of steps run and of tokens committed."""
         R, pool = len(seqs), pool or self.decode_graphs
         rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
                          self.runner.scratch_page, self.device)
@@ -415,13 +415,20 @@ class LLMEngine:
             for i, (seq, n) in enumerate(zip(seqs, kept)):
                 if n and not seq.is_finished:
                     seq.pending_features.append((feats_buf, i, n))
-        return steps
+        return steps, sum(kept)
 
     def _burst_length(self, seqs: list[Sequence]) -> int:
         # Short bursts while a request waits for a free slot, so its prefill is not held back.
         n = min(self.burst, SHORT_BURST) if self._admitting() else self.burst
         left = max(min(s.params.max_tokens, self.max_model_len - len(s.prompt_ids)) - len(s.output_ids) for s in seqs)
         return max(1, min(n, left))
+
+    def _joined(self) -> int:
+        """The batch size once the prompts waiting for a slot are in (auto judges the chance for speculation
+        where the running batch is headed: at the start of a run at C=128 it is let in a few prompts at a
+        time, 2,048 prompt tokens a step)."""
+        sched = self.scheduler
+        return min(sched.max_num_seqs, len(sched.running) + len(sched.waiting))
 
     def _admitting(self) -> bool:
         """A request waits and a slot is free: short bursts, so its prefill is not held back."""

@@ -32,6 +32,7 @@ current draft's probabilities among the remaining costs: verify(b) for b > 0, or
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from ddtree.spec.costs import CostTable
 
@@ -123,6 +124,7 @@ class AdaptivePolicy:
         self.plans: dict[str, int] = {}
         self.probing = False  # this draft is a probe: AR looked better on past averages
         self.hopeless = False  # the last plan saw no chance for speculation at its batch size (`hope_rate`)
+        self.tap_free = False  # ... or said AR where the batch is headed for a size with none (`plan`)
         self.speculating = False  # the last plan chose a budget > 0 (not a probe) ...
         self.spec_bucket = 0  # ... for this batch bucket
         self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
@@ -137,7 +139,7 @@ class AdaptivePolicy:
         self.refeed_fixed_ms = 0.0
         self.refeed_row_ms = widest / ((max(self.budgets, default=0) + 1) * table.batch[-1])
         self.refeed_scale, self.refeed_samples = 1.0, 1
-        self.gap_ms = 0.0
+        self._gap_rows, self._gap_ms = 0, 0.0  # (`gap_ms`)
 
     def observe_time(self, kind: str, batch: int, measured_ms: float, table_ms: float) -> None:
         """A real step of `kind` ("ar": per step of an AR burst, "spec": per step of a speculative burst,
@@ -189,6 +191,15 @@ class AdaptivePolicy:
     def refeed_ms(self, rows: int) -> float:
         """What feeding `rows` gap rows again should cost."""
         return self.refeed_scale * (self.refeed_fixed_ms + rows * self.refeed_row_ms) if rows else 0.0
+
+    @property
+    def gap_ms(self) -> float:
+        """What feeding again the rows due now should cost: the last plan's `gap_rows`, counted when first
+        asked (a callable: a hopeless plan with no probe due does not ask; counting them walks every
+        request, each burst)."""
+        if self._gap_ms is None:
+            self._gap_ms = self.refeed_ms(self._gap_rows() if callable(self._gap_rows) else self._gap_rows)
+        return self._gap_ms
 
     def observe_refeed(self, rows: int, ms: float) -> None:
         """Tokens of `rows` gap rows were fed through the target again in `ms` (device time included): the
@@ -308,15 +319,20 @@ class AdaptivePolicy:
             rate = tokens / (tokens / rate + self.switch_ms(batch))
         return rate
 
-    def plan(self, batch: int, gap_rows: int = 0) -> int:
+    def plan(self, batch: int, gap_rows: int | Callable[[], int] = 0, joined: int = 0) -> int:
         """Before drafting: the budget to speculate with next (0: AR) on run-long figures
         (`request_rate`); a probe (a burst of the budget that looks best, `probing` set) when one is due.
         Nothing known yet: the smallest budget (one blind step). `gap_rows`: rows a switch would feed
-        again first (tap-free AR steps')."""
+        again first (tap-free AR steps'), or a function counting them (`gap_ms`).
+
+        AR steps are `tap_free` (they need not read out the drafter's context) where there is no chance
+        for speculation at this batch size (`hopeless`), or at `joined`, the batch size once the prompts
+        waiting for a slot are in: on the H200 (46c1975) runs at C=64-128 read out their first bursts,
+        while their first prompts were let in a few at a time (2,048 prompt tokens a step)."""
+        self.hopeless = self.tap_free = False
         if not self.budgets:
             return 0
-        self.hopeless = False
-        self.gap_ms = self.refeed_ms(gap_rows)
+        self._gap_rows, self._gap_ms = gap_rows, None
         if self.expected is None:
             self._count("blind", batch)
             return self.budgets[0]
@@ -355,17 +371,18 @@ class AdaptivePolicy:
             best = best or self._best(batch, store)[0]
             self.intervals[bucket] = self.probe_cap(batch, best)
         self.interval = self.max_probe_every if self.hopeless else self.intervals[bucket]
-        affordable = self.gap_ms <= PROBE_LOSS * self.ar_streak * self.ar_ms(batch)
-        if self.ar_streak >= self.interval and affordable:
+        due = self.ar_streak >= self.interval
+        if due and self.gap_ms <= PROBE_LOSS * self.ar_streak * self.ar_ms(batch):  # (affordable)
             best = best or self._best(batch, store)[0]
             self.probing, self.ar_streak = True, 0
             self.intervals[bucket] = self.probe_cap(batch, best)
             self._count("probe", batch)
             return best
-        if self.ar_streak >= self.interval:  # due, but not affordable yet: whole AR bursts until a look again
+        if due:  # due, but not affordable yet: whole AR bursts until a look again
             self.interval = self.ar_streak + PROBE_EVERY
         self.ar_streak += 1
         self.fresh = False  # AR steps next: no drafts, the averages grow stale
+        self.tap_free = self.hopeless or joined > batch and self.hopeless_at(joined)
         self._count("hopeless" if self.hopeless else "ar", batch)
         return 0
 

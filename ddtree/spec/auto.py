@@ -73,7 +73,7 @@ class AdaptiveSpeculator(Speculator):
         self.budgets = candidate_budgets(drafter.block_size - 1, topk)
         super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
         self.ctx_rows = drafter.block_size  # a burst's context width: the last accepted path (more: stored first)
-        self.max_pages, self.planned = max_pages, 0
+        self.max_pages, self.planned, self.tap_free = max_pages, 0, False  # (`ar_steps`)
         self.draft_graphs, self.ar_graphs, self.step_graphs = None, None, {}
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
             pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
@@ -155,11 +155,6 @@ class AdaptiveSpeculator(Speculator):
         packed = torch.cat([torch.zeros_like(ids), pred_fn(logits).long(), ids], 1)
         return StepOutputs(packed.view(R, 3), feats)
 
-    @property
-    def tap_free(self) -> bool:
-        """The engine's next AR burst skips reading out target features: the policy sees no chance for
-        speculation at this batch size (the requests' context gets a gap, refed at a switch)."""
-        return self.policy.hopeless
 
     def tap_free_prefill(self, batch: int) -> bool:
         """A prefill joining a decode batch of `batch` requests skips reading out the drafter's context
@@ -190,11 +185,14 @@ class AdaptiveSpeculator(Speculator):
         """Rows a switch would have to feed again first (the policy prices a probe on them)."""
         return sum(map(gap_rows, seqs))
 
-    def ar_steps(self, seqs: list[Sequence]) -> int:
+    def ar_steps(self, seqs: list[Sequence], joined: int = 0) -> int:
         """Asked by the engine before each decode step: 0 to speculate now (`step`, with the planned
         budget), else how many AR steps to take first (the engine runs them as a graphed AR burst,
-        `ar_step` on the CPU)."""
-        self.planned = self.policy.plan(len(seqs), self.gap_rows(seqs))
+        `ar_step` on the CPU). `joined`: the batch size once the prompts waiting for a slot are in.
+        Those AR steps are `tap_free` as the plan says (they skip reading out the target features: the
+        requests' context gets a gap, refed at a switch)."""
+        self.planned = self.policy.plan(len(seqs), lambda: self.gap_rows(seqs), joined)
+        self.tap_free = not self.planned and self.policy.tap_free
         return 0 if self.planned else 1 + self.policy.ar_steps_ahead()
 
     def after_ar_burst(self, batch: int, steps: int, request_steps: int, elapsed_ms: float) -> None:
