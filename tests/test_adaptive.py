@@ -277,6 +277,13 @@ def test_a_refeed_costs_a_forward_plus_its_rows_and_is_learnt_in_a_few():
     before = policy.refeed_scale
     policy.observe_refeed(376, 1000 * 25.376)  # a compile mid-run
     assert policy.refeed_scale == pytest.approx((1 - policy.decay) * before + policy.decay * 10)
+    # a refeed wider than one forward pays the fixed part once per forward it takes
+    policy.set_refeed_cost(25.0, 0.001, forward_rows=2048)
+    scale = policy.refeed_scale
+    assert policy.refeed_ms(2048) == pytest.approx(scale * (25.0 + 2.048))
+    assert policy.refeed_ms(17649) == pytest.approx(scale * (9 * 25.0 + 17.649))
+    policy.observe_refeed(17649, scale * (9 * 25.0 + 17.649))  # as the model says: the scale holds
+    assert policy.refeed_scale == pytest.approx(scale)
     idle = AdaptivePolicy(table(roofline), [0])  # no budgets: no model, nothing to learn
     idle.observe_refeed(10, 5.0)
     assert idle.refeed_scale == 1.0

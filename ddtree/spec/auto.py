@@ -100,7 +100,7 @@ class AdaptiveSpeculator(Speculator):
         the attention kernel a refeed can pick (a first one mid-run took 0.5-1 s on the H200: at
         53abc1a, one refeed of 4,512 rows 942 ms). Then a small refeed and a large one (one forward, as
         wide as the runner feeds at once) timed again, the best of three each: the policy's refeed
-        cost, a fixed part (a forward) and a part per row."""
+        cost, a fixed part per forward and a part per row."""
         from ddtree.ops.triton_attention import variant_shapes  # (GPU only: Triton)
         ps, scratch, runner = self.runner.page_size, self.runner.scratch_page, self.runner
         seqs = {}
@@ -122,7 +122,7 @@ class AdaptiveSpeculator(Speculator):
         most = max(1, min(64, max_batch, self.runner.max_num_batched_tokens // 100))
         small, large = timed(2, 1), timed(100, most)
         row_ms = max(large - small, 0.0) / max(100 * most - 2, 1)
-        self.policy.set_refeed_cost(max(small - 2 * row_ms, 0.0), row_ms)
+        self.policy.set_refeed_cost(max(small - 2 * row_ms, 0.0), row_ms, runner.max_num_batched_tokens)
 
     def _draft(self, inp: StepInputs) -> tuple[Candidates, torch.Tensor]:
         """Drafter block -> candidates for the largest budget and E(b) [R, budgets] for each b > 0."""
