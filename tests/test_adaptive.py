@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from ddtree.spec.adaptive import (FIT_PRIOR_STEPS, HOPE_BURSTS, HOPE_EVIDENCE, HOPE_PRIOR_STEPS, HOPE_SPREAD,
-                                  MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS,
+from ddtree.spec.adaptive import (FIT_PRIOR_STEPS, HOPE_BURSTS, HOPE_EVIDENCE, HOPE_MEMO_PLANS, HOPE_PRIOR_STEPS,
+                                  HOPE_SPREAD, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS,
                                   AdaptivePolicy, candidate_budgets)
 from ddtree.spec.costs import CostTable
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
@@ -523,6 +523,26 @@ def test_ar_steps_skip_the_read_out_where_the_waiting_prompts_take_the_batch_to_
     assert policy.plan(16, joined=16) == 0 and not policy.hopeless and not policy.tap_free
     assert policy.plan(16, joined=128) == 0 and not policy.hopeless and policy.tap_free
     assert policy.plan(128) == 0 and policy.hopeless and policy.tap_free
+
+
+def test_a_hopeless_verdict_is_reused_until_speculation_teaches_something():
+    # The late 61b7355 state (hopeless from batch 16 up): plans at batch 64 judge the budgets' hope once
+    # every HOPE_MEMO_PLANS + 1 plans while nothing is learnt, and again right after a lesson (a draft,
+    # a verify step) or where the drafter's figures are replaced.
+    policy = AdaptivePolicy(H200_61B7355, BUDGETS)
+    policy.record_draft(1, {4: 1.09, 8: 1.30, 16: 1.45, 32: 1.56})
+    policy.verified = {4: [1.0, 1, 0.69], 8: [28.67, 24, 37.03], 16: [4469.0, 2639, 4769.55], 32: [6.0, 8, 6.85]}
+    judged = []
+    judge = policy._judge_hope
+    policy._judge_hope = lambda batch, from_ar: judged.append(batch) or judge(batch, from_ar)
+    assert all(policy.plan(64) == 0 and policy.hopeless for _ in range(HOPE_MEMO_PLANS + 2))
+    assert judged == [64, 64]
+    policy.observe(8, 64, predicted=64.0, accepted=64.0)
+    assert policy.plan(64) == 0 and judged == [64, 64, 64]
+    policy.plan(64)
+    policy.expected = {b: 3.0 for b in BUDGETS[1:]}  # (replaced: judged afresh)
+    policy.plan(64)
+    assert judged == [64] * 4
 
 
 def test_a_probe_waits_until_the_rows_it_would_feed_again_are_affordable():

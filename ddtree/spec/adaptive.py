@@ -76,6 +76,12 @@ FIT_PRIOR_STEPS = 16
 # the overall one weighing as much as this many of its own recent steps: a budget tried a few times on
 # hard text (0.39 on the H200 at efd2b47, where fixed budget 32 ran 6% above AR) is not shut out.
 CALIBRATION_PRIOR = 4.0
+# A `_hopeless` verdict is reused for up to this many plans at its batch size while the policy learns
+# nothing from speculation (a draft, a verify step, a burst, a step time): ranking every budget's hope
+# took ~17 us of host time a plan on this CPU, and at C=32-128 on the H200 auto's host time between AR
+# bursts, ~100-150 us a burst beyond AR's (2e2c40b), was what kept it at 0.99x AR. (AR bursts' tallies,
+# which only move `lost` slowly, do not count as lessons: hence the limit.)
+HOPE_MEMO_PLANS = 16
 
 
 def candidate_budgets(depth: int, topk: int) -> list[int]:
@@ -113,6 +119,9 @@ class AdaptivePolicy:
         # batch bucket -> over its timed bursts, the model's ms for their steps and the ms they took (`fit`)
         self.fits: dict[int, list[float]] = {}
         self.fit_at: dict[int, float] = {}  # batch -> `fit`, until the next lesson
+        self.lessons = 0  # lessons learnt from speculation so far (`_learnt`)
+        # (batch, from AR) -> [`_hopeless` verdict, what it was judged on, plans left to reuse it]
+        self.hope_memo: dict[tuple[int, bool], list] = {}
         self.hopeless_seen: dict[int, bool] = {}  # batch bucket -> what its last plan found (`hopeless_at`)
         # ... and what every timed burst of it (0: AR) added up to, undecayed, for benchmark rows:
         # [bursts, tokens per request, ms] (`tally`)
@@ -149,7 +158,7 @@ class AdaptivePolicy:
         (the table's is auto's own AR graph; the engine's bursts run their own), a speculative one down
         to three quarters (the extra is added to every budget's cost, small ones included)."""
         key = (kind, _bucket(batch))
-        self.fit_at.clear()  # (`fit` weighs by the step's cost, which the extra is part of)
+        self._learnt()  # (`fit` weighs by the step's cost, which the extra is part of)
         low = (-0.5 if kind == "ar" else -0.25) * table_ms
         sample = max(low, min(measured_ms, 4 * table_ms) - table_ms)
         old = self.extra.get(key)
@@ -250,8 +259,8 @@ class AdaptivePolicy:
         table's store, as a switch's cost)."""
         key, a = (_bucket(batch), budget), RATE_DECAY
         self.tally(budget, batch, tokens, ms)
+        self._learnt()
         if steps:
-            self.fit_at.clear()
             fit = self.fits.setdefault(key[0], [0.0, 0.0])
             fit[0], fit[1] = fit[0] + steps * self.step_ms(budget, batch), fit[1] + ms
         if store_ms:
@@ -264,6 +273,8 @@ class AdaptivePolicy:
         """Counts a burst of `budget` (0: AR) that committed `tokens` to `batch` requests in `ms`."""
         t = self.totals.setdefault((_bucket(batch), budget), [0, 0.0, 0.0])
         t[0], t[1], t[2] = t[0] + 1, t[1] + tokens / batch, t[2] + ms
+        if budget:
+            self._learnt()
 
     def mean_accepted(self, budget: int) -> float:
         """The accepted length per request and step `budget` should give: the drafter's mean E(b) over the
@@ -286,6 +297,11 @@ class AdaptivePolicy:
         key = _bucket(batch)
         seen = [k for (kind, k) in self.extra if kind == "spec" and k <= key]
         return max(device + (self.extra[("spec", max(seen))] if seen else 0.0), 0.5 * device)
+
+    def _learnt(self) -> None:
+        """Something was learnt from speculation: `fit` and `_hopeless` judge again."""
+        self.lessons += 1
+        self.fit_at.clear()
 
     def fit(self, batch: int) -> float:
         """What the model's steps (`step_ms`) of this batch bucket's timed speculative bursts add up to
@@ -442,9 +458,20 @@ class AdaptivePolicy:
         context (on the H200 at a112e10, at C=32 the best hope read ~1.02x AR after the tree kernel
         made speculation cheaper: 34 of 125 AR bursts kept reading out, and a probe every ~1,000 steps
         fed their gaps again, for nothing: auto 0.97x AR). While speculating (not `from_ar`): AR's rate,
-        the plan's own threshold then."""
+        the plan's own threshold then. Reused for up to HOPE_MEMO_PLANS plans while nothing is learnt."""
         if not self.budgets or self.expected is None:
             return False
+        # (what it is judged on: the lessons, and the figures a caller may replace wholesale)
+        basis = (self.lessons, id(self.expected), id(self.verified), id(self.table))
+        memo = self.hope_memo.get((batch, from_ar))
+        if memo is not None and memo[1] == basis and memo[2] > 0:
+            memo[2] -= 1
+            return memo[0]
+        verdict = self._judge_hope(batch, from_ar)
+        self.hope_memo[(batch, from_ar)] = [verdict, basis, HOPE_MEMO_PLANS]
+        return verdict
+
+    def _judge_hope(self, batch: int, from_ar: bool) -> bool:
         ar_rate = 1 / self.ar_ms(batch)
         hope = max(self.hope_rate(b, batch) for b in self.budgets)
         evidence = sum(v[1] for v in self.verified.values()) >= HOPE_EVIDENCE
@@ -529,6 +556,7 @@ class AdaptivePolicy:
             total = self.drafted.setdefault(b, [0.0, 0])
             total[0], total[1] = total[0] + mean[b], total[1] + 1
         self.fresh = True
+        self._learnt()
         self.expected = mean if self.expected is None or self.probing else \
             {b: (1 - a) * self.expected[b] + a * mean[b] for b in self.budgets}
 
@@ -562,6 +590,7 @@ class AdaptivePolicy:
         p, q = predicted / batch, accepted / batch
         total = self.verified.setdefault(budget, [0.0, 0, 0.0])
         total[0], total[1], total[2] = total[0] + q, total[1] + 1, total[2] + p
+        self._learnt()
         if budget not in self.accepted:
             self.accepted[budget], self.predicted[budget] = q, p
         else:
