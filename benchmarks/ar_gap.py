@@ -43,7 +43,7 @@ def main() -> int:
     llm = LLM(draft=default_draft(), spec="none", max_num_seqs=max(cs), num_pages=16384)
     prompts = [llm.encode_chat(r["messages"]) for r in sample_prompts("mtbench", n_prompts)]
     params = SamplingParams(max_tokens=128)
-    log = open(os.path.join(out, "ar_gap.jsonl"), "a")
+    log_path = os.path.join(out, "ar_gap.jsonl")
 
     def run(mode: str, c: int, prof: cProfile.Profile | None = None) -> dict:
         llm.switch_mode(*MODES[mode])
@@ -64,8 +64,8 @@ def main() -> int:
         row = {"mode": mode, "C": c, "profiled": prof is not None, "wall_ms": round(wall, 2),
                "tok_per_s": round(sum(len(o.token_ids) for o in outs) / wall * 1e3, 1),
                "between_bursts_ms": round(rest, 2), **{k: round(v, 2) if isinstance(v, float) else v for k, v in b.items()}}
-        log.write(json.dumps(row) + "\n")
-        log.flush()
+        with open(log_path, "a") as log:  # (row by row: a run that dies keeps what it measured)
+            log.write(json.dumps(row) + "\n")
         return row
 
     for c in cs:

@@ -79,6 +79,27 @@ def check_pages_after_each_step(llm: LLM, monkeypatch) -> None:
     monkeypatch.setattr(engine, "step", checked_step)
 
 
+def test_the_batch_size_headed_for_counts_waiting_prompts_only_while_pages_let_them_in(make_llm, corpus_ids,
+                                                                                       monkeypatch):
+    # (auto judges the chance for speculation at `_joined`: in a run bound by the KV cache the waiting
+    # prompts are not about to join)
+    llm = make_llm(page_size=4, num_pages=24, max_num_batched_tokens=8)  # (prompts also wait for the budget)
+    engine, seen = llm.engine, []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        step = schedule()
+        sched = engine.scheduler
+        seen.append((sched.out_of_pages, engine._joined(), len(sched.running), len(sched.waiting)))
+        return step
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recorded)
+    llm.generate(prompts_of(corpus_ids, LENGTHS), greedy())
+    assert any(out for out, *_ in seen) and any(not out and waiting for out, _, _, waiting in seen)
+    for out, joined, running, waiting in seen:
+        assert joined == (running if out else min(engine.scheduler.max_num_seqs, running + waiting))
+
+
 @pytest.mark.parametrize("limits", [{}, dict(max_num_batched_tokens=8, max_num_seqs=5)],
                          ids=["preemption", "preemption+chunking"])
 def test_more_requests_than_kv_pages_complete_with_their_alone_outputs_and_free_every_page(

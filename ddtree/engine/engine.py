@@ -347,7 +347,8 @@ class LLMEngine:
     def _auto_ar_burst(self, seqs: list[Sequence], most: int) -> None:
         """AR steps chosen by auto (at most `most`): a graphed AR burst whose steps also read out their
         target features, kept as each request's pending drafter context; or, where the policy sees no
-        chance for speculation (`tap_free`), plain AR's burst, the requests' context left with a gap."""
+        chance for speculation at this batch size or the one it is headed for (`tap_free`), plain AR's
+        burst, the requests' context left with a gap."""
         spec = self.speculator
         tap_free = spec.tap_free
         # The context rows wait (a verified path's, earlier AR steps'), to be stored in one go before
@@ -426,8 +427,10 @@ class LLMEngine:
     def _joined(self) -> int:
         """The batch size once the prompts waiting for a slot are in (auto judges the chance for speculation
         where the running batch is headed: at the start of a run at C=128 it is let in a few prompts at a
-        time, 2,048 prompt tokens a step)."""
+        time, 2,048 prompt tokens a step); the running one where the KV cache holds no more."""
         sched = self.scheduler
+        if sched.out_of_pages:
+            return len(sched.running)
         return min(sched.max_num_seqs, len(sched.running) + len(sched.waiting))
 
     def _admitting(self) -> bool:

@@ -43,6 +43,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, holding pages, in admission order
         self.num_preemptions = 0
+        self.out_of_pages = False  # the last schedule left a waiting request out for want of pages
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -53,6 +54,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         alloc, width = self.allocator, self.decode_width
+        preempted = self.num_preemptions
         prefilling = []
         # 1. Decode every request past its prompt; grow its pages, preempting the newest if needed.
         #    (A preempted request is no longer RUNNING: a status check, not a search of the list.)
@@ -83,12 +85,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.allocator.can_grow(seq, len(seq)):
-                break
+                self.out_of_pages = True
+                return step
             self.waiting.popleft()
             self.allocator.grow(seq, len(seq))
             seq.status = Status.RUNNING
             self.running.append(seq)
             budget -= self._chunk(seq, budget, step)
+        self.out_of_pages = self.num_preemptions > preempted
         return step
 
     def _chunk(self, seq: Sequence, budget: int, step: ScheduledStep) -> int:

@@ -140,21 +140,25 @@ def choose_splits(num_blocks: int, num_kv_heads: int, max_q: int) -> int:
     return max(1, min(16, triton.next_power_of_2(want) if want > 1 else 1))
 
 
-def variant_shapes(max_rows: int, max_tokens: int, group: int, num_kv_heads: int) -> list[list[int]]:
-    """Eager batches (each a list of rows' token counts) of at most `max_rows` rows and `max_tokens`
-    tokens that between them compile every kernel variant (tile height, key splits) such a batch can
-    pick: warmed up ahead of serving, no batch compiles one mid-run."""
-    shapes, seen = [], set()
-    for longest in (2, 4, 64, 100):  # tiles of 2, 4 and 8 tokens (a longest row of <= 64), and 16
-        bm = choose_block_m(longest, group)
-        per_row = -(-longest // bm)  # tiles of a longest row
-        for tiles in range(1, per_row * max_rows + 1):  # (fewest tiles first: the smallest such batch)
-            splits = choose_splits(tiles, num_kv_heads, longest)
-            rows = [longest] * (tiles // per_row) + ([tiles % per_row * bm] if tiles % per_row else [])
-            if (bm, splits) in seen or sum(rows) > max_tokens or choose_block_m(max(rows), group) != bm:
-                continue
-            seen.add((bm, splits))
-            shapes.append(rows)
+def variant_shapes(max_tokens: int, group: int, num_kv_heads: int) -> list[list[int]]:
+    """Eager batches (each a list of rows' token counts) of at most `max_tokens` tokens that between them
+    compile every kernel variant (tile height, key splits) such a batch can pick: warmed up ahead of
+    serving, no batch compiles one mid-run. Per tile height, a longest row as short as picks it, then
+    one-token rows (the fewest tokens a tile) added until the splits, which only shrink as the tiles
+    grow, reach one."""
+    shortest: dict[int, int] = {}  # tile height -> the shortest longest row that picks it
+    for q in range(min(max_tokens, 65), 0, -1):  # (65: one past the decode widths, where prefill tiles start)
+        shortest[choose_block_m(q, group)] = q
+    shapes = []
+    for bm, q in shortest.items():
+        seen = set()
+        for extra in range(max_tokens - q + 1):  # one-token rows besides the longest
+            splits = choose_splits(-(-q // bm) + extra, num_kv_heads, q)
+            if splits not in seen:
+                seen.add(splits)
+                shapes.append([q] + [1] * extra)
+            if splits == 1:
+                break
     return shapes
 
 

@@ -76,8 +76,9 @@ FIT_PRIOR_STEPS = 16
 # the overall one weighing as much as this many of its own recent steps: a budget tried a few times on
 # hard text (0.39 on the H200 at efd2b47, where fixed budget 32 ran 6% above AR) is not shut out.
 CALIBRATION_PRIOR = 4.0
-# A `_hopeless` verdict is reused for up to this many plans at its batch size while the policy learns
-# nothing from speculation (a draft, a verify step, a burst, a step time): ranking every budget's hope
+# A `_hopeless` verdict is reused for up to this many plans at its batch size (or prefills' questions,
+# `hopeless_at`) while the policy learns nothing (a draft, a verify step, a speculative burst, a step
+# time: an AR burst's too, where it reads out the context): ranking every budget's hope
 # took ~17 us of host time a plan on this CPU, and at C=32-128 on the H200 auto's host time between AR
 # bursts, ~100-150 us a burst beyond AR's (2e2c40b), was what kept it at 0.99x AR. (AR bursts' tallies,
 # which only move `lost` slowly, do not count as lessons: hence the limit.)
@@ -273,8 +274,6 @@ class AdaptivePolicy:
         """Counts a burst of `budget` (0: AR) that committed `tokens` to `batch` requests in `ms`."""
         t = self.totals.setdefault((_bucket(batch), budget), [0, 0.0, 0.0])
         t[0], t[1], t[2] = t[0] + 1, t[1] + tokens / batch, t[2] + ms
-        if budget:
-            self._learnt()
 
     def mean_accepted(self, budget: int) -> float:
         """The accepted length per request and step `budget` should give: the drafter's mean E(b) over the
@@ -299,7 +298,7 @@ class AdaptivePolicy:
         return max(device + (self.extra[("spec", max(seen))] if seen else 0.0), 0.5 * device)
 
     def _learnt(self) -> None:
-        """Something was learnt from speculation: `fit` and `_hopeless` judge again."""
+        """Something was learnt (not an AR burst's tally): `fit` and `_hopeless` judge again."""
         self.lessons += 1
         self.fit_at.clear()
 
@@ -356,6 +355,12 @@ class AdaptivePolicy:
         if not self.budgets:
             return 0
         self._gap_rows, self._gap_ms = gap_rows, None
+        budget = self._plan(batch, joined)
+        if callable(gap_rows):  # (not kept past the plan, nor the requests it counts: `gap_ms` keeps what it
+            self._gap_rows, self._gap_ms = 0, self._gap_ms or 0.0  # counted, 0 if the plan did not ask)
+        return budget
+
+    def _plan(self, batch: int, joined: int) -> int:
         if self.expected is None:
             self._count("blind", batch)
             return self.budgets[0]
@@ -461,10 +466,11 @@ class AdaptivePolicy:
         the plan's own threshold then. Reused for up to HOPE_MEMO_PLANS plans while nothing is learnt."""
         if not self.budgets or self.expected is None:
             return False
-        # (what it is judged on: the lessons, and the figures a caller may replace wholesale)
-        basis = (self.lessons, id(self.expected), id(self.verified), id(self.table))
+        # (what it was judged on: the lessons so far, and the figures a caller may replace wholesale)
+        basis = (self.lessons, self.expected, self.verified, self.table)
         memo = self.hope_memo.get((batch, from_ar))
-        if memo is not None and memo[1] == basis and memo[2] > 0:
+        if memo is not None and memo[2] > 0 and memo[1][0] == basis[0] and \
+                all(a is b for a, b in zip(memo[1][1:], basis[1:])):
             memo[2] -= 1
             return memo[0]
         verdict = self._judge_hope(batch, from_ar)

@@ -111,8 +111,7 @@ class AdaptiveSpeculator(Speculator):
                 seqs[n].block_table = [scratch] * (1 + n // ps + 1)
             return seqs[n], ps, n
 
-        for lengths in variant_shapes(max_batch, runner.max_num_batched_tokens, runner.heads_per_kv,
-                                      runner.cfg.num_kv_heads):
+        for lengths in variant_shapes(runner.max_num_batched_tokens, runner.heads_per_kv, runner.cfg.num_kv_heads):
             runner.refeed([row(n) for n in lengths], self.drafter.layer_ids)
 
         def timed(n: int, rows: int) -> float:
@@ -155,7 +154,6 @@ class AdaptiveSpeculator(Speculator):
         packed = torch.cat([torch.zeros_like(ids), pred_fn(logits).long(), ids], 1)
         return StepOutputs(packed.view(R, 3), feats)
 
-
     def tap_free_prefill(self, batch: int) -> bool:
         """A prefill joining a decode batch of `batch` requests skips reading out the drafter's context
         too (a gap, as tap-free AR steps leave): the policy sees no chance for speculation there. On the
@@ -189,10 +187,10 @@ class AdaptiveSpeculator(Speculator):
         """Asked by the engine before each decode step: 0 to speculate now (`step`, with the planned
         budget), else how many AR steps to take first (the engine runs them as a graphed AR burst,
         `ar_step` on the CPU). `joined`: the batch size once the prompts waiting for a slot are in.
-        Those AR steps are `tap_free` as the plan says (they skip reading out the target features: the
-        requests' context gets a gap, refed at a switch)."""
+        A graphed AR burst is `tap_free` as the plan says (it skips reading out the target features: the
+        requests' context gets a gap, refed at a switch); the CPU's `ar_step` always reads them out."""
         self.planned = self.policy.plan(len(seqs), lambda: self.gap_rows(seqs), joined)
-        self.tap_free = not self.planned and self.policy.tap_free
+        self.tap_free = self.policy.tap_free  # (False where the plan speculates)
         return 0 if self.planned else 1 + self.policy.ar_steps_ahead()
 
     def after_ar_burst(self, batch: int, steps: int, request_steps: int, elapsed_ms: float) -> None:
