@@ -442,14 +442,20 @@ def test_hope_in_the_states_the_h200_check_at_61b7355_saw():
                         128: True}
 
 
+def late_61b7355_policy() -> AdaptivePolicy:
+    """The policy as a 61b7355 run on the H200 left it: hopeless from batch 16 up."""
+    policy = AdaptivePolicy(H200_61B7355, BUDGETS)
+    policy.record_draft(1, {4: 1.09, 8: 1.30, 16: 1.45, 32: 1.56})
+    policy.verified = {4: [1.0, 1, 0.69], 8: [28.67, 24, 37.03], 16: [4469.0, 2639, 4769.55], 32: [6.0, 8, 6.85]}
+    return policy
+
+
 def test_a_plan_where_speculation_is_hopeless_ranks_no_budgets_and_prefills_ask_what_it_found():
     # The late 61b7355 state: hopeless from batch 16 up. A plan there ranks the budgets only for a probe
     # (its host time is the GPU's idle time: ~0.2 ms a plan at C=64 on this CPU, with fits at six
     # buckets); a prefill's question is answered from the bucket's last plan, and judged afresh only
     # for a bucket not planned yet.
-    policy = AdaptivePolicy(H200_61B7355, BUDGETS)
-    policy.record_draft(1, {4: 1.09, 8: 1.30, 16: 1.45, 32: 1.56})
-    policy.verified = {4: [1.0, 1, 0.69], 8: [28.67, 24, 37.03], 16: [4469.0, 2639, 4769.55], 32: [6.0, 8, 6.85]}
+    policy = late_61b7355_policy()
     ranked = []
     rate = policy.request_rate
     policy.request_rate = lambda b, batch, store=False: ranked.append((b, batch)) or rate(b, batch, store)
@@ -532,9 +538,7 @@ def test_a_hopeless_verdict_is_reused_until_speculation_teaches_something():
     # The late 61b7355 state (hopeless from batch 16 up): plans at batch 64 judge the budgets' hope once
     # every HOPE_MEMO_PLANS + 1 plans while nothing is learnt, and again right after a lesson (a draft,
     # a verify step) or where the drafter's figures are replaced.
-    policy = AdaptivePolicy(H200_61B7355, BUDGETS)
-    policy.record_draft(1, {4: 1.09, 8: 1.30, 16: 1.45, 32: 1.56})
-    policy.verified = {4: [1.0, 1, 0.69], 8: [28.67, 24, 37.03], 16: [4469.0, 2639, 4769.55], 32: [6.0, 8, 6.85]}
+    policy = late_61b7355_policy()
     judged = []
     judge = policy._judge_hope
     policy._judge_hope = lambda batch, from_ar: judged.append(batch) or judge(batch, from_ar)
