@@ -120,7 +120,7 @@ class AdaptivePolicy:
         # batch bucket -> over its timed bursts, the model's ms for their steps and the ms they took (`fit`)
         self.fits: dict[int, list[float]] = {}
         self.fit_at: dict[int, float] = {}  # batch -> `fit`, until the next lesson
-        self.lessons = 0  # lessons learnt from speculation so far (`_learnt`)
+        self.lessons = 0  # lessons learnt so far (`_learnt`)
         # (batch, from AR) -> [`_hopeless` verdict, what it was judged on, plans left to reuse it]
         self.hope_memo: dict[tuple[int, bool], list] = {}
         self.hopeless_seen: dict[int, bool] = {}  # batch bucket -> what its last plan found (`hopeless_at`)
@@ -361,6 +361,7 @@ class AdaptivePolicy:
         return budget
 
     def _plan(self, batch: int, joined: int) -> int:
+        """`plan`, once the gap rows are in place."""
         if self.expected is None:
             self._count("blind", batch)
             return self.budgets[0]
