@@ -529,6 +529,7 @@ def test_ar_steps_skip_the_read_out_where_the_waiting_prompts_take_the_batch_to_
     assert policy.plan(16, joined=16) == 0 and not policy.hopeless and not policy.tap_free
     assert policy.plan(16, joined=128) == 0 and not policy.hopeless and policy.tap_free
     assert policy.plan(128) == 0 and policy.hopeless and policy.tap_free
+    assert policy.plans == {"ar@16": 1, "headed@16": 1, "hopeless@128": 1}
     for _ in range(200):  # drafts that promise far more: the plan speculates at 16, and reads out
         policy.record_draft(16, {b: 16 * 4.0 for b in BUDGETS[1:]})
     assert policy.plan(16, joined=128) > 0 and not policy.tap_free

@@ -128,7 +128,8 @@ class AdaptivePolicy:
         # [bursts, tokens per request, ms] (`tally`)
         self.totals: dict[tuple[int, int], list[float]] = {}
         self.max_probe_every = max_probe_every
-        # plans by outcome and batch bucket ("spec@16", "probe@1", "ar@4", "hopeless@128", "blind@1")
+        # plans by outcome and batch bucket ("spec@16", "probe@1", "ar@4", "hopeless@128", "blind@1"; "headed@16":
+        # AR, tap-free for the hopeless batch size the waiting prompts are about to fill)
         # since the policy began (it lives as long as its engine), for benchmark rows: an AR plan covers
         # a whole AR burst
         self.plans: dict[str, int] = {}
@@ -412,7 +413,7 @@ class AdaptivePolicy:
         self.ar_streak += 1
         self.fresh = False  # AR steps next: no drafts, the averages grow stale
         self.tap_free = self.hopeless or joined > batch and self.hopeless_at(joined)
-        self._count("hopeless" if self.hopeless else "ar", batch)
+        self._count("hopeless" if self.hopeless else "headed" if self.tap_free else "ar", batch)
         return 0
 
     def _best(self, batch: int, store: bool) -> tuple[int, float]:
