@@ -63,7 +63,8 @@ def main() -> int:
                                                                      "refeed_ms"))
         row = {"mode": mode, "C": c, "profiled": prof is not None, "wall_ms": round(wall, 2),
                "tok_per_s": round(sum(len(o.token_ids) for o in outs) / wall * 1e3, 1),
-               "between_bursts_ms": round(rest, 2), **{k: round(v, 2) if isinstance(v, float) else v for k, v in b.items()}}
+               "between_bursts_ms": round(rest, 2),
+               **{k: round(v, 2) if isinstance(v, float) else v for k, v in b.items()}}
         with open(log_path, "a") as log:  # (row by row: a run that dies keeps what it measured)
             log.write(json.dumps(row) + "\n")
         return row
@@ -75,7 +76,8 @@ def main() -> int:
             for mode in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
                 row = run(mode, c)
                 print(f"C={c:3d} {mode:4s} {row['tok_per_s']:9.1f} tok/s  wall {row['wall_ms']:7.1f}  "
-                      f"ar {row.get('ar_ms', 0):7.1f} ({row.get('ar_steps', 0)} steps, {row.get('ar_bursts', 0)} bursts)"
+                      f"ar {row.get('ar_ms', 0):7.1f} ({row.get('ar_steps', 0)} steps, "
+                      f"{row.get('ar_bursts', 0)} bursts)"
                       f"  prefill {row.get('prefill_ms', 0):6.1f}  between {row['between_bursts_ms']:6.1f}", flush=True)
         times = {}
         for mode in MODES:
