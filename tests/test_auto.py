@@ -359,10 +359,18 @@ def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, mon
     monkeypatch.setattr(auto, "GraphPool", emulated_pool())
     eng = llm.engine
     old = eng.speculator
+    refed = []  # every refeed's row lengths (the warm-up's: each attention variant's shape, then timed ones)
+    refeed = eng.runner.refeed
+    monkeypatch.setattr(eng.runner, "refeed",
+                        lambda rows, taps: refed.append([n for *_, n in rows]) or refeed(rows, taps))
     spec = auto.AdaptiveSpeculator(eng.runner, old.drafter, 4, True, 3, old.max_pages)  # buckets 1, 2, 3
     assert spec.draft_graphs is not None and spec.policy.table.batch == [1, 2, 3]
     assert len(spec.policy.table.store) == 3  # a switch's store, timed at every bucket
-    assert spec.policy.refeed_fixed_ms > 0  # and a refeed's cost (0 unless timed at start-up)
+    assert spec.policy.refeed_fixed_ms > 0  # and a refeed's cost (0 unless timed at start-up), per forward
+    assert spec.policy.refeed_forward_rows == eng.runner.max_num_batched_tokens
+    from ddtree.ops.triton_attention import variant_shapes
+    shapes = variant_shapes(eng.runner.max_num_batched_tokens, eng.runner.heads_per_kv, eng.runner.cfg.num_kv_heads)
+    assert refed[:len(shapes)] == shapes
     assert all(set(spec.step_graphs[b].graphs) == {1, 2, 3} for b in BUDGETS[1:])  # captured while measuring
     eng.speculator = llm.engine.speculator = spec
     plant_by_position(llm, noisy_oracle(continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)),

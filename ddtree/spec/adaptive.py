@@ -78,10 +78,10 @@ FIT_PRIOR_STEPS = 16
 CALIBRATION_PRIOR = 4.0
 # A `_hopeless` verdict is reused for up to this many plans at its batch size (or prefills' questions,
 # `hopeless_at`) while the policy learns nothing (a draft, a verify step, a speculative burst, a step
-# time: an AR burst's too, where it reads out the context): ranking every budget's hope
-# took ~17 us of host time a plan on this CPU, and at C=32-128 on the H200 auto's host time between AR
-# bursts, ~100-150 us a burst beyond AR's (2e2c40b), about the 1% by which it trailed AR. (AR bursts' tallies,
-# which only move `lost` slowly, do not count as lessons: hence the limit.)
+# time: an AR burst's too, where it reads out the context). Ranking every budget's hope took ~17 us of
+# host time a plan on this CPU; at C=32-128 on the H200 auto's host time between AR bursts, ~100-150 us
+# a burst beyond AR's (2e2c40b), was about the 1% by which it trailed AR. (AR bursts' tallies, which
+# only move `lost` slowly, do not count as lessons: hence the limit.)
 HOPE_MEMO_PLANS = 16
 
 

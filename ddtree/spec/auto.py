@@ -102,7 +102,8 @@ class AdaptiveSpeculator(Speculator):
         wide as the runner feeds at once) timed again, the best of three each: the policy's refeed
         cost, a fixed part per forward and a part per row."""
         from ddtree.ops.triton_attention import variant_shapes  # (GPU only: Triton)
-        ps, scratch, runner = self.runner.page_size, self.runner.scratch_page, self.runner
+        runner = self.runner
+        ps, scratch = runner.page_size, runner.scratch_page
         seqs = {}
 
         def row(n: int) -> tuple[Sequence, int, int]:  # n tokens after a page of context
@@ -115,10 +116,10 @@ class AdaptiveSpeculator(Speculator):
             runner.refeed([row(n) for n in lengths], self.drafter.layer_ids)
 
         def timed(n: int, rows: int) -> float:
-            refeed = partial(self.runner.refeed, [row(n)] * rows, self.drafter.layer_ids)
-            return min(wall_ms(refeed, self.runner.device, reps=3))
+            refeed = partial(runner.refeed, [row(n)] * rows, self.drafter.layer_ids)
+            return min(wall_ms(refeed, runner.device, reps=3))
 
-        most = max(1, min(64, max_batch, self.runner.max_num_batched_tokens // 100))
+        most = max(1, min(64, max_batch, runner.max_num_batched_tokens // 100))
         small, large = timed(2, 1), timed(100, most)
         row_ms = max(large - small, 0.0) / max(100 * most - 2, 1)
         self.policy.set_refeed_cost(max(small - 2 * row_ms, 0.0), row_ms, runner.max_num_batched_tokens)
