@@ -535,6 +535,26 @@ def test_ar_steps_skip_the_read_out_where_the_waiting_prompts_take_the_batch_to_
     assert policy.plan(16, joined=128) > 0 and not policy.tap_free
 
 
+def test_ar_steps_skip_the_read_out_where_a_switch_would_feed_gaps_again_anyway():
+    # The batch-16 state of the test above: AR, not hopeless, reading out. Requests with gaps (tap-free
+    # bursts at a larger batch before) need a refeed before any draft, whatever these steps do: they
+    # skip the read-out too. Speculation, should the plan choose it, refeeds them as before.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
+    policy.set_refeed_cost(20.0, 0.001, 2048)
+    policy.record_draft(1, {b: 1.0 for b in BUDGETS[1:]})
+    for _ in range(52):
+        for b in BUDGETS[1:]:
+            policy.observe(b, 16, predicted=16.0, accepted=16.0)
+    counted = []
+    assert policy.plan(16, lambda: counted.append(1) or 0) == 0 and not policy.tap_free
+    assert policy.plan(16, lambda: counted.append(1) or 300) == 0 and not policy.hopeless and policy.tap_free
+    assert policy.plans == {"ar@16": 1, "gapped@16": 1} and counted == [1, 1]
+    assert policy.gap_ms == pytest.approx(20.3)  # (what the plan counted, kept as ms: not the function)
+    for _ in range(200):  # drafts that promise far more: the plan switches, its refeed priced in
+        policy.record_draft(16, {b: 16 * 4.0 for b in BUDGETS[1:]})
+    assert policy.plan(16, 300) > 0 and not policy.tap_free
+
+
 def test_a_hopeless_verdict_is_reused_until_speculation_teaches_something():
     # The late 61b7355 state (hopeless from batch 16 up): plans at batch 64 judge the budgets' hope once
     # every HOPE_MEMO_PLANS + 1 plans while nothing is learnt, and again right after a lesson (a draft,

@@ -129,7 +129,8 @@ class AdaptivePolicy:
         self.totals: dict[tuple[int, int], list[float]] = {}
         self.max_probe_every = max_probe_every
         # plans by outcome and batch bucket ("spec@16", "probe@1", "ar@4", "hopeless@128", "blind@1"; "headed@16":
-        # AR, tap-free for the hopeless batch size the waiting prompts are about to fill)
+        # AR, tap-free for the hopeless batch size the waiting prompts are about to fill; "gapped@8": AR,
+        # tap-free as a switch would feed gaps again anyway)
         # since the policy began (it lives as long as its engine), for benchmark rows: an AR plan covers
         # a whole AR burst
         self.plans: dict[str, int] = {}
@@ -211,12 +212,18 @@ class AdaptivePolicy:
         return self.refeed_scale * self._refeed_model(rows) if rows else 0.0
 
     @property
+    def gap_rows(self) -> int:
+        """The rows due for a refeed now: the last plan's `gap_rows`, counted when first asked (a callable:
+        a hopeless plan with no probe due does not ask; counting them walks every request, each burst)."""
+        if callable(self._gap_rows):
+            self._gap_rows = self._gap_rows()
+        return self._gap_rows
+
+    @property
     def gap_ms(self) -> float:
-        """What feeding again the rows due now should cost: the last plan's `gap_rows`, counted when first
-        asked (a callable: a hopeless plan with no probe due does not ask; counting them walks every
-        request, each burst)."""
+        """What feeding again the rows due now should cost (`gap_rows`)."""
         if self._gap_ms is None:
-            self._gap_ms = self.refeed_ms(self._gap_rows() if callable(self._gap_rows) else self._gap_rows)
+            self._gap_ms = self.refeed_ms(self.gap_rows)
         return self._gap_ms
 
     def observe_refeed(self, rows: int, ms: float) -> None:
@@ -351,14 +358,15 @@ class AdaptivePolicy:
         AR steps are `tap_free` (they need not read out the drafter's context) where there is no chance
         for speculation at this batch size (`hopeless`), or at `joined`, the batch size once the prompts
         waiting for a slot are in: on the H200 (46c1975) runs at C=64-128 read out their first bursts,
-        while their first prompts were let in a few at a time (2,048 prompt tokens a step)."""
+        while their first prompts were let in a few at a time (2,048 prompt tokens a step). Also where
+        the batch has gap rows: a switch refeeds them first either way ("gapped")."""
         self.hopeless = self.tap_free = False
         if not self.budgets:
             return 0
         self._gap_rows, self._gap_ms = gap_rows, None
         budget = self._plan(batch, joined)
-        if callable(gap_rows):  # (not kept past the plan, nor the requests it counts: `gap_ms` keeps what it
-            self._gap_rows, self._gap_ms = 0, self._gap_ms or 0.0  # counted, 0 if the plan did not ask)
+        if callable(self._gap_rows):  # (not kept past the plan, nor the requests it counts: `gap_ms` keeps
+            self._gap_rows, self._gap_ms = 0, self._gap_ms or 0.0  # what it counted, 0 if the plan did not ask)
         return budget
 
     def _plan(self, batch: int, joined: int) -> int:
@@ -413,7 +421,14 @@ class AdaptivePolicy:
         self.ar_streak += 1
         self.fresh = False  # AR steps next: no drafts, the averages grow stale
         self.tap_free = self.hopeless or joined > batch and self.hopeless_at(joined)
-        self._count("hopeless" if self.hopeless else "headed" if self.tap_free else "ar", batch)
+        outcome = "hopeless" if self.hopeless else "headed" if self.tap_free else "ar"
+        if not self.tap_free and self.gap_rows:
+            # A switch from here feeds the batch's gaps again first, a forward whose cost hardly depends
+            # on its rows (`_refeed_model`): reading out these AR steps would spare it nothing but rows.
+            # (On the H200 at 2e2c40b, the tail of a run at C=32, requests all with gaps from tap-free
+            # bursts at batch 32, read out 42 of 137 AR bursts, and never speculated.)
+            self.tap_free, outcome = True, "gapped"
+        self._count(outcome, batch)
         return 0
 
     def _best(self, batch: int, store: bool) -> tuple[int, float]:
