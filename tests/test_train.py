@@ -2,17 +2,16 @@
 import io
 import json
 import os
-import types
 
 import pytest
 import torch
 
 from ddtree import LLM, SamplingParams
 from ddtree.config import ModelConfig
-from ddtree.models.dflash import DFlashDrafter, load_drafter, random_drafter, save_drafter
+from ddtree.models.dflash import load_drafter, random_drafter, save_drafter
 from ddtree.models.loader import load_model
 from ddtree.train.data import generate_dataset, iter_json_array, load_dataset, pack_dataset
-from ddtree.train.drafter import LOG_FILE, STATE_FILE, TrainConfig, draft_logits, head_loss, target_features, train
+from ddtree.train.drafter import LOG_FILE, STATE_FILE, TrainConfig, draft_logits, target_features, train
 from tiny import make_tiny_model
 
 PROMPTS = ["Write a function that adds two numbers.", "Hello, how are you today?", "Explain the quick brown fox.",
@@ -303,35 +302,3 @@ def test_packed_dataset_round_trips(tmp_path):
     bad = [{"input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.tensor([False, True, False])}]
     with pytest.raises(ValueError, match="one run"):
         pack_dataset(bad, path)
-
-
-@pytest.mark.parametrize("scale,cap", [(1.0, None), (0.5, 3.0)])
-def test_head_loss_equals_the_plain_weighted_cross_entropy_with_its_gradient(monkeypatch, scale, cap):
-    # The chunked head loss (logits a few rows at a time, the hidden states' gradient made with them)
-    # against the whole logits through the drafter's own `logits` and F.cross_entropy, with the block
-    # weights, padding rows and soft cap; chunks of 7 rows split the 2 x 3 x 5 rows unevenly.
-    import ddtree.train.drafter as train_mod
-    monkeypatch.setattr(train_mod, "HEAD_CHUNK_ROWS", 7)
-    g = torch.Generator().manual_seed(0)
-    V, D = 50, 16
-    lm_head = torch.nn.Linear(D, V, bias=False)
-    lm_head.weight.data = torch.randn(V, D, generator=g)
-    drafter = types.SimpleNamespace(dcfg=types.SimpleNamespace(output_multiplier=scale, final_logit_softcapping=cap))
-    drafter.logits = lambda h, head: DFlashDrafter.logits(drafter, h, head)
-    hidden = torch.randn(2, 3, 5, D, generator=g, requires_grad=True)
-    labels = torch.randint(0, V, (2, 3, 5), generator=g)
-    valid = torch.rand(2, 3, 5, generator=g) > 0.3
-    loss, acc = head_loss(drafter, hidden, lm_head, labels, valid, gamma=2.0)
-    loss.backward()
-    got = hidden.grad.clone()
-    hidden.grad = None
-    logits = drafter.logits(hidden, lm_head)
-    w = torch.exp(-torch.arange(5.0) / 2.0) * valid.float()
-    ce = torch.nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none")
-    want = (ce.view(labels.shape) * w).sum() / w.sum()
-    want.backward()
-    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
-    assert torch.allclose(got, hidden.grad, atol=1e-6, rtol=1e-4)
-    hit = (logits.argmax(-1) == labels) & valid
-    assert torch.allclose(acc, hit.flatten(0, 1).sum(0).float() / valid.flatten(0, 1).sum(0).clamp(min=1).float())
-    assert head_loss(drafter, hidden, lm_head, labels, valid, gamma=2.0, with_acc=False)[1] is None

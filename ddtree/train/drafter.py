@@ -195,18 +195,10 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: torch.Tensor, C: int, B: int
 
 def draft_logits(drafter: DFlashDrafter, target: CausalLM, ids: torch.Tensor, feats: torch.Tensor,
                  ctx_len: torch.Tensor, anchors: torch.Tensor, flex: bool = False) -> torch.Tensor:
-    """Training-mode drafter forward: logits [R, n, B-1, V] for block indices 1..B-1 (`draft_hidden`
-    through the target's LM head)."""
-    h = draft_hidden(drafter, target, ids, feats, ctx_len, anchors, flex)
-    return drafter.logits(h.to(target.lm_head.weight.dtype), target.lm_head)
-
-
-def draft_hidden(drafter: DFlashDrafter, target: CausalLM, ids: torch.Tensor, feats: torch.Tensor,
-                 ctx_len: torch.Tensor, anchors: torch.Tensor, flex: bool = False) -> torch.Tensor:
-    """Training-mode drafter forward up to the LM head. ids [R, L] tokens (padded), feats [R, L, K*D]
-    target features, ctx_len [R] real lengths, anchors [R, n] block starts (padding -1; such blocks are
-    computed but meaningless). Returns the final hidden states [R, n, B-1, D] at block indices 1..B-1.
-    `flex`: attention through flex_attention with a BlockMask instead of SDPA with a dense boolean mask."""
+    """Training-mode drafter forward. ids [R, L] tokens (padded), feats [R, L, K*D] target features,
+    ctx_len [R] real lengths, anchors [R, n] block starts (padding -1; such blocks are computed but
+    meaningless). Returns logits [R, n, B-1, V] for block indices 1..B-1. `flex`: attention through
+    flex_attention with a BlockMask instead of SDPA with a dense boolean mask."""
     dc = drafter.dcfg
     B = dc.block_size
     R, n = anchors.shape
@@ -224,7 +216,8 @@ def draft_hidden(drafter: DFlashDrafter, target: CausalLM, ids: torch.Tensor, fe
     for layer in drafter.layers:
         h = h + block_attention(layer.self_attn, layer.input_layernorm(h), pos, ctx, ctx_pos, mask)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return drafter.norm(h).view(R, n, B, -1)[:, :, 1:]
+    h = drafter.norm(h).view(R, n, B, -1)[:, :, 1:]
+    return drafter.logits(h.to(target.lm_head.weight.dtype), target.lm_head)
 
 
 def sample_anchors(loss_mask: torch.Tensor, n: int, B: int, g: torch.Generator) -> torch.Tensor:
@@ -278,67 +271,17 @@ def make_batch_inputs(records: list[dict], target: CausalLM, layer_ids: list[int
     return {"ids": ids, "feats": feats, "ctx_len": ctx_len, "anchors": anchors, "labels": labels, "valid": valid}
 
 
-# Rows of the LM head's logits made at once by `head_loss` (fp32: ~0.6 GB at the default target's
-# 151,936-token vocabulary)
-HEAD_CHUNK_ROWS = 1024
-
-
-def head_loss(drafter: DFlashDrafter, hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
-              valid: torch.Tensor, gamma: float, with_acc: bool = True):
-    """Weighted CE of the drafter's logits (weight exp(-(k-1)/gamma) at block index k, valid positions
-    only, normalized by the weights' sum) and per-index accuracy [B-1] (None without `with_acc`).
-    hidden [R, n, B-1, D] (`draft_hidden`). The logits are made and dropped chunk by chunk, the
-    gradient of the hidden states with them (`_HeadCE`): the head is frozen, and the logits of a whole
-    batch, [16 x 32 x 15, 151,936], weighed 2.3 GB in bf16 and twice that again as fp32 for the CE."""
-    Bm1 = hidden.shape[-2]
-    w = torch.exp(-torch.arange(Bm1, device=hidden.device, dtype=torch.float32) / gamma)
+def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, gamma: float):
+    """Weighted CE (weight exp(-(k-1)/gamma) at block index k) and per-index accuracy [B-1]."""
+    Bm1 = logits.shape[-2]
+    w = torch.exp(-torch.arange(Bm1, device=logits.device, dtype=torch.float32) / gamma)
+    ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none").view(labels.shape)
     wv = w * valid.float()
-    rows = (wv / wv.sum().clamp(min=1e-6)).flatten()
-    h = hidden.reshape(-1, hidden.shape[-1]).to(lm_head.weight.dtype)
-    dc = drafter.dcfg
-    loss, hits = _HeadCE.apply(h, lm_head.weight, labels.flatten(), rows, float(dc.output_multiplier),
-                               float(dc.final_logit_softcapping or 0.0), with_acc)
-    if not with_acc:
-        return loss, None
-    hit = hits.view(labels.shape) & valid
-    return loss, hit.flatten(0, -2).sum(0).float() / valid.flatten(0, -2).sum(0).clamp(min=1).float()
-
-
-class _HeadCE(torch.autograd.Function):
-    """sum_i rows[i] * CE(cap(scale * h[i] @ W^T), labels[i]) over chunks of HEAD_CHUNK_ROWS rows, and
-    whether each row's argmax hits its label; the gradient of h is computed in the same pass (W takes
-    none), so no chunk's logits outlive it."""
-
-    @staticmethod
-    def forward(ctx, h, weight, labels, rows, scale, cap, with_acc):
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad = torch.empty_like(h)
-        hits = torch.zeros(labels.shape[0], dtype=torch.bool, device=h.device) if with_acc else None
-        for i in range(0, h.shape[0], HEAD_CHUNK_ROWS):
-            j = slice(i, i + HEAD_CHUNK_ROWS)
-            raw = (h[j] @ weight.t()).float() * scale
-            logits = torch.tanh(raw / cap) * cap if cap else raw
-            lse = torch.logsumexp(logits, dim=-1)
-            lab = labels[j, None]
-            loss += ((lse - logits.gather(1, lab)[:, 0]) * rows[j]).sum()
-            if with_acc:
-                hits[j] = logits.argmax(-1) == labels[j]
-            # d loss / d logits = rows * (softmax - onehot), through the cap and the scale to h
-            d = torch.exp(logits - lse[:, None])
-            d.scatter_add_(1, lab, torch.full_like(lab, -1, dtype=d.dtype))
-            d *= rows[j, None]
-            if cap:
-                d *= 1 - (logits / cap) ** 2
-            grad[j] = (d * scale).to(weight.dtype) @ weight
-        ctx.save_for_backward(grad)
-        if with_acc:
-            ctx.mark_non_differentiable(hits)
-        return loss, hits
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_hits):
-        (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
+    loss = (ce * wv).sum() / wv.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == labels) & valid
+        acc = hit.flatten(0, -2).sum(0).float() / valid.flatten(0, -2).sum(0).clamp(min=1).float()
+    return loss, acc
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -439,19 +382,18 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
         if inp is None:
             sched.step()
             continue
-        done = step + 1
-        logged = done % cfg.log_every == 0 or done == cfg.steps or step == start
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            hidden = draft_hidden(drafter, target, inp["ids"], inp["feats"], inp["ctx_len"], inp["anchors"],
+            logits = draft_logits(drafter, target, inp["ids"], inp["feats"], inp["ctx_len"], inp["anchors"],
                                   flex=cfg.attention == "flex")
-        loss, acc = head_loss(drafter, hidden, target.lm_head, inp["labels"], inp["valid"], cfg.gamma, logged)
+        loss, acc = block_loss(logits, inp["labels"], inp["valid"], cfg.gamma)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         if not timed:
             sched.step()
-        if logged:
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.steps or step == start:
             rec = {"step": done, "loss": round(loss.item(), 5), "lr": opt.param_groups[0]["lr"],
                    "grad_norm": round(float(gnorm), 4), "acc": [round(x, 4) for x in acc.tolist()],
                    "elapsed_s": round(trained(), 2)}
