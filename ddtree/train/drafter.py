@@ -271,13 +271,16 @@ def make_batch_inputs(records: list[dict], target: CausalLM, layer_ids: list[int
     return {"ids": ids, "feats": feats, "ctx_len": ctx_len, "anchors": anchors, "labels": labels, "valid": valid}
 
 
-def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, gamma: float):
-    """Weighted CE (weight exp(-(k-1)/gamma) at block index k) and per-index accuracy [B-1]."""
+def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, gamma: float, with_acc: bool = True):
+    """Weighted CE (weight exp(-(k-1)/gamma) at block index k) and per-index accuracy [B-1] (None without
+    `with_acc`: an argmax over the whole batch's logits, read only on logged steps)."""
     Bm1 = logits.shape[-2]
     w = torch.exp(-torch.arange(Bm1, device=logits.device, dtype=torch.float32) / gamma)
     ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none").view(labels.shape)
     wv = w * valid.float()
     loss = (ce * wv).sum() / wv.sum().clamp(min=1e-6)
+    if not with_acc:
+        return loss, None
     with torch.no_grad():
         hit = (logits.argmax(-1) == labels) & valid
         acc = hit.flatten(0, -2).sum(0).float() / valid.flatten(0, -2).sum(0).clamp(min=1).float()
@@ -382,18 +385,19 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
         if inp is None:
             sched.step()
             continue
+        done = step + 1
+        logged = done % cfg.log_every == 0 or done == cfg.steps or step == start
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             logits = draft_logits(drafter, target, inp["ids"], inp["feats"], inp["ctx_len"], inp["anchors"],
                                   flex=cfg.attention == "flex")
-        loss, acc = block_loss(logits, inp["labels"], inp["valid"], cfg.gamma)
+        loss, acc = block_loss(logits, inp["labels"], inp["valid"], cfg.gamma, logged)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         if not timed:
             sched.step()
-        done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.steps or step == start:
+        if logged:
             rec = {"step": done, "loss": round(loss.item(), 5), "lr": opt.param_groups[0]["lr"],
                    "grad_norm": round(float(gnorm), 4), "acc": [round(x, 4) for x in acc.tolist()],
                    "elapsed_s": round(trained(), 2)}
