@@ -391,42 +391,6 @@ def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, mon
     assert sum(accepted) / len(accepted) > 1.5, accepted  # the oracle's drafts were accepted inside bursts
 
 
-def test_refeed_graphs_give_the_eager_refeeds_features(pairs, monkeypatch):
-    # Under auto with graphs, gaps are fed again through refeed graphs (widths 4 and 8 here): rows cut into
-    # pieces of the widest width, pieces of a width replayed together (width 8: 3 at most a replay), each
-    # piece's rows copied out of the static output before the next replay; past the graphs' page-table
-    # width, eager. The features equal `runner.refeed`'s, and the cache is left as it was.
-    import ddtree.engine.engine as engine_mod
-    fake_gpu_graphs(monkeypatch)
-    monkeypatch.setattr(engine_mod, "PREFILL_WIDTHS", (4, 8))
-    monkeypatch.setattr(engine_mod, "PREFILL_GRAPH_TOKENS", 24)
-    path, d = pairs("qwen2")
-    llm = LLM(path, draft=d, spec="none", max_num_seqs=4, **ENGINE)
-    llm.set_mode("ddtree", "auto", 4, cost_table=table(roofline))
-    eng = llm.engine
-    assert sorted(eng.refeed_graphs) == [4, 8] and [eng.refeed_graphs[T].max_batch for T in (4, 8)] == [4, 3]
-    assert eng.speculator.refeed == eng._refeed_graphed and eng.speculator.policy.refeed_forward_rows == 24
-    seqs = [eng.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=8)) for n in (30, 7, 19)]
-    eng.step()  # (the prompts' prefill, one step)
-    assert [s.num_cached for s in seqs] == [30, 7, 19]
-    taps = eng.speculator.drafter.layer_ids
-    rows = [(seqs[0], 2, 27), (seqs[1], 0, 7), (seqs[2], 5, 3), (seqs[2], 9, 10), (seqs[0], 29, 1)]
-    cache = eng.runner.kv_cache.clone()
-    replays = []
-    for T, pool in eng.refeed_graphs.items():
-        run = pool.run
-        monkeypatch.setattr(pool, "run", lambda inp, T=T, run=run: replays.append((T, inp.ids.shape[0])) or run(inp))
-    with torch.inference_mode():  # (as the engine's steps run)
-        want, got = eng.runner.refeed(rows, taps), eng._refeed_graphed(rows, taps)
-        eng.max_pages = 2  # (8 positions: every row's end is past the graphs' page tables)
-        eager = eng._refeed_graphed(rows, taps)
-    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-4)
-    # pieces: 8, 8, 8, 3 | 7 | 3 | 8, 2 | 1 -> width 8: 5 pieces in 2 replays (3 at most); width 4: 4 in one
-    assert sorted(replays) == [(4, 4), (8, 2), (8, 3)]
-    assert torch.equal(eng.runner.kv_cache[:, :, :eng.runner.scratch_page], cache[:, :, :eng.runner.scratch_page])
-    assert torch.allclose(eager, want, atol=1e-5, rtol=1e-4)  # (eager: no replay after those four)
-
-
 @pytest.mark.parametrize("spec_mode,topk", [("ddtree", 4), ("dflash", 1)])
 def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out, monkeypatch, spec_mode, topk):
     # Verification priced high: the real policy runs AR bursts (the engine's pipelined AR steps until a

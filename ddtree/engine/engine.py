@@ -123,29 +123,16 @@ class LLMEngine:
         # Prefill graphs by width; with a speculator they also store the drafter's context, and under
         # auto a second set does not: prompts joining a batch size where speculation is hopeless.
         self.prefill_graphs: dict[int, GraphPool] = {}
-        self.refeed_graphs: dict[int, GraphPool] = {}  # (auto: `_refeed_graphed`)
         self.untapped_prefill_graphs = self.prefill_graphs
         if self.use_graphs and PREFILL_GRAPHS:
             taps = self.speculator.drafter.layer_ids if self.speculator is not None else None
             self.max_pages = max_pages
             pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # (CPU: tests)
             self.prefill_taps = taps
-            self.prefill_graphs, pool = self._prefill_pools(partial(self._graph_prefill, taps), engine_cfg,
-                                                            max_pages, pool)
+            self.prefill_graphs, pool = self._prefill_pools(taps, engine_cfg, max_pages, pool)
             self.untapped_prefill_graphs = self.prefill_graphs
             if auto and taps:
-                self.untapped_prefill_graphs, pool = self._prefill_pools(partial(self._graph_prefill, None),
-                                                                         engine_cfg, max_pages, pool)
-                # Feeding gaps again (tap-free steps' target features, at a switch) through graphs too:
-                # eager, a refeed took ~16-23 ms a forward of host time on the H200 (2e2c40b-a7ed481), and
-                # a probe's refeed at the end of a run at C=64, 1,828 rows, 45 ms (a7ed481: that round
-                # ran at 0.84x AR).
-                self.refeed_graphs, _ = self._prefill_pools(partial(self._graph_refeed, taps), engine_cfg,
-                                                            max_pages, pool)
-                if self.refeed_graphs:
-                    with torch.inference_mode():
-                        self.speculator.refeed_through(self._refeed_graphed, min(PREFILL_GRAPH_TOKENS,
-                                                                                 engine_cfg.max_num_batched_tokens))
+                self.untapped_prefill_graphs, _ = self._prefill_pools(None, engine_cfg, max_pages, pool)
         # Tokens a decode feeds per step, counted against prompt chunks: auto counts one (its AR steps;
         # where it speculates the batch is small), or a large batch would leave prompts a quarter of
         # the step's budget and admit them slowly.
@@ -163,10 +150,9 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
 
-    def _prefill_pools(self, fn, engine_cfg: EngineConfig, max_pages: int, pool):
-        """Graphs of `fn` over prompt-shaped rows (`PrefillInputs`: a prefill, `_graph_prefill`, or a
-        refeed, `_graph_refeed`) for each width, captured now (on padding: its K/V go to the scratch
-        page), not in the middle of serving; and their memory pool."""
+    def _prefill_pools(self, taps: list[int] | None, engine_cfg: EngineConfig, max_pages: int, pool):
+        """The prefill graphs of each width (with `taps`: storing the drafter's context), captured now (on
+        padding: its K/V go to the scratch page), not in the middle of serving; and their memory pool."""
         zeros = lambda bs: torch.zeros(bs, dtype=torch.long, device=self.device)  # noqa: E731
         scratch = torch.full((1, 1), self.runner.scratch_page, dtype=torch.long, device=self.device)
         pools = {}
@@ -175,7 +161,7 @@ class LLMEngine:
                 break
             tokens = min(PREFILL_GRAPH_TOKENS, engine_cfg.max_num_batched_tokens)
             rows = min(engine_cfg.max_num_seqs, max(1, tokens // T))
-            graphs = GraphPool(fn, rows, pad={"block_tables": self.runner.scratch_page},
+            graphs = GraphPool(partial(self._graph_prefill, taps), rows, pad={"block_tables": self.runner.scratch_page},
                                widths={"block_tables": max_pages, "ids": T}, mempool=pool)
             with torch.inference_mode():
                 graphs.capture_all(lambda bs: PrefillInputs(zeros(bs)[:, None].expand(bs, T), zeros(bs),
@@ -301,41 +287,6 @@ class LLMEngine:
             slots = page_slots(inp.block_tables, pos, self.runner.page_size)
             self.speculator.drafter.store_context(feats.flatten(0, 1), pos.flatten(), slots.flatten())
         return logits
-
-    def _graph_refeed(self, taps: list[int], inp: PrefillInputs) -> torch.Tensor:
-        """A refeed graph: the tapped layers' outputs at cached tokens [R, T, K*D] (`runner.refeed_rows`)."""
-        return self.runner.refeed_rows(inp.ids, inp.starts, inp.block_tables, taps)
-
-    def _refeed_graphed(self, rows: list[tuple[Sequence, int, int]], taps: list[int]) -> torch.Tensor:
-        """`runner.refeed` on the refeed graphs: (request, start, n) per row, cut into pieces of the widest
-        graph's width, each piece to the graph of the next width up with the others of that width (one
-        replay per width and at most `max_batch` pieces). Returns [sum of n, K*D]; eager where a piece
-        fits no graph (positions past the graphs' page-table width)."""
-        pools = self.refeed_graphs
-        widest, room = max(pools), min(self.max_pages * self.runner.page_size, self.cfg.max_position)
-        pieces = [(seq, s, min(widest, start + n - s)) for seq, start, n in rows
-                  for s in range(start, start + n, widest)]
-        widths = [next(w for w in pools if w >= n) for _, _, n in pieces]
-        if any(s + w > room for (_, s, _), w in zip(pieces, widths)):
-            return self.runner.refeed(rows, taps)
-        out = torch.empty(sum(n for *_, n in pieces), self.runner.cfg.hidden_size * len(taps),
-                          dtype=self.runner.dtype, device=self.device)
-        offsets = [0]
-        for *_, n in pieces:
-            offsets.append(offsets[-1] + n)
-        for T in sorted(set(widths)):
-            same = [i for i, w in enumerate(widths) if w == T]
-            for k in range(0, len(same), pools[T].max_batch):
-                part = same[k:k + pools[T].max_batch]
-                chunk = [pieces[i] for i in part]
-                ids = [seq.tokens(s, s + n) + [0] * (T - n) for seq, s, n in chunk]
-                columns = [[s for _, s, _ in chunk]] + [list(col) for col in zip(*ids)]
-                packed = pack_rows([seq.block_table for seq, _, _ in chunk], columns, self.runner.scratch_page,
-                                   self.device)
-                feats = pools[T].run(PrefillInputs(packed[:, 1:1 + T], packed[:, 0], packed[:, 1 + T:], packed[:, 0]))
-                for row, i in enumerate(part):  # (a static output: copied out before the next replay)
-                    out[offsets[i]:offsets[i + 1]].copy_(feats[row, :pieces[i][2]])
-        return out
 
     def _prefill_graphed(self, chunks: list[tuple[Sequence, int]], taps: list[int] | None = None):
         """`runner.run` on the prefill graphs: each chunk goes to the graph of the next width up, with

@@ -144,20 +144,6 @@ class ModelRunner:
         feats = torch.cat(tapped, dim=-1).view(R, T, -1) if taps else hidden.new_zeros(0)
         return self.model.compute_logits(at).float(), feats
 
-    def refeed_rows(self, ids: torch.Tensor, starts: torch.Tensor, block_tables: torch.Tensor,
-                    taps: list[int]) -> torch.Tensor:
-        """`refeed` as a fixed-shape step (a CUDA graph's): cached tokens ids [R, T] at positions starts ..
-        starts + T - 1 (padding past the real ones); device ops only. Their K/V go to the scratch page, so
-        every query attends to the cache as it was. Returns the tapped layers' outputs [R, T, len(taps) * D]."""
-        R, T = ids.shape
-        batch = uniform_batch(block_tables, starts, T, None, self.page_size, self.use_triton, self.heads_per_kv,
-                              self.cfg.num_kv_heads)
-        scratch = self.scratch_page * self.page_size
-        batch.slot_mapping = scratch + torch.arange(R * T, device=ids.device) % self.page_size
-        positions = (starts[:, None] + torch.arange(T, device=ids.device)).flatten()
-        _, tapped = self.model(ids.flatten(), positions, batch, taps)
-        return torch.cat(tapped, dim=-1).view(R, T, -1)
-
     @torch.inference_mode()
     def decode_logits(self, ids: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """AR decode, device ops only: one token per request at position `starts`. Returns [R, V] fp32."""

@@ -73,7 +73,7 @@ class AdaptiveSpeculator(Speculator):
         self.budgets = candidate_budgets(drafter.block_size - 1, topk)
         super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
         self.ctx_rows = drafter.block_size  # a burst's context width: the last accepted path (more: stored first)
-        self.max_pages, self.max_batch, self.planned, self.tap_free = max_pages, max_batch, 0, False  # (`ar_steps`)
+        self.max_pages, self.planned, self.tap_free = max_pages, 0, False  # (`ar_steps`)
         self.draft_graphs, self.ar_graphs, self.step_graphs = None, None, {}
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
             pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
@@ -91,48 +91,38 @@ class AdaptiveSpeculator(Speculator):
             with torch.inference_mode():
                 table = measure_costs(self, sizes, self._fake_context(), reps=5 if use_graphs else 2)
         self.policy = AdaptivePolicy(table, self.budgets)
-        # Feeds gaps again: (request, start, n) rows -> their target features [sum of n, K*D]; eager
-        # (`runner.refeed`) unless the engine hands its refeed graphs over (`refeed_through`)
-        self.refeed = runner.refeed
         if use_graphs:
             with torch.inference_mode():
-                self._warm_refeed()
-                self._time_refeed(runner.max_num_batched_tokens)
+                self._warm_refeed(max_batch)
 
-    def refeed_through(self, refeed, forward_rows: int) -> None:
-        """Refeeds go through `refeed` from now on, at most `forward_rows` rows a forward: timed again."""
-        self.refeed = refeed
-        self._time_refeed(forward_rows)
-
-    def _scratch_row(self, n: int) -> tuple[Sequence, int, int]:
-        """A refeed row of n tokens after a page of context, all on the scratch page (timing only)."""
-        ps = self.runner.page_size
-        seq = Sequence([0] * (ps + n), SamplingParams(), None)
-        seq.block_table = [self.runner.scratch_page] * (1 + n // ps + 1)
-        return seq, ps, n
-
-    def _warm_refeed(self) -> None:
-        """Eager refeeds on the scratch page, ahead of serving, of the shapes that compile every variant of
-        the attention kernel an eager refeed can pick (a first one mid-run took 0.5-1 s on the H200: at
-        53abc1a, one refeed of 4,512 rows 942 ms; with refeed graphs, eager is the fallback)."""
+    def _warm_refeed(self, max_batch: int) -> None:
+        """Refeeds on the scratch page, ahead of serving, of the shapes that compile every variant of
+        the attention kernel a refeed can pick (a first one mid-run took 0.5-1 s on the H200: at
+        53abc1a, one refeed of 4,512 rows 942 ms). Then a small refeed and a large one (one forward, as
+        wide as the runner feeds at once) timed again, the best of three each: the policy's refeed
+        cost, a fixed part per forward and a part per row."""
         from ddtree.ops.triton_attention import variant_shapes  # (GPU only: Triton)
         runner = self.runner
-        rows = {}
+        ps, scratch = runner.page_size, runner.scratch_page
+        seqs = {}
+
+        def row(n: int) -> tuple[Sequence, int, int]:  # n tokens after a page of context
+            if n not in seqs:
+                seqs[n] = Sequence([0] * (ps + n), SamplingParams(), None)
+                seqs[n].block_table = [scratch] * (1 + n // ps + 1)
+            return seqs[n], ps, n
+
         for lengths in variant_shapes(runner.max_num_batched_tokens, runner.heads_per_kv, runner.cfg.num_kv_heads):
-            runner.refeed([rows.setdefault(n, self._scratch_row(n)) for n in lengths], self.drafter.layer_ids)
+            runner.refeed([row(n) for n in lengths], self.drafter.layer_ids)
 
-    def _time_refeed(self, forward_rows: int) -> None:
-        """A small refeed and a large one (one forward) timed, the best of three each: the policy's refeed
-        cost, a fixed part per forward of at most `forward_rows` rows and a part per row."""
         def timed(n: int, rows: int) -> float:
-            refeed = partial(self.refeed, [self._scratch_row(n)] * rows, self.drafter.layer_ids)
-            refeed()
-            return min(wall_ms(refeed, self.runner.device, reps=3))
+            refeed = partial(runner.refeed, [row(n)] * rows, self.drafter.layer_ids)
+            return min(wall_ms(refeed, runner.device, reps=3))
 
-        most = max(1, min(64, self.max_batch, forward_rows // 100))
+        most = max(1, min(64, max_batch, runner.max_num_batched_tokens // 100))
         small, large = timed(2, 1), timed(100, most)
         row_ms = max(large - small, 0.0) / max(100 * most - 2, 1)
-        self.policy.set_refeed_cost(max(small - 2 * row_ms, 0.0), row_ms, forward_rows)
+        self.policy.set_refeed_cost(max(small - 2 * row_ms, 0.0), row_ms, runner.max_num_batched_tokens)
 
     def _draft(self, inp: StepInputs) -> tuple[Candidates, torch.Tensor]:
         """Drafter block -> candidates for the largest budget and E(b) [R, budgets] for each b > 0."""
@@ -174,21 +164,19 @@ class AdaptiveSpeculator(Speculator):
 
     def _refeed_gaps(self, seqs: list[Sequence]) -> float:
         """The target features of every gap in the requests' drafter context (AR steps or prefills that
-        skipped them), fed again through the target (`refeed`: graphs on the GPU), into their pending rows;
-        timed to its end (a device sync: the policy prices the next ones on it). Returns the ms it took (0: no
-        gap)."""
+        skipped them), fed again through the target, into their pending rows; timed to its end (a device
+        sync: the policy prices the next ones on it). Returns the ms it took (0: no gap)."""
         found = gaps(seqs)
         if not found:
             return 0.0
         t0 = time.perf_counter()
-        feats = self.refeed([(s, start, n) for s, _, start, n in found], self.drafter.layer_ids)
+        feats = self.runner.refeed([(s, start, n) for s, _, start, n in found], self.drafter.layer_ids)
         for (s, j, _, _), f in zip(found, feats.split([n for *_, n in found])):
             s.pending_features[j] = f
             s.gap_rows = 0
         _sync(self.runner.device)
         rows, ms = sum(n for *_, n in found), (time.perf_counter() - t0) * 1e3
-        if self.timed:  # (not behind a prefill chunk still running on the device)
-            self.policy.observe_refeed(rows, ms)
+        self.policy.observe_refeed(rows, ms)
         self.stats.bursts.update({"refeeds": 1, "refeed_rows": rows, "refeed_ms": ms})
         return ms
 
