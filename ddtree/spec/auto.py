@@ -176,7 +176,8 @@ class AdaptiveSpeculator(Speculator):
             s.gap_rows = 0
         _sync(self.runner.device)
         rows, ms = sum(n for *_, n in found), (time.perf_counter() - t0) * 1e3
-        self.policy.observe_refeed(rows, ms)
+        if self.timed:  # (not behind a prefill chunk still running on the device)
+            self.policy.observe_refeed(rows, ms)
         self.stats.bursts.update({"refeeds": 1, "refeed_rows": rows, "refeed_ms": ms})
         return ms
 
