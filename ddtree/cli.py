@@ -154,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompts instead of ShareGPT: JSON lines (.jsonl, .jsonl.gz) or one per line")
     t.add_argument("--gen-time-limit", type=float, default=None,
                    help="data: start no new batch of prompts after this many minutes")
-    t.add_argument("--max-new-tokens", type=int, default=512, help="answer length (greedy)")
+    t.add_argument("--max-new-tokens", type=int, default=512, help="answer length")
+    t.add_argument("--gen-temperature", type=float, default=0.0,
+                   help="data: 0 answers greedily (the default); above, sampled answers (other answers to the "
+                        "same prompts), from a generator seeded with --seed")
     t.add_argument("--gen-batch-size", type=int, default=256, help="prompts handed to the engine at once")
     t.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer (chat-formatted) prompts")
     t.add_argument("--max-num-seqs", type=int, default=64, help="engine: requests decoded together")

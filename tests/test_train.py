@@ -267,6 +267,25 @@ def test_data_time_limit_stops_after_the_first_batch(target):
     assert len(recs) == 2  # the first batch always runs; no new batch starts past the limit
 
 
+def test_sampled_data_gives_other_answers_made_again_by_the_seed(target, records, tmp_path):
+    # Greedy by default (the `records` fixture); with a temperature other answers to the same prompts,
+    # the same ones again from the same seed, and the file says how they were made.
+    llm = LLM(target, device="cpu", dtype="float32", spec="none")
+    kw = dict(max_new_tokens=NEW_TOKENS, ignore_eos=True, llm=llm, temperature=1.0)
+    first = generate_dataset(target, PROMPTS, str(tmp_path / "a.pt"), seed=3, **kw)
+    again = generate_dataset(target, PROMPTS, None, seed=3, **kw)
+    other = generate_dataset(target, PROMPTS, None, seed=4, **kw)
+    ids = lambda recs: [r["input_ids"].tolist() for r in recs]  # noqa: E731
+    assert ids(first) == ids(again) != ids(other)
+    assert all(a["input_ids"].shape == g["input_ids"].shape for a, g in zip(first, records))  # (ignore_eos)
+    assert ids(first) != ids(records) and [r["loss_mask"].tolist() for r in first] == \
+        [r["loss_mask"].tolist() for r in records]
+    meta = torch.load(str(tmp_path / "a.pt"), weights_only=False)["meta"]
+    assert meta["greedy"] is False and meta["temperature"] == 1.0 and meta["seed"] == 3
+    with pytest.raises(ValueError, match="temperature"):
+        generate_dataset(target, PROMPTS, None, llm=llm, temperature=-1.0)
+
+
 def test_time_budget_schedule_ends_the_run_and_resumes_with_the_time_spent(target, records, tmp_path):
     from ddtree.train.drafter import lr_lambda
     f = lr_lambda(small_cfg(10**6, warmup=5, min_lr_ratio=0.1))

@@ -97,23 +97,30 @@ def read_prompt_file(path: str) -> list[str]:
 def generate_dataset(target: str, prompts: Iterable[str], out: str | None = None, max_new_tokens: int = 512,
                      device: str | None = None, dtype: str | None = None, batch_size: int = 64,
                      ignore_eos: bool = False, max_prompt_tokens: int = 1024, llm=None,
-                     time_limit_s: float | None = None) -> list[dict]:
+                     time_limit_s: float | None = None, temperature: float = 0.0, seed: int = 0) -> list[dict]:
     """Answers `prompts` (as single user turns) with the target and returns (and saves to `out`, a
     torch file) records {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T]}. `time_limit_s`:
     start no new batch of `batch_size` prompts after this long (a fixed-time data budget).
 
-    Greedy on purpose: the drafter learns to predict the target's own greedy continuation, which is
+    Greedy by default: the drafter learns to predict the target's own greedy continuation, which is
     exactly what greedy verification accepts (and what sampled verification accepts most often, since
-    the drafts are the drafter's argmax). Sampled answers would teach it the target's spread instead
-    of its mode and make the labels noisier for the same amount of data."""
+    the drafts are the drafter's argmax). `temperature` > 0 samples instead, from the global generator
+    seeded with `seed` (no generator per request: at hundreds of requests per step, one sampling call
+    each): other answers to prompts already answered greedily, new contexts where the prompts run out
+    (the default drafter had used every ShareGPT prompt it may by run 6), at the price of labels that
+    follow the target's spread, not only its mode."""
     from ddtree import LLM, SamplingParams
 
     llm = llm or LLM(target, device=device, dtype=dtype, spec="none")
     if llm.tokenizer is None:
         raise ValueError(f"{target} has no tokenizer: cannot chat-format prompts")
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     convs = [[{"role": "user", "content": p}] for p in prompts]
     convs = [c for c in convs if len(llm.encode_chat(c)) <= max_prompt_tokens]
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos)
+    if temperature > 0:
+        torch.manual_seed(seed)
     records: list[dict] = []
     t0 = time.perf_counter()
     for i in range(0, len(convs), batch_size):
@@ -126,7 +133,8 @@ def generate_dataset(target: str, prompts: Iterable[str], out: str | None = None
             mask[len(res.prompt_token_ids):] = True
             records.append({"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": mask})
     if out is not None:
-        save_dataset(records, out, {"target": target, "max_new_tokens": max_new_tokens, "greedy": True})
+        save_dataset(records, out, {"target": target, "max_new_tokens": max_new_tokens, "greedy": temperature == 0,
+                                    "temperature": temperature, "seed": seed})
     return records
 
 

@@ -451,7 +451,8 @@ def main(args) -> int:
                   kv_cache_gb=args.kv_cache_gb)
         records = generate_dataset(args.target, prompts, data_path, args.max_new_tokens, batch_size=args.gen_batch_size,
                                    max_prompt_tokens=args.max_prompt_tokens, llm=llm,
-                                   time_limit_s=args.gen_time_limit * 60 if args.gen_time_limit else None)
+                                   time_limit_s=args.gen_time_limit * 60 if args.gen_time_limit else None,
+                                   temperature=args.gen_temperature, seed=args.seed)
         del llm
         gc.collect()
         print(f"[{len(records)} records, {sum(r['loss_mask'].sum().item() for r in records)} response tokens "
