@@ -14,7 +14,8 @@
 # SKIP_PROMPTS and EXTRA_DATA (answer only the prompts past the first N, and train on those answers with
 # ones made before, e.g. SKIP_PROMPTS=35000 EXTRA_DATA=.xfer/sharegpt_answers_run5.npz), NUM_PROMPTS
 # (only the first N of them; train-drafter's `--prompts` used to default to 15,000, which cut session
-# 11's run to the file's first 15,000, answered in under a minute: it now defaults to all).
+# 11's run to the file's first 15,000, answered in under a minute: it now defaults to all), GEN_TEMPERATURE
+# (sampled answers instead of greedy ones, e.g. 0.8 with EXTRA_DATA the greedy answers of the same prompts).
 # Target features past the free GPU memory less 64 GB are computed per batch instead of precomputed.
 # T0: the call's start (date +%s), so training checkpoints and stops before the call's time limit.
 # Prompts: .xfer/sharegpt_prompts.jsonl.gz, the first human turns of ShareGPT conversations with
@@ -32,14 +33,17 @@ if [ "$phase" = out ]; then  # ($OUT takes at most 8 files of 16 MiB)
 pack_dataset(load_dataset(sys.argv[1]), sys.argv[2])" "$out/data.pt" "$OUT/answers.npz"
   exit 0
 fi
+extra=()  # EXTRA_DATA: one file or several, space-separated
+for f in ${EXTRA_DATA:-}; do extra+=(--extra-data "$f"); done
 common=(--out "$out" --num-layers 2 --intermediate-size 1024 --num-features 4 --block-size 16
         --steps 1000000 --warmup 200 --lr "${LR:-1e-3}" --batch-size 16 --blocks-per-seq 32 --gamma 7
         --max-len 1024 --save-every 1000 --time-budget "${TIME_BUDGET:-9}" ${DATA:+--data "$DATA"}
-        ${EXTRA_DATA:+--extra-data "$EXTRA_DATA"} ${FEATURE_CACHE_GB:+--feature-cache-gb "$FEATURE_CACHE_GB"})
+        "${extra[@]}" ${FEATURE_CACHE_GB:+--feature-cache-gb "$FEATURE_CACHE_GB"})
 if [ "$phase" = 1 ]; then
   # INIT=ddtree/models/default_drafter: warm start from the shipped drafter (its shape wins)
   python3 -m ddtree.cli train-drafter "${common[@]}" ${INIT:+--init "$INIT"} --prompt-file "${PROMPTS:-.xfer/sharegpt_prompts.jsonl.gz}" ${NUM_PROMPTS:+--prompts "$NUM_PROMPTS"} ${SKIP_PROMPTS:+--skip-prompts "$SKIP_PROMPTS"} \
     --max-new-tokens 384 --max-prompt-tokens 512 --gen-batch-size "${GEN_BATCH:-1024}" --max-num-seqs "${MAX_NUM_SEQS:-256}" --kv-cache-gb 16 \
+    ${GEN_TEMPERATURE:+--gen-temperature "$GEN_TEMPERATURE"} \
     --gen-time-limit "${GEN_MINUTES:-2}" --deadline $((t0 + ${DEADLINE:-560}))
 else
   python3 -m ddtree.cli train-drafter "${common[@]}" --resume --deadline $((t0 + ${DEADLINE:-330}))
