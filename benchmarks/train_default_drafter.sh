@@ -2,7 +2,7 @@
 # Trains the default drafter on the H200 in two device calls of < 10 minutes each (see
 # benchmarks/README.md for the machine set-up; `source benchmarks/gpu_setup.sh` first).
 #
-#   bash benchmarks/train_default_drafter.sh 1 T0   # data (2 min of greedy answers) + training until T0+DEADLINE
+#   bash benchmarks/train_default_drafter.sh 1 T0   # data (GEN_MINUTES of answers) + training until T0+DEADLINE
 #   bash benchmarks/train_default_drafter.sh 2 T0   # resume until the time budget is spent
 #   bash benchmarks/train_default_drafter.sh out    # into $OUT: the weights in 13 MB parts (join with cat),
 #                                                   # config, log, and the answers packed (reusable: DATA=)
@@ -34,11 +34,11 @@ pack_dataset(load_dataset(sys.argv[1]), sys.argv[2])" "$out/data.pt" "$OUT/answe
   exit 0
 fi
 extra=()  # EXTRA_DATA: one file or several, space-separated
-for f in ${EXTRA_DATA:-}; do extra+=(--extra-data "$f"); done
+for f in ${EXTRA_DATA:-}; do extra+=(--extra-data "$f"); done  # (names without spaces or wildcards)
 common=(--out "$out" --num-layers 2 --intermediate-size 1024 --num-features 4 --block-size 16
         --steps 1000000 --warmup 200 --lr "${LR:-1e-3}" --batch-size 16 --blocks-per-seq 32 --gamma 7
         --max-len 1024 --save-every 1000 --time-budget "${TIME_BUDGET:-9}" ${DATA:+--data "$DATA"}
-        "${extra[@]}" ${FEATURE_CACHE_GB:+--feature-cache-gb "$FEATURE_CACHE_GB"})
+        ${extra[@]+"${extra[@]}"} ${FEATURE_CACHE_GB:+--feature-cache-gb "$FEATURE_CACHE_GB"})
 if [ "$phase" = 1 ]; then
   # INIT=ddtree/models/default_drafter: warm start from the shipped drafter (its shape wins)
   python3 -m ddtree.cli train-drafter "${common[@]}" ${INIT:+--init "$INIT"} --prompt-file "${PROMPTS:-.xfer/sharegpt_prompts.jsonl.gz}" ${NUM_PROMPTS:+--prompts "$NUM_PROMPTS"} ${SKIP_PROMPTS:+--skip-prompts "$SKIP_PROMPTS"} \

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from ddtree.spec.adaptive import (FIT_PRIOR_STEPS, HOPE_BURSTS, HOPE_EVIDENCE, HOPE_MEMO_PLANS, HOPE_PRIOR_STEPS,
-                                  HOPE_SPREAD, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS,
+from ddtree.spec.adaptive import (AR_BURST_STEPS, FIT_PRIOR_STEPS, HOPE_BURSTS, HOPE_EVIDENCE, HOPE_MEMO_PLANS,
+                                  HOPE_PRIOR_STEPS, HOPE_SPREAD, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS,
                                   AdaptivePolicy, candidate_budgets)
 from ddtree.spec.costs import CostTable
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
@@ -538,8 +538,13 @@ def test_ar_steps_skip_the_read_out_where_the_waiting_prompts_take_the_batch_to_
 def test_ar_steps_skip_the_read_out_where_a_switch_would_feed_gaps_again_anyway():
     # The batch-16 state of the test above: AR, not hopeless, reading out. Requests with gaps (tap-free
     # bursts at a larger batch before) need a refeed before any draft, whatever these steps do: they
-    # skip the read-out too. Speculation, should the plan choose it, refeeds them as before.
-    policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
+    # skip the read-out too, while the burst's rows (16 a step, 16 steps at most) fit the refeed's
+    # forwards (2,048 rows each); past that they read out, so the gaps, and a probe's refeed, stop
+    # growing. Speculation, should the plan choose it, refeeds them as before.
+    import ddtree.engine.engine as engine_mod
+    assert AR_BURST_STEPS == engine_mod.DECODE_BURST
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0 if bs <= 16 else 4.0,
+                                  draft_ms=lambda bs: 0.0), BUDGETS)
     policy.set_refeed_cost(20.0, 0.001, 2048)
     policy.record_draft(1, {b: 1.0 for b in BUDGETS[1:]})
     for _ in range(52):
@@ -548,11 +553,16 @@ def test_ar_steps_skip_the_read_out_where_a_switch_would_feed_gaps_again_anyway(
     counted = []
     assert policy.plan(16, lambda: counted.append(1) or 0) == 0 and not policy.tap_free
     assert policy.plan(16, lambda: counted.append(1) or 300) == 0 and not policy.hopeless and policy.tap_free
-    assert policy.plans == {"ar@16": 1, "gapped@16": 1} and counted == [1, 1]
-    assert policy.gap_ms == pytest.approx(20.3)  # (what the plan counted, kept as ms: not the function)
+    assert policy.gapped and policy.gap_ms == pytest.approx(20.3)  # (what the plan counted, kept as ms)
+    assert policy.plan(16, lambda: counted.append(1) or 2040) == 0 and not policy.tap_free and not policy.gapped
+    assert policy.plans == {"ar@16": 2, "gapped@16": 1} and counted == [1, 1, 1]
+    policy.plan(128)  # (a bucket's first plan prices its probes: it counts them)
+    assert policy.plan(128, lambda: counted.append(1) or 300) == 0 and policy.hopeless and policy.tap_free
+    assert counted == [1, 1, 1] and not policy.gapped and policy.gap_ms == 0.0  # (not counted: hopeless)
+    assert not callable(policy._gap_rows)  # (nor kept, with the requests it would count)
     for _ in range(200):  # drafts that promise far more: the plan switches, its refeed priced in
         policy.record_draft(16, {b: 16 * 4.0 for b in BUDGETS[1:]})
-    assert policy.plan(16, 300) > 0 and not policy.tap_free
+    assert policy.plan(16, 300) > 0 and not policy.tap_free and not policy.gapped
 
 
 def test_a_hopeless_verdict_is_reused_until_speculation_teaches_something():

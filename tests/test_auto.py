@@ -82,10 +82,10 @@ class Scripted:
     (True), always do (False), or each prefill step in turn ("mixed")."""
     def __init__(self, plan, tap_free_prefills=False):
         self.plan_, self.now, self.seen = itertools.cycle(plan), None, []
-        self.prefills = itertools.cycle([True, False] if tap_free_prefills == "mixed" else [tap_free_prefills])
+        self.prefills = itertools.cycle([False, True] if tap_free_prefills == "mixed" else [tap_free_prefills])
 
     table = table(lambda n, bs: 1.0)
-    probing, expected, hopeless, tap_free = False, {}, False, False
+    probing, expected, hopeless, tap_free, gapped = False, {}, False, False, False
 
     def plan(self, batch, gap_rows=0, joined=0):  # "wasted": the largest budget (drafted; `choose` then throws it away)
         self.now = next(self.plan_)
@@ -232,10 +232,15 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
     prefill = llm.engine._forward_and_sample
     monkeypatch.setattr(llm.engine, "_forward_and_sample", lambda chunks, taps=None: steps.append(
         ([has_gap(seq) for seq, _ in chunks], taps is not None)) or prefill(chunks, taps))
-    split = []  # prefill steps whose chunks ran as two forwards, one without the read-out, one with (none)
+    prefills = []  # per prefill step: which of its chunks' requests had a gap before it, and its forwards
     spec_prefill = llm.engine._spec_prefill
-    monkeypatch.setattr(llm.engine, "_spec_prefill", lambda chunks: (lambda n, out: split.append(
-        [tapped for _, tapped in steps[n:]] == [False, True]) or out)(len(steps), spec_prefill(chunks)))
+
+    def counted(chunks):
+        before, n = [has_gap(seq) for seq, _ in chunks], len(steps)
+        out = spec_prefill(chunks)
+        prefills.append((before, len(steps) - n))
+        return out
+    monkeypatch.setattr(llm.engine, "_spec_prefill", counted)
     seen = {}
     hook_draft_logits(llm, recorder(seen))
     plan = ["gap", "ar", "gap", 4, "ar", "gap", "gap", "wasted", "ar", 8] if gap else \
@@ -247,7 +252,10 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
     assert (stats.get("refeeds", 0) > 0 and stats.get("tap_free_bursts", 0) > 0) == bool(gap), stats
     assert (stats.get("tap_free_prefills", 0) > 0) == bool(gap), stats
     assert all(not any(gaps) for gaps, tapped in steps if tapped)  # (no read-out where a gap is open)
-    assert not any(split)  # (a step's chunks go one way: with a gap among them, none is read out)
+    assert prefills and all(n == 1 for _, n in prefills)  # (a step's chunks go one way, in one forward)
+    if gap == "mixed":  # (prompts read out, then not; then steps whose chunks' requests had a gap and not)
+        assert [tapped for _, tapped in steps[:2]] == [True, False]
+        assert any(any(before) and not all(before) for before, _ in prefills)
     keys = [k for k in seen if list(k[:-1]) not in prompts]
     assert len(keys) > (5 if graphed else 10)  # (AR bursts: fewer drafts)
     fresh = auto_llm(pairs, family, cost_table=table(roofline))

@@ -170,9 +170,11 @@ def test_cli_train_drafter_generates_data_trains_and_saves(target, tmp_path):
     out = tmp_path / "out"
     rc = main(["train-drafter", "--target", target, "--out", str(out), "--prompt-file", str(prompts),
                "--max-new-tokens", "8", "--steps", "3", "--batch-size", "2", "--block-size", "4",
-               "--num-features", "2", "--device", "cpu", "--dtype", "float32", "--feature-cache-gb", "0"])
+               "--num-features", "2", "--device", "cpu", "--dtype", "float32", "--feature-cache-gb", "0",
+               "--gen-temperature", "0.8"])
     assert rc == 0  # (no features cached: every batch runs the target)
     assert len(load_dataset(str(out / "data.pt"))) == 2
+    assert torch.load(str(out / "data.pt"), weights_only=False)["meta"]["temperature"] == 0.8  # (sampled answers)
     d = load_drafter(str(out), ModelConfig.from_dir(target), "cpu", torch.float32)
     assert d.dcfg.block_size == 4 and len(d.dcfg.target_layer_ids) == 2
     assert [r["step"] for r in read_log(str(out))][-1] == 3
@@ -282,8 +284,9 @@ def test_sampled_data_gives_other_answers_made_again_by_the_seed(target, records
         [r["loss_mask"].tolist() for r in records]
     meta = torch.load(str(tmp_path / "a.pt"), weights_only=False)["meta"]
     assert meta["greedy"] is False and meta["temperature"] == 1.0 and meta["seed"] == 3
-    with pytest.raises(ValueError, match="temperature"):
-        generate_dataset(target, PROMPTS, None, llm=llm, temperature=-1.0)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            generate_dataset(target, PROMPTS, None, llm=llm, temperature=bad)
 
 
 def test_time_budget_schedule_ends_the_run_and_resumes_with_the_time_spent(target, records, tmp_path):

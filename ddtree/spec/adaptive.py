@@ -37,6 +37,7 @@ from collections.abc import Callable
 from ddtree.spec.costs import CostTable
 
 BUDGETS = (4, 8, 16, 32)  # speculative candidates; 0 (AR) is always one too
+AR_BURST_STEPS = 16  # the most steps of one of the engine's AR bursts (engine.DECODE_BURST)
 SWITCH_MARGIN = 1.05  # the rate another mode (AR or speculation) must beat the current one by
 PROBE_EVERY = 16  # AR steps at least between probes (a burst of the budget that looks best) ...
 MAX_PROBE_EVERY = 1024  # ... and at most, within which as many as keep what losing probes cost
@@ -137,6 +138,7 @@ class AdaptivePolicy:
         self.probing = False  # this draft is a probe: AR looked better on past averages
         self.hopeless = False  # the last plan saw no chance for speculation at its batch size (`hope_rate`)
         self.tap_free = False  # ... or said AR where the batch is headed for a size with none (`plan`)
+        self.gapped = False  # ... or said AR, tap-free as the batch has gaps a switch refeeds anyway
         self.speculating = False  # the last plan chose a budget > 0 (not a probe) ...
         self.spec_bucket = 0  # ... for this batch bucket
         self.extra: dict[tuple[str, int], float] = {}  # ("ar" | "spec", batch bucket) -> ms beyond the table
@@ -204,8 +206,10 @@ class AdaptivePolicy:
         """A refeed of `rows` rows as timed at start-up: a fixed cost per forward it takes (at C=128 on the
         H200, 2e2c40b, a probe's refeed of 17,649 rows took nine forwards, 318 ms, where one forward's
         cost had priced it at ~14), plus its rows."""
-        forwards = -(-rows // self.refeed_forward_rows) if self.refeed_forward_rows else 1
-        return forwards * self.refeed_fixed_ms + rows * self.refeed_row_ms
+        return self._refeed_forwards(rows) * self.refeed_fixed_ms + rows * self.refeed_row_ms
+
+    def _refeed_forwards(self, rows: int) -> int:
+        return -(-rows // self.refeed_forward_rows) if self.refeed_forward_rows else 1
 
     def refeed_ms(self, rows: int) -> float:
         """What feeding `rows` gap rows again should cost."""
@@ -214,7 +218,8 @@ class AdaptivePolicy:
     @property
     def gap_rows(self) -> int:
         """The rows due for a refeed now: the last plan's `gap_rows`, counted when first asked (a callable:
-        a hopeless plan with no probe due does not ask; counting them walks every request, each burst)."""
+        a hopeless plan with no probe due does not ask; counting them walks every request, each burst);
+        after a plan that did not ask, 0."""
         if callable(self._gap_rows):
             self._gap_rows = self._gap_rows()
         return self._gap_rows
@@ -360,7 +365,7 @@ class AdaptivePolicy:
         waiting for a slot are in: on the H200 (46c1975) runs at C=64-128 read out their first bursts,
         while their first prompts were let in a few at a time (2,048 prompt tokens a step). Also where
         the batch has gap rows: a switch refeeds them first either way ("gapped")."""
-        self.hopeless = self.tap_free = False
+        self.hopeless = self.tap_free = self.gapped = False
         if not self.budgets:
             return 0
         self._gap_rows, self._gap_ms = gap_rows, None
@@ -422,12 +427,15 @@ class AdaptivePolicy:
         self.fresh = False  # AR steps next: no drafts, the averages grow stale
         self.tap_free = self.hopeless or joined > batch and self.hopeless_at(joined)
         outcome = "hopeless" if self.hopeless else "headed" if self.tap_free else "ar"
-        if not self.tap_free and self.gap_rows:
-            # A switch from here feeds the batch's gaps again first, a forward whose cost hardly depends
-            # on its rows (`_refeed_model`): reading out these AR steps would spare it nothing but rows.
-            # (On the H200 at 2e2c40b, the tail of a run at C=32, requests all with gaps from tap-free
-            # bursts at batch 32, read out 42 of 137 AR bursts, and never speculated.)
-            self.tap_free, outcome = True, "gapped"
+        if not self.tap_free and self.gap_rows and self._refeed_forwards(self.gap_rows + batch * min(
+                1 + self.ar_steps_ahead(), AR_BURST_STEPS)) == self._refeed_forwards(self.gap_rows):
+            # A switch from here feeds the batch's gaps again first, at a cost per forward (`_refeed_model`):
+            # while this burst's rows fit the forwards that refeed takes anyway, reading them out would
+            # spare it little. (On the H200 at 2e2c40b, the tail of a run at C=32, requests all with gaps
+            # from tap-free bursts at batch 32, read out 42 of 137 AR bursts, and never speculated.) Past
+            # that, the burst reads out: the gaps stop growing, and a probe's refeed with them.
+            self.tap_free = self.gapped = True
+            outcome = "gapped"
         self._count(outcome, batch)
         return 0
 

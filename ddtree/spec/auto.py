@@ -204,10 +204,12 @@ class AdaptiveSpeculator(Speculator):
                                   "tap_free_bursts": int(self.tap_free)})
         if self.timed and steps >= TIMED_BURST:
             # (tap-free bursts, cheaper, do not teach the AR step's cost: the plan weighs speculation
-            # against the AR steps that keep the drafter's context)
+            # against the AR steps that keep the drafter's context; nor do those tap-free for the gaps
+            # the batch has, at a size with hope, count with AR's bursts there: `lost`)
             if not self.tap_free:
                 self.policy.observe_time("ar", batch, elapsed_ms / steps, self.policy.table.ar_ms(batch))
-            self.policy.tally(0, batch, request_steps, elapsed_ms)
+            if not self.policy.gapped:
+                self.policy.tally(0, batch, request_steps, elapsed_ms)
 
     @torch.inference_mode()
     def ar_step(self, seqs: list[Sequence], commit) -> None:

@@ -111,11 +111,11 @@ def generate_dataset(target: str, prompts: Iterable[str], out: str | None = None
     follow the target's spread, not only its mode."""
     from ddtree import LLM, SamplingParams
 
+    if not temperature >= 0:  # (NaN too)
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     llm = llm or LLM(target, device=device, dtype=dtype, spec="none")
     if llm.tokenizer is None:
         raise ValueError(f"{target} has no tokenizer: cannot chat-format prompts")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
     convs = [[{"role": "user", "content": p}] for p in prompts]
     convs = [c for c in convs if len(llm.encode_chat(c)) <= max_prompt_tokens]
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos)

@@ -428,6 +428,8 @@ def main(args) -> int:
 
     from ddtree.models.hub import resolve_model
 
+    if not args.gen_temperature >= 0:  # (before any model loads; NaN too)
+        raise ValueError(f"--gen-temperature must be >= 0, got {args.gen_temperature}")
     device = torch.device(args.device or default_device())
     dtype = parse_dtype(args.dtype, device.type)
     args.target = resolve_model(args.target)  # a checkpoint dir (a .gguf is converted once)
@@ -436,8 +438,9 @@ def main(args) -> int:
     if os.path.exists(data_path):
         records = load_dataset(data_path)
         print(f"[{len(records)} records from {data_path}]")
-        if args.skip_prompts or args.prompts is not None:
-            print("[--prompts / --skip-prompts ignored: the data exists; they choose prompts to answer]")
+        if args.skip_prompts or args.prompts is not None or args.gen_temperature:
+            print("[--prompts / --skip-prompts / --gen-temperature ignored: the data exists; they choose the "
+                  "prompts to answer and how]")
     else:
         if args.prompt_file:
             prompts = read_prompt_file(args.prompt_file)
