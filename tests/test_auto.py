@@ -246,11 +246,17 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
     plan = ["gap", "ar", "gap", 4, "ar", "gap", "gap", "wasted", "ar", 8] if gap else \
         ["ar", "ar", "ar", 4, "ar", "wasted", "ar", 8]
     llm.engine.speculator.policy = ScriptedBursts(plan, gap) if graphed else Scripted(plan)
+    observed = []  # per refeed the policy learnt from: whether no prefill chunk was in flight
+    monkeypatch.setattr(Scripted, "observe_refeed",
+                        lambda self, rows, ms: observed.append(llm.engine.speculator.timed))
     llm.generate(prompts, [SamplingParams(max_tokens=m) for m in MAX_TOKENS])
     assert (llm.engine.decode_graphs is not None) == graphed
     stats = llm.last_stats["bursts"]
     assert (stats.get("refeeds", 0) > 0 and stats.get("tap_free_bursts", 0) > 0) == bool(gap), stats
     assert (stats.get("tap_free_prefills", 0) > 0) == bool(gap), stats
+    # refeeds teach their cost only with no prefill chunk in flight ("mixed": one ran behind one)
+    assert all(observed) and len(observed) <= stats.get("refeeds", 0)
+    assert (len(observed) < stats.get("refeeds", 0)) == (gap == "mixed")
     assert all(not any(gaps) for gaps, tapped in steps if tapped)  # (no read-out where a gap is open)
     assert prefills and all(n == 1 for _, n in prefills)  # (a step's chunks go one way, in one forward)
     if gap == "mixed":  # (prompts read out, then not; then steps whose chunks' requests had a gap and not)
