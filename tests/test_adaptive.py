@@ -541,8 +541,7 @@ def test_ar_steps_skip_the_read_out_where_a_switch_would_feed_gaps_again_anyway(
     # skip the read-out too, while the burst's rows (16 a step, 16 steps at most) fit the refeed's
     # forwards (2,048 rows each); past that they read out, so the gaps, and a probe's refeed, stop
     # growing. Speculation, should the plan choose it, refeeds them as before.
-    import ddtree.engine.engine as engine_mod
-    assert AR_BURST_STEPS == engine_mod.DECODE_BURST
+    assert AR_BURST_STEPS == 16
     policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0 if bs <= 16 else 4.0,
                                   draft_ms=lambda bs: 0.0), BUDGETS)
     policy.set_refeed_cost(20.0, 0.001, 2048)

@@ -22,14 +22,14 @@ from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
 from ddtree.ops.attention import pack_rows, page_slots
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.adaptive import candidate_budgets
+from ddtree.spec.adaptive import AR_BURST_STEPS, candidate_budgets
 from ddtree.spec.auto import AdaptiveSpeculator
 from ddtree.spec.costs import CostTable
 from ddtree.spec.decode import SHORT_BURST, SPEC_BURST, Speculator
 from ddtree.spec.draft import DraftRunner, close_gap, has_gap, open_gap
 
 
-DECODE_BURST = 16  # graphed AR decode steps per engine step, pipelined (see LLMEngine._decode_graphed)
+DECODE_BURST = AR_BURST_STEPS  # graphed AR decode steps per engine step, pipelined (see LLMEngine._decode_graphed)
 PENDING_ROWS = 128  # auto: drafter context rows a request may hold pending (7 KB each) before a store
 # A prompt chunk of at most the last of these tokens is prefilled by replaying the CUDA graph of the
 # next width up, with the step's other chunks of that width (an eager prefill is host-bound: ~24

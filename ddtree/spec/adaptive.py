@@ -37,7 +37,7 @@ from collections.abc import Callable
 from ddtree.spec.costs import CostTable
 
 BUDGETS = (4, 8, 16, 32)  # speculative candidates; 0 (AR) is always one too
-AR_BURST_STEPS = 16  # the most steps of one of the engine's AR bursts (engine.DECODE_BURST)
+AR_BURST_STEPS = 16  # the most steps of one of the engine's AR bursts (its DECODE_BURST is this)
 SWITCH_MARGIN = 1.05  # the rate another mode (AR or speculation) must beat the current one by
 PROBE_EVERY = 16  # AR steps at least between probes (a burst of the budget that looks best) ...
 MAX_PROBE_EVERY = 1024  # ... and at most, within which as many as keep what losing probes cost
@@ -427,8 +427,9 @@ class AdaptivePolicy:
         self.fresh = False  # AR steps next: no drafts, the averages grow stale
         self.tap_free = self.hopeless or joined > batch and self.hopeless_at(joined)
         outcome = "hopeless" if self.hopeless else "headed" if self.tap_free else "ar"
-        if not self.tap_free and self.gap_rows and self._refeed_forwards(self.gap_rows + batch * min(
-                1 + self.ar_steps_ahead(), AR_BURST_STEPS)) == self._refeed_forwards(self.gap_rows):
+        rows = 0 if self.tap_free else self.gap_rows
+        burst_rows = batch * min(1 + self.ar_steps_ahead(), AR_BURST_STEPS)
+        if rows and self._refeed_forwards(rows + burst_rows) == self._refeed_forwards(rows):
             # A switch from here feeds the batch's gaps again first, at a cost per forward (`_refeed_model`):
             # while this burst's rows fit the forwards that refeed takes anyway, reading them out would
             # spare it little. (On the H200 at 2e2c40b, the tail of a run at C=32, requests all with gaps
