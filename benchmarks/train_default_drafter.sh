@@ -5,7 +5,10 @@
 #   bash benchmarks/train_default_drafter.sh 1 T0   # data (GEN_MINUTES of answers) + training until T0+DEADLINE
 #   bash benchmarks/train_default_drafter.sh 2 T0   # resume until the time budget is spent
 #   bash benchmarks/train_default_drafter.sh out    # into $OUT: the weights in 13 MB parts (join with cat),
-#                                                   # config, log, and the answers packed (reusable: DATA=)
+#                                                   # config, log, and the answers packed (reusable: DATA=),
+#                                                   # in 15 MB parts past 15 MB
+#   bash benchmarks/train_default_drafter.sh gen F  # answers only, into the torch file F (for EXTRA_DATA=F),
+#                                                   # e.g. sampled ones: PROMPTS=... GEN_TEMPERATURE=0.8 PROMPT_REPEATS=2
 #
 # Optional environment: INIT (warm start), DATA (answers made earlier, e.g. a packed .npz: no generation),
 # GEN_MINUTES, LR, GEN_BATCH, MAX_NUM_SEQS, TIME_BUDGET (minutes of cosine schedule), DEADLINE, PROMPTS (the
@@ -15,7 +18,8 @@
 # ones made before, e.g. SKIP_PROMPTS=35000 EXTRA_DATA=.xfer/sharegpt_answers_run5.npz), NUM_PROMPTS
 # (only the first N of them; train-drafter's `--prompts` used to default to 15,000, which cut session
 # 11's run to the file's first 15,000, answered in under a minute: it now defaults to all), GEN_TEMPERATURE
-# (sampled answers instead of greedy ones, e.g. 0.8 with EXTRA_DATA the greedy answers of the same prompts).
+# (sampled answers instead of greedy ones, e.g. 0.8 with EXTRA_DATA the greedy answers of the same prompts),
+# PROMPT_REPEATS (sampled: answers per prompt).
 # Target features past the free GPU memory less 64 GB are computed per batch instead of precomputed.
 # T0: the call's start (date +%s), so training checkpoints and stops before the call's time limit.
 # Prompts: .xfer/sharegpt_prompts.jsonl.gz, the first human turns of ShareGPT conversations with
@@ -31,7 +35,18 @@ if [ "$phase" = out ]; then  # ($OUT takes at most 8 files of 16 MiB)
   cp "$out/config.json" "$out/train_log.jsonl" "$OUT/"
   [ -f "$out/data.pt" ] && python3 -c "import sys; from ddtree.train.data import load_dataset, pack_dataset
 pack_dataset(load_dataset(sys.argv[1]), sys.argv[2])" "$out/data.pt" "$OUT/answers.npz"
+  if [ -f "$OUT/answers.npz" ] && [ "$(stat -c %s "$OUT/answers.npz")" -gt 15000000 ]; then
+    split -b 15M "$OUT/answers.npz" "$OUT/answers.npz.part-" && rm "$OUT/answers.npz"
+  fi
   exit 0
+fi
+gen=(--prompt-file "${PROMPTS:-.xfer/sharegpt_prompts.jsonl.gz}" ${NUM_PROMPTS:+--prompts "$NUM_PROMPTS"}
+     ${SKIP_PROMPTS:+--skip-prompts "$SKIP_PROMPTS"} --max-new-tokens 384 --max-prompt-tokens 512
+     --gen-batch-size "${GEN_BATCH:-1024}" --max-num-seqs "${MAX_NUM_SEQS:-256}" --kv-cache-gb 16
+     ${GEN_TEMPERATURE:+--gen-temperature "$GEN_TEMPERATURE"} ${PROMPT_REPEATS:+--prompt-repeats "$PROMPT_REPEATS"}
+     --gen-time-limit "${GEN_MINUTES:-2}")
+if [ "$phase" = gen ]; then
+  exec python3 -m ddtree.cli train-drafter --out "$out" --data "$2" --data-only "${gen[@]}"
 fi
 extra=()  # EXTRA_DATA: one file or several, space-separated
 for f in ${EXTRA_DATA:-}; do extra+=(--extra-data "$f"); done  # (names without spaces or wildcards)
@@ -41,10 +56,8 @@ common=(--out "$out" --num-layers 2 --intermediate-size 1024 --num-features 4 --
         ${extra[@]+"${extra[@]}"} ${FEATURE_CACHE_GB:+--feature-cache-gb "$FEATURE_CACHE_GB"})
 if [ "$phase" = 1 ]; then
   # INIT=ddtree/models/default_drafter: warm start from the shipped drafter (its shape wins)
-  python3 -m ddtree.cli train-drafter "${common[@]}" ${INIT:+--init "$INIT"} --prompt-file "${PROMPTS:-.xfer/sharegpt_prompts.jsonl.gz}" ${NUM_PROMPTS:+--prompts "$NUM_PROMPTS"} ${SKIP_PROMPTS:+--skip-prompts "$SKIP_PROMPTS"} \
-    --max-new-tokens 384 --max-prompt-tokens 512 --gen-batch-size "${GEN_BATCH:-1024}" --max-num-seqs "${MAX_NUM_SEQS:-256}" --kv-cache-gb 16 \
-    ${GEN_TEMPERATURE:+--gen-temperature "$GEN_TEMPERATURE"} \
-    --gen-time-limit "${GEN_MINUTES:-2}" --deadline $((t0 + ${DEADLINE:-560}))
+  python3 -m ddtree.cli train-drafter "${common[@]}" ${INIT:+--init "$INIT"} "${gen[@]}" \
+    --deadline $((t0 + ${DEADLINE:-560}))
 else
   python3 -m ddtree.cli train-drafter "${common[@]}" --resume --deadline $((t0 + ${DEADLINE:-330}))
 fi

@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--gen-temperature", type=float, default=0.0,
                    help="data: 0 answers greedily (the default); above, sampled answers (other answers to the "
                         "same prompts), from a generator seeded with --seed")
+    t.add_argument("--prompt-repeats", type=int, default=1,
+                   help="data: ask each prompt this many times (sampled answers only: each a different one)")
+    t.add_argument("--data-only", action="store_true", help="make the data file, then stop (no training)")
     t.add_argument("--gen-batch-size", type=int, default=256, help="prompts handed to the engine at once")
     t.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer (chat-formatted) prompts")
     t.add_argument("--max-num-seqs", type=int, default=64, help="engine: requests decoded together")

@@ -221,6 +221,32 @@ def test_cli_answers_only_prompts_past_skip_and_trains_on_extra_data_too(target,
     assert trained_on == [1, 2]  # (the second run: its own answer and the first run's)
 
 
+def test_cli_data_only_asks_each_prompt_repeats_times_and_trains_nothing(target, tmp_path, monkeypatch, capsys):
+    import ddtree.train.drafter as training
+    from ddtree.cli import main
+    monkeypatch.setattr(training, "train", lambda *a, **k: pytest.fail("--data-only trained"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nWrite a loop\n")
+    out = tmp_path / "out"
+    common = ["--target", target, "--out", str(out), "--prompt-file", str(prompts), "--max-new-tokens", "8",
+              "--device", "cpu", "--dtype", "float32", "--data-only"]
+    assert main(["train-drafter", *common, "--prompt-repeats", "2"]) == 2  # greedy: the same answer twice
+    assert "--prompt-repeats" in capsys.readouterr().err and not (out / "data.pt").exists()
+    assert main(["train-drafter", *common, "--prompt-repeats", "3", "--gen-temperature", "1.0"]) == 0
+    recs = load_dataset(str(out / "data.pt"))
+    assert len(recs) == 6 and not os.path.exists(out / STATE_FILE)
+    answers = [r["input_ids"].tolist() for r in recs]
+    assert len({tuple(a) for a in answers[:3]}) > 1  # the same prompt, other answers
+
+
+def test_code_prompts_are_told_apart_roughly():
+    from ddtree.train.data import looks_like_code
+    code = ["Write a python function that sorts a list", "```js\nconst a = 1;\n```", "fix this: for (i=0;i<n;i++) {\n",
+            "Why does my SQL query return duplicates?", "import numpy as np\nx = np.zeros(3)"]
+    prose = ["What is the capital of France?", "Write a poem about autumn", "Summarize this article for me"]
+    assert all(looks_like_code(t) for t in code) and not any(looks_like_code(t) for t in prose)
+
+
 def test_packed_target_features_equal_one_sequence_at_a_time(target, records):
     from ddtree.train.drafter import precompute_features
     net, _ = load_model(target, "cpu", torch.float32)

@@ -430,6 +430,9 @@ def main(args) -> int:
 
     if not args.gen_temperature >= 0:  # (before any model loads; NaN too)
         raise ValueError(f"--gen-temperature must be >= 0, got {args.gen_temperature}")
+    if args.prompt_repeats < 1 or (args.prompt_repeats > 1 and not args.gen_temperature):
+        raise ValueError(f"--prompt-repeats must be 1, or more with --gen-temperature > 0 (greedy answers to the "
+                         f"same prompt are the same answer); got {args.prompt_repeats}")
     device = torch.device(args.device or default_device())
     dtype = parse_dtype(args.dtype, device.type)
     args.target = resolve_model(args.target)  # a checkpoint dir (a .gguf is converted once)
@@ -438,15 +441,15 @@ def main(args) -> int:
     if os.path.exists(data_path):
         records = load_dataset(data_path)
         print(f"[{len(records)} records from {data_path}]")
-        if args.skip_prompts or args.prompts is not None or args.gen_temperature:
-            print("[--prompts / --skip-prompts / --gen-temperature ignored: the data exists; they choose the "
-                  "prompts to answer and how]")
+        if args.skip_prompts or args.prompts is not None or args.gen_temperature or args.prompt_repeats > 1:
+            print("[--prompts / --skip-prompts / --gen-temperature / --prompt-repeats ignored: the data exists; "
+                  "they choose the prompts to answer and how]")
     else:
         if args.prompt_file:
             prompts = read_prompt_file(args.prompt_file)
         else:
             prompts = sharegpt_prompts(every=args.every_turn)
-        prompts = prompts[args.skip_prompts:][:args.prompts]
+        prompts = [p for p in prompts[args.skip_prompts:][:args.prompts] for _ in range(args.prompt_repeats)]
         if not prompts:
             raise ValueError("no prompts")
         from ddtree import LLM
@@ -460,6 +463,8 @@ def main(args) -> int:
         gc.collect()
         print(f"[{len(records)} records, {sum(r['loss_mask'].sum().item() for r in records)} response tokens "
               f"-> {data_path}]")
+    if args.data_only:
+        return 0
     for path in args.extra_data:
         more = load_dataset(path)
         print(f"[+ {len(more)} records from {path}]")
