@@ -10,6 +10,7 @@ from ddtree.ops.attention import make_batch, paged_attention  # noqa: E402
 from ddtree.spec.tree import build_tree  # noqa: E402
 
 tri = pytest.importorskip("ddtree.ops.triton_attention")
+triton = pytest.importorskip("triton")
 
 
 def make_case(q_lens, prefix_lens, mode, H=4, Hkv=2, D=16, page=4, seed=0, splits=None):
@@ -287,13 +288,25 @@ def test_the_variant_warm_up_covers_every_eager_batch(group, kv_heads, max_token
     warmed = {variant(s) for s in shapes}
     g = torch.Generator().manual_seed(group * max_tokens)
     for _ in range(3000):
-        longest = int(torch.randint(1, [2, 4, 8, 16, 33, 64, 300][int(torch.randint(0, 7, (1,), generator=g))] + 1,
+        longest = int(torch.randint(1, [2, 4, 8, 16, 33, 65, 300][int(torch.randint(0, 7, (1,), generator=g))] + 1,
                                     (1,), generator=g))
         rows = int(torch.randint(1, max(2, max_tokens // max(1, longest // 2)), (1,), generator=g))
         lengths = torch.randint(1, longest + 1, (rows,), generator=g).tolist()
         lengths[0] = longest
         if sum(lengths) <= max_tokens:
             assert variant(lengths) in warmed, lengths
+
+
+def test_a_budget_64_tree_is_verified_at_decode_widths():
+    # 65 rows (64 nodes and the root) take the decode tiles and split the keys like a budget-32 tree; at
+    # the H200 a 65-row verify treated as prefill (128-row tiles, one program per tile walking every key)
+    # took 2.70 ms against 1.25 with the splits. One row more is prefill.
+    group, kv_heads = 7, 2  # the default target's
+    for width in (33, 65):
+        bm = tri.choose_block_m(width, group)
+        assert bm * triton.next_power_of_2(group) == 64
+        assert tri.choose_splits(-(-width // bm), kv_heads, width) == 16
+    assert tri.choose_block_m(66, group) * 8 == 128 and tri.choose_splits(5, kv_heads, 66) == 1
 
 
 def test_the_attention_kernel_is_not_specialized_on_the_page_table_width():

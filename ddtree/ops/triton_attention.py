@@ -25,6 +25,12 @@ def plan_blocks(q_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
     return req, qs
 
 
+# The widest row of a decode-width batch: a verify tree of budget 64 plus its root. Wider rows are prefill
+# (128-row tiles, no key splits); a budget-64 tree treated as prefill ran 2.7 ms a verify on the H200
+# instead of ~1.2 (24 layers of ~10 programs walking the keys serially).
+DECODE_MAX_Q = 65
+
+
 def choose_block_m(max_q: int, group: int) -> int:
     # tl.dot needs >= 16 rows: BLOCK_M tokens x (group padded to a power of two) heads. Up to 64 rows
     # for decode widths (a verify tree, the drafter block): more programs, each splitting the keys
@@ -33,7 +39,7 @@ def choose_block_m(max_q: int, group: int) -> int:
     # 128-row tiles.
     g = triton.next_power_of_2(group)
     bm = max(1, 16 // g)
-    most = 128 if max_q > 64 else 64
+    most = 128 if max_q > DECODE_MAX_Q else 64
     while bm < max_q and bm * g < most:
         bm *= 2
     return bm
@@ -134,7 +140,7 @@ def _combine_kernel(Out, Part, PartML, stride_ot, stride_oh, NUM_HEADS: tl.const
 
 def choose_splits(num_blocks: int, num_kv_heads: int, max_q: int) -> int:
     """Split the keys across programs when the grid alone cannot fill the GPU (decode, verify)."""
-    if max_q > 64:
+    if max_q > DECODE_MAX_Q:
         return 1
     want = 2 * 132 // max(1, num_blocks * num_kv_heads)
     return max(1, min(16, triton.next_power_of_2(want) if want > 1 else 1))
@@ -147,7 +153,7 @@ def variant_shapes(max_tokens: int, group: int, num_kv_heads: int) -> list[list[
     one-token rows (the fewest tokens a tile) added until the splits, which only shrink as the tiles
     grow, reach one."""
     shortest: dict[int, int] = {}  # tile height -> the shortest longest row that picks it
-    for q in range(min(max_tokens, 65), 0, -1):  # (65: one past the decode widths, where prefill tiles start)
+    for q in range(min(max_tokens, DECODE_MAX_Q + 1), 0, -1):  # (one past the decode widths: prefill tiles)
         shortest[choose_block_m(q, group)] = q
     shapes = []
     for bm, q in shortest.items():
