@@ -5,7 +5,13 @@ set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DDTREE_CACHE=/tmp/ddcache
 m=qwen2.5-coder-0.5b-instruct
-if [ ! -f $DDTREE_CACHE/$m/model.gguf ]; then
+if [ ! -s $DDTREE_CACHE/$m/model.gguf ]; then
+  # (A fresh machine has no chunks: an empty model.gguf made here would stay and send pull() to PyPI.)
+  if ! ls /tmp/m/$m.?? > /dev/null 2>&1; then
+    echo "no model chunks in /tmp/m: a fresh machine, copy them first" >&2
+    set +e
+    return 1
+  fi
   mkdir -p $DDTREE_CACHE/$m
   cat /tmp/m/$m.?? > $DDTREE_CACHE/$m/model.gguf
 fi
