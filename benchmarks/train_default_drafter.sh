@@ -20,7 +20,8 @@
 # 11's run to the file's first 15,000, answered in under a minute: it now defaults to all), GEN_TEMPERATURE
 # (sampled answers instead of greedy ones, e.g. 0.8 with EXTRA_DATA the greedy answers of the same prompts),
 # PROMPT_REPEATS (sampled: answers per prompt).
-# Target features past the free GPU memory less 64 GB are computed per batch instead of precomputed.
+# Target features past the free GPU memory less 64 GB (FEATURE_CACHE_GB) go to pinned host memory (up to
+# FEATURE_HOST_GB; default: the available less 32 GB, at most half of it all), the rest are computed per batch.
 # T0: the call's start (date +%s), so training checkpoints and stops before the call's time limit.
 # Prompts: .xfer/sharegpt_prompts.jsonl.gz, the first human turns of ShareGPT conversations with
 # index < 15000 (made on the CPU machine by `python -m ddtree.train.data .xfer/sharegpt_prompts.jsonl.gz`; the GPU
@@ -53,7 +54,8 @@ for f in ${EXTRA_DATA:-}; do extra+=(--extra-data "$f"); done  # (names without 
 common=(--out "$out" --num-layers 2 --intermediate-size 1024 --num-features 4 --block-size 16
         --steps 1000000 --warmup 200 --lr "${LR:-1e-3}" --batch-size 16 --blocks-per-seq 32 --gamma 7
         --max-len 1024 --save-every 1000 --time-budget "${TIME_BUDGET:-9}" ${DATA:+--data "$DATA"}
-        ${extra[@]+"${extra[@]}"} ${FEATURE_CACHE_GB:+--feature-cache-gb "$FEATURE_CACHE_GB"})
+        ${extra[@]+"${extra[@]}"} ${FEATURE_CACHE_GB:+--feature-cache-gb "$FEATURE_CACHE_GB"}
+        ${FEATURE_HOST_GB:+--feature-host-gb "$FEATURE_HOST_GB"})
 if [ "$phase" = 1 ]; then
   # INIT=ddtree/models/default_drafter: warm start from the shipped drafter (its shape wins)
   python3 -m ddtree.cli train-drafter "${common[@]}" ${INIT:+--init "$INIT"} "${gen[@]}" \

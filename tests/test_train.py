@@ -278,6 +278,40 @@ def test_features_past_the_cache_budget_are_computed_per_batch_alike(target, rec
     assert precompute_features(net, records, layers, max_len=2048, progress=False, max_bytes=0) == [None] * len(records)
 
 
+def test_features_past_the_device_cache_go_to_host_memory_then_per_batch(target, records, capsys):
+    # Device cache: the two shortest records; host memory: the next two; the rest per batch. Batches
+    # drawing from all three tiers get the same features as with everything precomputed.
+    from ddtree.train.drafter import make_batch_inputs, precompute_features
+    net, _ = load_model(target, "cpu", torch.float32)
+    layers = [0, 2]
+    row = len(layers) * net.config.hidden_size * 4
+    everything = precompute_features(net, records, layers, max_len=2048, progress=False)
+    lengths = sorted(r["input_ids"].shape[0] for r in records)
+    assert len(lengths) >= 5
+    tiers = precompute_features(net, records, layers, max_len=2048, progress=False, tokens_per_batch=10**6,
+                                max_bytes=sum(lengths[:2]) * row, host_bytes=sum(lengths[2:4]) * row + row - 1)
+    kept = sorted(records[i]["input_ids"].shape[0] for i, f in enumerate(tiers) if f is not None)
+    assert kept == lengths[:4]  # (one group would have spanned both tiers: each tier makes its own)
+    assert f"4 of {len(records)} records precomputed (2 in host memory)" in capsys.readouterr().out
+    batch = lambda fs: [{**r, "feats": f} for r, f in zip(records, fs)]  # noqa: E731
+    a = make_batch_inputs(batch(everything), net, layers, 4, 2, torch.Generator().manual_seed(0), 2048, "cpu")
+    b = make_batch_inputs(batch(tiers), net, layers, 4, 2, torch.Generator().manual_seed(0), 2048, "cpu")
+    torch.testing.assert_close(a["feats"], b["feats"], atol=1e-5, rtol=1e-5)
+
+
+def test_host_feature_budget_is_zero_off_cuda_and_spares_memory_on_it(monkeypatch):
+    from ddtree.train import drafter as training
+    assert training._feature_host_bytes(small_cfg(1), torch.device("cpu")) == 0.0
+    assert training._feature_host_bytes(small_cfg(1, feature_host_gb=2.0), torch.device("cpu")) == 2 * 2**30
+    on_cuda = training._feature_host_bytes(small_cfg(1), torch.device("cuda"))  # (reads /proc/meminfo only)
+    assert 0.0 <= on_cuda <= max(0.0, mem_total_bytes() / 2)
+
+
+def mem_total_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal"))
+
+
 def test_prompt_files_round_trip_multiline_prompts(tmp_path):
     from ddtree.train.data import read_prompt_file, write_prompt_file
     prompts = ["line one\nline two", "tab\there", "ünïcode ✓"]

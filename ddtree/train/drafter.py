@@ -56,6 +56,10 @@ class TrainConfig:
     # FEATURE_RESERVE_GB, elsewhere no cap. (4 x 896 bf16 values a token for the default target: run 5's
     # 35,000 answers made ~68 GB; all 50,863 every-turn prompts would make ~98 GB.)
     feature_cache_gb: float | None = None
+    # Past the device cache, features kept in pinned host memory up to this many GB and copied in per
+    # batch (~80 MB a step: a few ms, against a target forward per batch); None: on CUDA the available
+    # host memory less HOST_RESERVE_GB, at most half of it all; elsewhere 0 (the device is the host).
+    feature_host_gb: float | None = None
 
 
 # Device memory left for training steps when the feature cache is sized by itself. At 16 GB the run 6
@@ -63,6 +67,7 @@ class TrainConfig:
 # its first backward (103 GB allocated, 35 GB reserved but unallocated); a cache of 60 GB (set by hand,
 # ~79 GB left) worked. 64 GB leaves about that; this default itself is not yet run on the GPU.
 FEATURE_RESERVE_GB = 64.0
+HOST_RESERVE_GB = 32.0
 
 
 @torch.no_grad()
@@ -98,39 +103,51 @@ def target_features(target: CausalLM, seqs: list[torch.Tensor], layer_ids: list[
 
 def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[int], max_len: int,
                         tokens_per_batch: int = 16384, progress: bool = True,
-                        max_bytes: float | None = None) -> list[torch.Tensor | None]:
+                        max_bytes: float | None = None, host_bytes: float = 0.0) -> list[torch.Tensor | None]:
     """Each record's target features (on the target's device and dtype), computed once so training
     steps don't re-run the frozen target: every record is revisited many times. Shortest records first,
-    up to `max_bytes` of features; the rest get None (computed per batch, `make_batch_inputs`)."""
+    up to `max_bytes` of features on the device, then up to `host_bytes` more in host memory (pinned
+    where CUDA is); the rest get None (computed per batch, `make_batch_inputs`)."""
     from tqdm.auto import tqdm
     dev = target.lm_head.weight.device
     order = sorted(range(len(records)), key=lambda i: records[i]["input_ids"].shape[0])
     bar = tqdm(total=len(records), desc="target features", disable=not progress)
     feats: list[torch.Tensor | None] = [None] * len(records)
     row_bytes = len(layer_ids) * target.config.hidden_size * target.lm_head.weight.element_size()
-    budget = float("inf") if max_bytes is None else max_bytes
-    i = 0
+    budgets = [float("inf") if max_bytes is None else max_bytes, host_bytes]  # device, then host
+    tier, i, on_host = 0, 0, 0
     while i < len(order):
         group, longest = [], 0
         while i < len(order):  # length-sorted, so a group's padding (one page each) stays small
             n = min(records[order[i]]["input_ids"].shape[0], max_len)
             if group and max(longest, n) * (len(group) + 1) > tokens_per_batch:
                 break
-            if n * row_bytes > budget:  # the cache is full: this record and the (longer) rest per batch
-                break
-            budget -= n * row_bytes
+            if n * row_bytes > budgets[tier]:  # this tier is full (the rest are longer)
+                if group or tier == len(budgets) - 1:
+                    break
+                tier += 1
+                continue
+            budgets[tier] -= n * row_bytes
             group.append(order[i])
             longest = max(longest, n)
             i += 1
         if not group:
             break
         seqs = [records[j]["input_ids"][:max_len].to(dev) for j in group]
-        for j, f in zip(group, target_features(target, seqs, layer_ids)):
+        out = target_features(target, seqs, layer_ids)
+        if tier == 1:  # one pinned block per group (a pinned allocation per record would be slow)
+            flat = torch.empty(sum(f.shape[0] for f in out), out[0].shape[1], dtype=out[0].dtype,
+                               pin_memory=torch.cuda.is_available())
+            flat.copy_(torch.cat(out))
+            out = flat.split([f.shape[0] for f in out])
+            on_host += len(group)
+        for j, f in zip(group, out):
             feats[j] = f
         bar.update(len(group))
     bar.close()
-    if i < len(order):
-        print(f"[target features: {i} of {len(records)} records precomputed; the rest per batch]")
+    if i < len(order) or on_host:
+        print(f"[target features: {i} of {len(records)} records precomputed ({on_host} in host memory); "
+              f"the rest per batch]")
     return feats
 
 
@@ -258,8 +275,8 @@ def make_batch_inputs(records: list[dict], target: CausalLM, layer_ids: list[int
         for i, f in zip(missing, target_features(target, [ids[i, :rows[i][0].shape[0]] for i in missing], layer_ids)):
             feats[i, :f.shape[0]] = f
     for i, (t, _, _, f) in enumerate(rows):
-        if f is not None:
-            feats[i, :t.shape[0]] = f[:t.shape[0]]
+        if f is not None:  # (from pinned host memory the copy need not wait)
+            feats[i, :t.shape[0]].copy_(f[:t.shape[0]], non_blocking=True)
     # Labels token[a+k], k = 1..B-1, valid where a is real, a+k < L and a+k is a response token.
     k = torch.arange(1, B, device=device)
     tgt = anchors.clamp(min=0)[:, :, None] + k
@@ -322,6 +339,19 @@ def _feature_cache_bytes(cfg: TrainConfig, dev: torch.device) -> float | None:
     return max(free - FEATURE_RESERVE_GB * 2**30, 0.0)
 
 
+def _feature_host_bytes(cfg: TrainConfig, dev: torch.device) -> float:
+    if cfg.feature_host_gb is not None:
+        return cfg.feature_host_gb * 2**30
+    if dev.type != "cuda":
+        return 0.0
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, min(info.get("MemAvailable", 0) - HOST_RESERVE_GB * 2**30, info.get("MemTotal", 0) / 2))
+
+
 def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, drafter: DFlashDrafter | None = None,
           resume: bool = False, num_layers: int = 1, block_size: int = 16, target_layer_ids: list[int] | None = None,
           progress: bool = True, stop_at: int | None = None, time_limit_s: float | None = None,
@@ -363,7 +393,7 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
     os.makedirs(out, exist_ok=True)
     dc = drafter.dcfg
     feats = precompute_features(target, records, dc.target_layer_ids, cfg.max_len, progress=progress,
-                                max_bytes=_feature_cache_bytes(cfg, dev))
+                                max_bytes=_feature_cache_bytes(cfg, dev), host_bytes=_feature_host_bytes(cfg, dev))
     log = open(os.path.join(out, LOG_FILE), "a")
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train-drafter", disable=not progress)
     t0 = time.perf_counter()
@@ -473,7 +503,8 @@ def main(args) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
                       warmup=args.warmup, gamma=args.gamma, max_len=args.max_len, seed=args.seed,
                       save_every=args.save_every, save_dtype=args.save_dtype, attention=args.attention,
-                      time_budget_s=(args.time_budget or 0) * 60, feature_cache_gb=args.feature_cache_gb)
+                      time_budget_s=(args.time_budget or 0) * 60, feature_cache_gb=args.feature_cache_gb,
+                      feature_host_gb=args.feature_host_gb)
     kw = {}
     if args.intermediate_size:
         kw["intermediate_size"] = args.intermediate_size
