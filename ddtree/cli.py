@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--feature-cache-gb", type=float, default=None,
                    help="precomputed target features kept on the device, GB (the rest per batch; default: "
                         "on CUDA the free memory less 64 GB)")
+    t.add_argument("--labels", choices=["target", "data"], default="target",
+                   help="training labels: the target's argmax after each context (what greedy verification "
+                        "accepts), or the answers' own next tokens (the same for greedy answers)")
     t.add_argument("--feature-host-gb", type=float, default=None,
                    help="past the device cache, features kept in pinned host memory, GB (default: on CUDA "
                         "the available host memory less 32 GB, at most half of it all; elsewhere 0)")

@@ -299,6 +299,36 @@ def test_features_past_the_device_cache_go_to_host_memory_then_per_batch(target,
     torch.testing.assert_close(a["feats"], b["feats"], atol=1e-5, rtol=1e-5)
 
 
+def test_target_labels_are_the_target_s_argmax_which_greedy_answers_already_hold(target, records):
+    # Labels "target": the target's argmax after token a+k-1 for block index k. Greedy answers hold
+    # exactly those tokens (labels as "data"); sampled ones do not, and there the argmax is the label.
+    # Precomputed or computed per batch, the same labels; the argmax is transformers' too.
+    from transformers import AutoModelForCausalLM
+
+    from ddtree.train.drafter import make_batch_inputs, precompute_features
+    net, _ = load_model(target, "cpu", torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
+    layers = [0, 2]
+    llm = LLM(target, device="cpu", dtype="float32", spec="none")
+    sampled = generate_dataset(target, PROMPTS, None, max_new_tokens=NEW_TOKENS, ignore_eos=True, llm=llm,
+                               temperature=1.0, seed=1)
+    for recs, greedy in ((records, True), (sampled, False)):
+        feats, preds = precompute_features(net, recs, layers, max_len=2048, progress=False, with_pred=True)
+        with torch.no_grad():
+            want = hf(recs[0]["input_ids"][None]).logits[0].argmax(-1)
+        assert torch.equal(preds[0].long(), want)
+        batch = [{**r, "feats": f, "pred": p} for r, f, p in zip(recs, feats, preds)]
+        make = lambda b, **kw: make_batch_inputs(b, net, layers, BLOCK, 4, torch.Generator().manual_seed(0),  # noqa: E731
+                                                 2048, "cpu", **kw)
+        by_target, by_data, bare = make(batch, target_labels=True), make(batch), make(recs, target_labels=True)
+        v = by_target["valid"]
+        assert v.sum() > 50 and torch.equal(by_target["labels"][v], bare["labels"][v])
+        same = torch.equal(by_target["labels"][v], by_data["labels"][v])
+        assert same == greedy
+    with pytest.raises(ValueError, match="labels"):
+        train(net, records, "unused", small_cfg(1, labels="argmax"), progress=False)
+
+
 def test_host_feature_budget_is_zero_off_cuda_and_spares_memory_on_it(monkeypatch):
     from ddtree.train import drafter as training
     assert training._feature_host_bytes(small_cfg(1), torch.device("cpu")) == 0.0

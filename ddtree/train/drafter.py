@@ -60,6 +60,10 @@ class TrainConfig:
     # batch (~80 MB a step: a few ms, against a target forward per batch); None: on CUDA the available
     # host memory less HOST_RESERVE_GB, at most half of it all; elsewhere 0 (the device is the host).
     feature_host_gb: float | None = None
+    # Labels: "target", the target's own argmax after each context (what greedy verification accepts; an
+    # LM-head pass more per record), or "data", the answer's next token (the same for greedy answers;
+    # for sampled ones a draw of the target's spread, not its choice).
+    labels: str = "target"
 
 
 # Device memory left for training steps when the feature cache is sized by itself. At 16 GB the run 6
@@ -72,11 +76,13 @@ HOST_RESERVE_GB = 32.0
 
 @torch.no_grad()
 def target_features(target: CausalLM, seqs: list[torch.Tensor], layer_ids: list[int],
-                    use_triton: bool | None = None) -> list[torch.Tensor]:
+                    use_triton: bool | None = None, with_pred: bool = False):
     """For each token sequence, [T, K*D]: the outputs of the target layers `layer_ids`, concatenated.
     One packed causal prefill over all sequences in a throwaway paged cache. On the GPU it runs the
     engine's Triton prefill kernel (the torch path attends request by request: ~10x slower for
-    thousands of short sequences); elsewhere one page per sequence."""
+    thousands of short sequences); elsewhere one page per sequence. `with_pred`: also each sequence's
+    target argmax at every position (int32 [T]: the token the target would put next), returned as a
+    second list."""
     cfg = target.config
     dev, dtype = seqs[0].device, target.lm_head.weight.dtype
     use_triton = dev.type == "cuda" if use_triton is None else use_triton
@@ -94,25 +100,32 @@ def target_features(target: CausalLM, seqs: list[torch.Tensor], layer_ids: list[
                        cfg.num_heads // cfg.num_kv_heads, cfg.num_kv_heads)
     positions = torch.cat([torch.arange(n, device=dev) for n in lens])
     try:
-        _, taps = target(torch.cat(seqs), positions, batch, taps=layer_ids)
+        hidden, taps = target(torch.cat(seqs), positions, batch, taps=layer_ids)
     finally:
         for layer in target.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
-    return list(torch.cat(taps, dim=-1).split(lens))
+    feats = list(torch.cat(taps, dim=-1).split(lens))
+    if not with_pred:
+        return feats
+    # (in slices: 4,096 rows of the default target's logits are 1.2 GB in bf16)
+    pred = torch.cat([target.compute_logits(h).argmax(-1) for h in hidden.split(4096)]).to(torch.int32)
+    return feats, list(pred.split(lens))
 
 
 def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[int], max_len: int,
                         tokens_per_batch: int = 16384, progress: bool = True,
-                        max_bytes: float | None = None, host_bytes: float = 0.0) -> list[torch.Tensor | None]:
+                        max_bytes: float | None = None, host_bytes: float = 0.0, with_pred: bool = False):
     """Each record's target features (on the target's device and dtype), computed once so training
     steps don't re-run the frozen target: every record is revisited many times. Shortest records first,
     up to `max_bytes` of features on the device, then up to `host_bytes` more in host memory (pinned
-    where CUDA is); the rest get None (computed per batch, `make_batch_inputs`)."""
+    where CUDA is); the rest get None (computed per batch, `make_batch_inputs`). `with_pred`: also the
+    target's argmax tokens of the same records (on the device, 4 bytes a token), as a second list."""
     from tqdm.auto import tqdm
     dev = target.lm_head.weight.device
     order = sorted(range(len(records)), key=lambda i: records[i]["input_ids"].shape[0])
     bar = tqdm(total=len(records), desc="target features", disable=not progress)
     feats: list[torch.Tensor | None] = [None] * len(records)
+    preds: list[torch.Tensor | None] = [None] * len(records)
     row_bytes = len(layer_ids) * target.config.hidden_size * target.lm_head.weight.element_size()
     budgets = [float("inf") if max_bytes is None else max_bytes, host_bytes]  # device, then host
     tier, i, on_host = 0, 0, 0
@@ -134,7 +147,11 @@ def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[i
         if not group:
             break
         seqs = [records[j]["input_ids"][:max_len].to(dev) for j in group]
-        out = target_features(target, seqs, layer_ids)
+        out = target_features(target, seqs, layer_ids, with_pred=with_pred)
+        if with_pred:
+            out, pred = out
+            for j, p in zip(group, pred):
+                preds[j] = p
         if tier == 1:  # one pinned block per group (a pinned allocation per record would be slow)
             flat = torch.empty(sum(f.shape[0] for f in out), out[0].shape[1], dtype=out[0].dtype,
                                pin_memory=torch.cuda.is_available())
@@ -148,7 +165,7 @@ def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[i
     if i < len(order) or on_host:
         print(f"[target features: {i} of {len(records)} records precomputed ({on_host} in host memory); "
               f"the rest per batch]")
-    return feats
+    return (feats, preds) if with_pred else feats
 
 
 def block_attention(attn: DraftAttention, x: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor,
@@ -251,38 +268,53 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, B: int, g: torch.Generator) 
 
 
 def make_batch_inputs(records: list[dict], target: CausalLM, layer_ids: list[int], B: int, n: int,
-                      g: torch.Generator, max_len: int, device) -> dict | None:
-    """Pads a list of records into the tensors `draft_logits` and `block_loss` read."""
+                      g: torch.Generator, max_len: int, device, target_labels: bool = False) -> dict | None:
+    """Pads a list of records into the tensors `draft_logits` and `block_loss` read. Labels: the data's
+    next tokens, or with `target_labels` the target's argmax at the position before (records' "pred",
+    computed here where missing): what greedy verification accepts. For greedy answers the two agree;
+    for sampled ones the data's token is one draw of the target's spread, and the argmax is the label."""
     rows = []
     for rec in records:
         ids, lm = rec["input_ids"][:max_len], rec["loss_mask"][:max_len]
         anchors = sample_anchors(lm, n, B, g)
         if anchors.numel():
-            rows.append((ids, lm, anchors, rec.get("feats")))
+            rows.append((ids, lm, anchors, rec.get("feats"), rec.get("pred") if target_labels else None))
     if not rows:
         return None
     R, L, N = len(rows), max(r[0].shape[0] for r in rows), max(r[2].shape[0] for r in rows)
     ids = torch.zeros(R, L, dtype=torch.long)
     lmask = torch.zeros(R, L, dtype=torch.bool)
     anchors = torch.full((R, N), -1, dtype=torch.long)
-    for i, (t, m, a, _) in enumerate(rows):
+    for i, (t, m, a, _, _) in enumerate(rows):
         ids[i, :t.shape[0]], lmask[i, :m.shape[0]], anchors[i, :a.shape[0]] = t, m, a
     ids, lmask, anchors = ids.to(device), lmask.to(device), anchors.to(device)
     feat_dim = len(layer_ids) * target.config.hidden_size
     feats = torch.zeros(R, L, feat_dim, dtype=target.lm_head.weight.dtype, device=device)
-    missing = [i for i, (_, _, _, f) in enumerate(rows) if f is None]
+    pred = torch.zeros(R, L, dtype=torch.long, device=device) if target_labels else None
+    missing = [i for i, r in enumerate(rows) if r[3] is None or (target_labels and r[4] is None)]
     if missing:  # not precomputed: run the target now
-        for i, f in zip(missing, target_features(target, [ids[i, :rows[i][0].shape[0]] for i in missing], layer_ids)):
+        out = target_features(target, [ids[i, :rows[i][0].shape[0]] for i in missing], layer_ids,
+                              with_pred=target_labels)
+        for k, (i, f) in enumerate(zip(missing, out[0] if target_labels else out)):
             feats[i, :f.shape[0]] = f
-    for i, (t, _, _, f) in enumerate(rows):
-        if f is not None:  # (from pinned host memory the copy need not wait)
-            feats[i, :t.shape[0]].copy_(f[:t.shape[0]], non_blocking=True)
+            if target_labels:
+                pred[i, :f.shape[0]] = out[1][k]
+    skip = set(missing)
+    for i, (t, _, _, f, p) in enumerate(rows):
+        if i in skip:
+            continue
+        feats[i, :t.shape[0]].copy_(f[:t.shape[0]], non_blocking=True)  # (pinned host memory: no wait)
+        if target_labels:
+            pred[i, :t.shape[0]] = p[:t.shape[0]]
     # Labels token[a+k], k = 1..B-1, valid where a is real, a+k < L and a+k is a response token.
     k = torch.arange(1, B, device=device)
     tgt = anchors.clamp(min=0)[:, :, None] + k
     inside = (anchors[:, :, None] >= 0) & (tgt < L)
     tgt = tgt.clamp(max=L - 1)
-    labels = ids[:, None, :].expand(-1, N, -1).gather(2, tgt)
+    if target_labels:  # the target's argmax after token a+k-1 is its choice for a+k
+        labels = pred[:, None, :].expand(-1, N, -1).gather(2, tgt - 1)
+    else:
+        labels = ids[:, None, :].expand(-1, N, -1).gather(2, tgt)
     valid = inside & lmask[:, None, :].expand(-1, N, -1).gather(2, tgt)
     ctx_len = torch.tensor([r[0].shape[0] for r in rows], device=device)
     return {"ids": ids, "feats": feats, "ctx_len": ctx_len, "anchors": anchors, "labels": labels, "valid": valid}
@@ -370,6 +402,9 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
         raise ValueError("no training records")
     if cfg.attention not in ("sdpa", "flex"):
         raise ValueError(f"attention must be 'sdpa' or 'flex', got {cfg.attention!r}")
+    if cfg.labels not in ("target", "data"):
+        raise ValueError(f"labels must be 'target' or 'data', got {cfg.labels!r}")
+    target_labels = cfg.labels == "target"
     start, trained_before = 0, 0.0
     state = None
     if resume and os.path.exists(os.path.join(out, STATE_FILE)):
@@ -393,7 +428,9 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
     os.makedirs(out, exist_ok=True)
     dc = drafter.dcfg
     feats = precompute_features(target, records, dc.target_layer_ids, cfg.max_len, progress=progress,
-                                max_bytes=_feature_cache_bytes(cfg, dev), host_bytes=_feature_host_bytes(cfg, dev))
+                                max_bytes=_feature_cache_bytes(cfg, dev), host_bytes=_feature_host_bytes(cfg, dev),
+                                with_pred=target_labels)
+    feats, preds = feats if target_labels else (feats, [None] * len(records))
     log = open(os.path.join(out, LOG_FILE), "a")
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train-drafter", disable=not progress)
     t0 = time.perf_counter()
@@ -409,9 +446,9 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
         # Per-step generator: a resumed run draws the same batches as an uninterrupted one.
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         pick = torch.randint(len(records), (cfg.batch_size,), generator=g).tolist()
-        batch = [{**records[i], "feats": feats[i]} for i in pick]
+        batch = [{**records[i], "feats": feats[i], "pred": preds[i]} for i in pick]
         inp = make_batch_inputs(batch, target, dc.target_layer_ids, dc.block_size, cfg.blocks_per_seq, g, cfg.max_len,
-                                dev)
+                                dev, target_labels)
         if inp is None:
             sched.step()
             continue
@@ -504,7 +541,7 @@ def main(args) -> int:
                       warmup=args.warmup, gamma=args.gamma, max_len=args.max_len, seed=args.seed,
                       save_every=args.save_every, save_dtype=args.save_dtype, attention=args.attention,
                       time_budget_s=(args.time_budget or 0) * 60, feature_cache_gb=args.feature_cache_gb,
-                      feature_host_gb=args.feature_host_gb)
+                      feature_host_gb=args.feature_host_gb, labels=args.labels)
     kw = {}
     if args.intermediate_size:
         kw["intermediate_size"] = args.intermediate_size
