@@ -20,8 +20,8 @@
 # 11's run to the file's first 15,000, answered in under a minute: it now defaults to all), GEN_TEMPERATURE
 # (sampled answers instead of greedy ones, e.g. 0.8 with EXTRA_DATA the greedy answers of the same prompts),
 # PROMPT_REPEATS (sampled: answers per prompt).
-# Target features past the free GPU memory less 64 GB (FEATURE_CACHE_GB) go to pinned host memory (up to
-# FEATURE_HOST_GB; default: the available less 32 GB, at most half of it all), the rest are computed per batch.
+# Target features past the free GPU memory less 64 GB (FEATURE_CACHE_GB) go to pinned host memory up to
+# FEATURE_HOST_GB (default 0; the H200 machine has 128 GB, e.g. 60), the rest are computed per batch.
 # T0: the call's start (date +%s), so training checkpoints and stops before the call's time limit.
 # Prompts: .xfer/sharegpt_prompts.jsonl.gz, the first human turns of ShareGPT conversations with
 # index < 15000 (made on the CPU machine by `python -m ddtree.train.data .xfer/sharegpt_prompts.jsonl.gz`; the GPU
