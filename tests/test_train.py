@@ -318,8 +318,8 @@ def test_target_labels_are_the_target_s_argmax_which_greedy_answers_already_hold
             want = hf(recs[0]["input_ids"][None]).logits[0].argmax(-1)
         assert torch.equal(preds[0].long(), want)
         batch = [{**r, "feats": f, "pred": p} for r, f, p in zip(recs, feats, preds)]
-        make = lambda b, **kw: make_batch_inputs(b, net, layers, BLOCK, 4, torch.Generator().manual_seed(0),  # noqa: E731
-                                                 2048, "cpu", **kw)
+        def make(b, **kw):
+            return make_batch_inputs(b, net, layers, BLOCK, 4, torch.Generator().manual_seed(0), 2048, "cpu", **kw)
         by_target, by_data, bare = make(batch, target_labels=True), make(batch), make(recs, target_labels=True)
         v = by_target["valid"]
         assert v[:, :, 1:].any() and torch.equal(v, bare["valid"])

@@ -7,9 +7,9 @@ nothing of other blocks. All blocks of a batch go through one forward with a boo
 (`block_attention`: plain SDPA; flex_attention with a block mask is the GPU path to add for long
 sequences). The loss is cross-entropy at block index k = 1..B-1 against the token at a+k (by default
 the target's own argmax after a+k-1, counted while the block's earlier tokens follow that argmax chain;
-or the data's token), weighted by exp(-(k-1)/gamma) and counted only where a+k is a response token. The target (its embedding and LM
-head included) is frozen; only the drafter's parameters are optimized (AdamW, linear warm-up then
-cosine decay, gradient clipping).
+or the data's token), weighted by exp(-(k-1)/gamma) and counted only where a+k is a response token.
+The target (its embedding and LM head included) is frozen; only the drafter's parameters are
+optimized (AdamW, linear warm-up then cosine decay, gradient clipping).
 
 Checkpoints: the drafter in the z-lab format (`save_drafter`) plus `trainer_state.pt` (fp32 weights,
 optimizer, scheduler, step), so `--resume` continues exactly.
