@@ -6,7 +6,7 @@
 3. Greedy DDTree and DFlash (CUDA graphs) vs greedy AR on HumanEval prompts; each divergence is
    classified by the top-2 logit gap of AR at the first differing position (a near-tie or not).
 
-    python benchmarks/gpu_checks.py --draft DIR [--num-prompts 164] [--max-tokens 256]
+    python benchmarks/gpu_checks.py --draft DIR [--num-prompts 164] [--max-tokens 256] [--budget 32]
 """
 from __future__ import annotations
 
@@ -163,6 +163,7 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, help="the model's dtype (bfloat16 by default on GPU; float32 "
                     "rounds alike in every kernel, so DDTree and AR differ only at real near-ties)")
     ap.add_argument("--skip", default="", help="comma-separated checks to skip: kernels, transformers, dflash")
+    ap.add_argument("--budget", type=int, default=32, help="DDTree's budget in the DDTree-vs-AR check (topk 4)")
     args = ap.parse_args()
     results = []
 
@@ -186,7 +187,7 @@ def main() -> int:
     params = SamplingParams(max_tokens=args.max_tokens)
     if "transformers" not in skip:
         run("ar-vs-transformers", lambda: check_ar_vs_hf(llm, prompts[:8], 64))
-    run("ddtree-vs-ar", lambda: compare(llm, prompts, params, "ddtree", 32, 4))
+    run("ddtree-vs-ar", lambda: compare(llm, prompts, params, "ddtree", args.budget, 4))
     if "dflash" not in skip:
         run("dflash-vs-ar", lambda: compare(llm, prompts[:32], params, "dflash", None, None))
     with open(args.out, "w") as f:

@@ -21,6 +21,8 @@
 #                                           # contexts (random model of the default shapes: wheels only, ~2 min)
 #   bash benchmarks/h200_suite.sh kernels   # the tree kernels against torch (real shapes), draft times with the
 #                                           # candidate-levels kernel off and on (random model)
+#   bash benchmarks/h200_suite.sh tree64    # budget 64 at C=1 with the torch sorts, then with the tree kernel
+#                                           # at width 64; greedy DDTree b64 vs AR in float32 with it (~4 min)
 set -u
 cli=(python3 -m ddtree.cli)
 sweep=("${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4
@@ -69,6 +71,14 @@ case $1 in
         > "$OUT/draft_profile_$on.log" 2>&1
       rm -f "$OUT"/draft_$on/kernels_*.txt
     done ;;
+  tree64)  # the candidate-levels kernel stops at width 32 by default: budget 64 takes the sorts
+    for w in 32 64; do
+      DDTREE_TREE_KERNEL_MAX_WIDTH=$w "${cli[@]}" bench latency --dataset humaneval --num-prompts 40 --concurrency 1 \
+        --budget 32,64 --topk 4 --repeats 1 --step-times --out "$OUT/latency_tree$w.jsonl" > "$OUT/latency_tree$w.log" 2>&1
+    done
+    DDTREE_TREE_KERNEL_MAX_WIDTH=64 timeout 200 python3 benchmarks/gpu_checks.py --draft ddtree/models/default_drafter \
+      --dtype float32 --skip kernels,transformers,dflash --budget 64 --num-prompts 40 --max-tokens 128 \
+      --out "$OUT/gpu_checks_tree64.jsonl" > "$OUT/checks_tree64.log" 2>&1 ;;
   ab)
     for graphs in 0 1; do
       DDTREE_PREFILL_GRAPHS=$graphs "${cli[@]}" bench latency --dataset humaneval --num-prompts 40 --concurrency 1 \
