@@ -251,7 +251,7 @@ def test_packed_target_features_equal_one_sequence_at_a_time(target, records):
     from ddtree.train.drafter import precompute_features
     net, _ = load_model(target, "cpu", torch.float32)
     layers = [0, 2]
-    packed = precompute_features(net, records, layers, max_len=2048, tokens_per_batch=200, progress=False)
+    packed, _ = precompute_features(net, records, layers, max_len=2048, tokens_per_batch=200, progress=False)
     for rec, f in zip(records, packed):
         alone = target_features(net, [rec["input_ids"]], layers)[0]
         assert f.shape == (rec["input_ids"].shape[0], 2 * net.config.hidden_size)
@@ -265,17 +265,18 @@ def test_features_past_the_cache_budget_are_computed_per_batch_alike(target, rec
     net, _ = load_model(target, "cpu", torch.float32)
     layers = [0, 2]
     row = len(layers) * net.config.hidden_size * 4
-    everything = precompute_features(net, records, layers, max_len=2048, progress=False)
+    everything, _ = precompute_features(net, records, layers, max_len=2048, progress=False)
     shortest = sorted(r["input_ids"].shape[0] for r in records)
-    some = precompute_features(net, records, layers, max_len=2048, progress=False,
-                               max_bytes=(shortest[0] + shortest[1]) * row)
+    some, _ = precompute_features(net, records, layers, max_len=2048, progress=False,
+                                  max_bytes=(shortest[0] + shortest[1]) * row)
     kept = [i for i, f in enumerate(some) if f is not None]
     assert len(kept) == 2 and sorted(records[i]["input_ids"].shape[0] for i in kept) == shortest[:2]
     batch = lambda fs: [{**r, "feats": f} for r, f in zip(records, fs)]  # noqa: E731
     a = make_batch_inputs(batch(everything), net, layers, 4, 2, torch.Generator().manual_seed(0), 2048, "cpu")
     b = make_batch_inputs(batch(some), net, layers, 4, 2, torch.Generator().manual_seed(0), 2048, "cpu")
     torch.testing.assert_close(a["feats"], b["feats"], atol=1e-5, rtol=1e-5)
-    assert precompute_features(net, records, layers, max_len=2048, progress=False, max_bytes=0) == [None] * len(records)
+    assert precompute_features(net, records, layers, max_len=2048, progress=False, max_bytes=0) == \
+        ([None] * len(records), [None] * len(records))
 
 
 def test_features_past_the_device_cache_go_to_host_memory_then_per_batch(target, records, capsys):
@@ -285,11 +286,11 @@ def test_features_past_the_device_cache_go_to_host_memory_then_per_batch(target,
     net, _ = load_model(target, "cpu", torch.float32)
     layers = [0, 2]
     row = len(layers) * net.config.hidden_size * 4
-    everything = precompute_features(net, records, layers, max_len=2048, progress=False)
+    everything, _ = precompute_features(net, records, layers, max_len=2048, progress=False)
     lengths = sorted(r["input_ids"].shape[0] for r in records)
     assert len(lengths) >= 5
-    tiers = precompute_features(net, records, layers, max_len=2048, progress=False, tokens_per_batch=10**6,
-                                max_bytes=sum(lengths[:2]) * row, host_bytes=sum(lengths[2:4]) * row + row - 1)
+    tiers, _ = precompute_features(net, records, layers, max_len=2048, progress=False, tokens_per_batch=10**6,
+                                   max_bytes=sum(lengths[:2]) * row, host_bytes=sum(lengths[2:4]) * row + row - 1)
     kept = sorted(records[i]["input_ids"].shape[0] for i, f in enumerate(tiers) if f is not None)
     assert kept == lengths[:4]  # (one group would have spanned both tiers: each tier makes its own)
     assert f"4 of {len(records)} records precomputed (2 in host memory)" in capsys.readouterr().out

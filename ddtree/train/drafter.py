@@ -114,12 +114,14 @@ def target_features(target: CausalLM, seqs: list[torch.Tensor], layer_ids: list[
 
 def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[int], max_len: int,
                         tokens_per_batch: int = 16384, progress: bool = True,
-                        max_bytes: float | None = None, host_bytes: float = 0.0, with_pred: bool = False):
+                        max_bytes: float | None = None, host_bytes: float = 0.0,
+                        with_pred: bool = False) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     """Each record's target features (on the target's device and dtype), computed once so training
     steps don't re-run the frozen target: every record is revisited many times. Shortest records first,
     up to `max_bytes` of features on the device, then up to `host_bytes` more in host memory (pinned
-    where CUDA is); the rest get None (computed per batch, `make_batch_inputs`). `with_pred`: also the
-    target's argmax tokens of the same records (on the device, 4 bytes a token), as a second list."""
+    where CUDA is); the rest get None (computed per batch, `make_batch_inputs`). Returns those and, with
+    `with_pred`, the target's argmax tokens of the same records (on the device, 4 bytes a token; else
+    None each)."""
     from tqdm.auto import tqdm
     dev = target.lm_head.weight.device
     order = sorted(range(len(records)), key=lambda i: records[i]["input_ids"].shape[0])
@@ -168,7 +170,7 @@ def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[i
     if i < len(order) or on_host:
         rest = "; the rest per batch" if i < len(order) else ""
         print(f"[target features: {i} of {len(records)} records precomputed ({on_host} in host memory){rest}]")
-    return (feats, preds) if with_pred else feats
+    return feats, preds
 
 
 def block_attention(attn: DraftAttention, x: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor,
@@ -298,10 +300,11 @@ def make_batch_inputs(records: list[dict], target: CausalLM, layer_ids: list[int
     if missing:  # not precomputed: run the target now
         out = target_features(target, [ids[i, :rows[i][0].shape[0]] for i in missing], layer_ids,
                               with_pred=target_labels)
-        for j, (i, f) in enumerate(zip(missing, out[0] if target_labels else out)):
+        fs, ps = out if target_labels else (out, [None] * len(out))
+        for i, f, p in zip(missing, fs, ps):
             feats[i, :f.shape[0]] = f
-            if target_labels:
-                pred[i, :f.shape[0]] = out[1][j]
+            if p is not None:
+                pred[i, :f.shape[0]] = p
     skip = set(missing)
     for i, (t, _, _, f, p) in enumerate(rows):
         if i in skip:
@@ -436,10 +439,9 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
     timed = cfg.time_budget_s > 0
     os.makedirs(out, exist_ok=True)
     dc = drafter.dcfg
-    feats = precompute_features(target, records, dc.target_layer_ids, cfg.max_len, progress=progress,
-                                max_bytes=_feature_cache_bytes(cfg, dev), host_bytes=cfg.feature_host_gb * 2**30,
-                                with_pred=target_labels)
-    feats, preds = feats if target_labels else (feats, [None] * len(records))
+    feats, preds = precompute_features(target, records, dc.target_layer_ids, cfg.max_len, progress=progress,
+                                       max_bytes=_feature_cache_bytes(cfg, dev),
+                                       host_bytes=cfg.feature_host_gb * 2**30, with_pred=target_labels)
     log = open(os.path.join(out, LOG_FILE), "a")
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train-drafter", disable=not progress)
     t0 = time.perf_counter()
