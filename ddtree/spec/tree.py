@@ -37,13 +37,12 @@ from ddtree.ops.fused import compiled_on_cuda
 # On the GPU the candidate levels run as one Triton kernel (ops/triton_tree.py) instead of the torch
 # sorts (DDTREE_TREE_KERNEL=0: the sorts). On the H200 (8171212, benchmarks/tree_kernel_ab.py) it equals
 # them bit for bit on real drafter logits and makes a graphed DDTree step 0.21-0.26 ms shorter at batch
-# 1-32 (budget 8 at batch 1: 1.73 -> 1.52 ms). Only up to the widths and top-k measured there (auto's
-# candidates: 32 nodes, top-4): a wider sort in registers is unmeasured (its build time, spills); in
-# Triton's interpreter width 64, top-8 also equals the sorts (48 s, not in CI). Budget 64 therefore
-# takes the sorts (6425cdb on the H200: its step 2.06 ms against budget 32's 1.60, of which only 0.08
-# ms in the verify); DDTREE_TREE_KERNEL_MAX_WIDTH=64 tries the kernel there, to be measured.
+# 1-32 (budget 8 at batch 1: 1.73 -> 1.52 ms). Width 64 (budget 64) measured at 6da880a on the H200:
+# its step 2.06 ms with the sorts, 1.74 with the kernel, and greedy float32 DDTree equal to AR on 40
+# HumanEval prompts. Wider (DDTREE_TREE_KERNEL_MAX_WIDTH) or top-k past 4 is unmeasured (the sort in
+# registers: build time, spills) and takes the sorts.
 TREE_KERNEL = os.environ.get("DDTREE_TREE_KERNEL", "1") == "1"
-TREE_KERNEL_MAX_WIDTH = int(os.environ.get("DDTREE_TREE_KERNEL_MAX_WIDTH", "32"))
+TREE_KERNEL_MAX_WIDTH = int(os.environ.get("DDTREE_TREE_KERNEL_MAX_WIDTH", "64"))
 TREE_KERNEL_MAX_TOPK = 4
 
 
