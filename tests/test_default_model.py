@@ -45,18 +45,19 @@ def test_default_pair_is_ddtree_with_the_shipped_drafter(llm):
     from ddtree.models.hub import default_draft
     assert default_draft() is not None
     assert llm.spec == "ddtree" and llm.budget == "auto" and llm.drafter is not None
+    table = llm.engine.speculator.policy.table
     llm.set_mode("ddtree", 16, 4)
     out = llm.chat([{"role": "user", "content": PROMPTS[0]}], SamplingParams(max_tokens=48))[0]
     assert max(out.accept_lengths) >= 2  # the trained drafter gets whole tokens accepted, not just the bonus
-    llm.set_mode("ddtree")
+    llm.set_mode("ddtree", "auto", cost_table=table)  # (the start-up table: measuring one takes ~50 s here)
 
 
 def test_default_pair_dflash_and_ar_equal_ddtree(llm):
     convs = [[{"role": "user", "content": p}] for p in PROMPTS]
     params = SamplingParams(max_tokens=24)
+    table = llm.engine.speculator.policy.table
     llm.set_mode("ddtree", 16, 4)
     want = [o.token_ids for o in llm.chat(convs, params)]
     for spec, budget in (("dflash", None), ("none", None), ("ddtree", "auto")):
-        llm.set_mode(spec, budget)
+        llm.set_mode(spec, budget, cost_table=table if budget == "auto" else None)
         assert [o.token_ids for o in llm.chat(convs, params)] == want, spec
-    llm.set_mode("ddtree")
