@@ -42,7 +42,7 @@ class LLM:
                  budget: int | None = None, topk: int | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, page_size: int = 16, num_pages: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 kv_cache_gb: float = 1.0, cuda_graphs: bool = True, tokenizer=None):
+                 kv_cache_gb: float = 1.0, cuda_graphs: bool = True, tokenizer=None, cost_table=None):
         from ddtree.models.hub import default_draft, is_default_model, resolve_model
         from ddtree.models.loader import load_model
 
@@ -63,7 +63,7 @@ class LLM:
                 if isinstance(draft, (str, os.PathLike)) else draft
         self.engine = None
         self.kept: dict[tuple, LLMEngine] = {}  # engines of other modes (`switch_mode`)
-        self.set_mode(spec or ("ddtree" if draft is not None else "none"), budget, topk)
+        self.set_mode(spec or ("ddtree" if draft is not None else "none"), budget, topk, cost_table)
         self.last_stats: dict = {}
 
     def set_mode(self, spec: str, budget: int | str | None = None, topk: int | None = None,

@@ -63,8 +63,7 @@ def ar_out(pairs, prompts):
 
 def auto_llm(pairs, family, cost_table=None) -> LLM:
     path, d = pairs(family)
-    llm = LLM(path, draft=d, **ENGINE)
-    llm.set_mode("ddtree", "auto", 4, cost_table=cost_table)
+    llm = LLM(path, draft=d, spec="ddtree", budget="auto", topk=4, cost_table=cost_table, **ENGINE)
     if cost_table is not None:  # deterministic: no host-time learning from this machine's (loaded) CPU
         llm.engine.speculator.policy.observe_time = lambda *a: None
         llm.engine.speculator.policy.observe_burst = lambda *a: None

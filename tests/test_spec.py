@@ -622,7 +622,7 @@ CHATS = [[{"role": "user", "content": "Write a Python function that checks wheth
 @pytest.fixture(scope="module")
 def real_runs(tmp_path_factory):
     """The default target (fp32, CPU) with a random 1-layer drafter on its 5 default target layers,
-    decoding CHATS x 24 greedy tokens as DDTree (budget 8, topk 4), DFlash and AR. The weights are
+    decoding CHATS x 16 greedy tokens as DDTree (budget 8, topk 4), DFlash and AR. The weights are
     loaded once; `set_mode` rebuilds only the engine."""
     from ddtree.models.hub import resolve_model
     path = resolve_model(None)
@@ -633,7 +633,7 @@ def real_runs(tmp_path_factory):
     spec = llm.engine.speculator
     assert (spec.budget, spec.topk, spec.width) == (8, 4, 16)  # verify width 9 != block 16
     assert spec.drafter.layer_ids == [1, 6, 11, 16, 21]  # round(1 + i * (24 - 4) / 4), i < 5
-    params, runs = SamplingParams(max_tokens=24), {}
+    params, runs = SamplingParams(max_tokens=16), {}
     for mode in ("ddtree", "dflash", "none"):
         if mode != "ddtree":
             llm.set_mode(mode)

@@ -256,7 +256,7 @@ def test_speculative_steps_on_the_triton_path_equal_ar(spec, budget, topk, tmp_p
     target, d = make_tiny_model(str(tmp_path / "t"), "qwen3"), str(tmp_path / "d")
     save_drafter(random_drafter(ModelConfig.from_dir(target), num_layers=1, block_size=4, target_layer_ids=[0, 1]), d)
     prompts = [[5, 9, 11, 40, 2, 7], [100, 3, 8]]
-    P = SamplingParams(max_tokens=8, ignore_eos=True)
+    P = SamplingParams(max_tokens=5, ignore_eos=True)
     want = [o.token_ids for o in LLM(target, device="cpu", dtype="float32", spec="none", num_pages=64)
             .generate(prompts, P)]
     llm = LLM(target, draft=d, device="cpu", dtype="float32", spec=spec, budget=budget, topk=topk, num_pages=64)
