@@ -11,7 +11,8 @@ from ddtree.config import ModelConfig
 from ddtree.models.dflash import load_drafter, random_drafter, save_drafter
 from ddtree.models.loader import load_model
 from ddtree.train.data import generate_dataset, iter_json_array, load_dataset, pack_dataset
-from ddtree.train.drafter import LOG_FILE, STATE_FILE, TrainConfig, draft_logits, target_features, train
+from ddtree.train.drafter import LOG_FILE, STATE_FILE, TrainConfig, draft_logits, train
+from ddtree.train.features import target_features
 from tiny import make_tiny_model
 
 PROMPTS = ["Write a function that adds two numbers.", "Hello, how are you today?", "Explain the quick brown fox.",
@@ -248,7 +249,7 @@ def test_code_prompts_are_told_apart_roughly():
 
 
 def test_packed_target_features_equal_one_sequence_at_a_time(target, records):
-    from ddtree.train.drafter import precompute_features
+    from ddtree.train.features import precompute_features
     net, _ = load_model(target, "cpu", torch.float32)
     layers = [0, 2]
     packed, _ = precompute_features(net, records, layers, max_len=2048, tokens_per_batch=200, progress=False)
@@ -261,7 +262,8 @@ def test_packed_target_features_equal_one_sequence_at_a_time(target, records):
 def test_features_past_the_cache_budget_are_computed_per_batch_alike(target, records):
     # A feature cache of ~2 records' worth keeps the shortest ones; a batch drawing cached and uncached
     # records gets the same features as one with every record precomputed.
-    from ddtree.train.drafter import make_batch_inputs, precompute_features
+    from ddtree.train.drafter import make_batch_inputs
+    from ddtree.train.features import precompute_features
     net, _ = load_model(target, "cpu", torch.float32)
     layers = [0, 2]
     row = len(layers) * net.config.hidden_size * 4
@@ -282,7 +284,8 @@ def test_features_past_the_cache_budget_are_computed_per_batch_alike(target, rec
 def test_features_past_the_device_cache_go_to_host_memory_then_per_batch(target, records, capsys):
     # Device cache: the two shortest records; host memory: the next two; the rest per batch. Batches
     # drawing from all three tiers get the same features as with everything precomputed.
-    from ddtree.train.drafter import make_batch_inputs, precompute_features
+    from ddtree.train.drafter import make_batch_inputs
+    from ddtree.train.features import precompute_features
     net, _ = load_model(target, "cpu", torch.float32)
     layers = [0, 2]
     row = len(layers) * net.config.hidden_size * 4
@@ -306,7 +309,8 @@ def test_target_labels_are_the_target_s_argmax_which_greedy_answers_already_hold
     # Precomputed or computed per batch, the same labels; the argmax is transformers' too.
     from transformers import AutoModelForCausalLM
 
-    from ddtree.train.drafter import make_batch_inputs, precompute_features
+    from ddtree.train.drafter import make_batch_inputs
+    from ddtree.train.features import precompute_features
     net, _ = load_model(target, "cpu", torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
     layers = [0, 2]

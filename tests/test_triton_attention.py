@@ -232,7 +232,7 @@ def test_training_features_on_the_triton_path_equal_the_torch_path(tmp_path):
     from tiny import make_tiny_model
 
     from ddtree import LLM
-    from ddtree.train.drafter import target_features
+    from ddtree.train.features import target_features
     llm = LLM(make_tiny_model(str(tmp_path), "qwen3"), device="cpu", dtype="float32", spec="none", num_pages=8)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, llm.config.vocab_size, (n,), generator=g) for n in (5, 37, 16, 1)]
