@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/train_default_drafter.sh 1 T0   # data (GEN_MINUTES of answers) + training until T0+DEADLINE
 #   bash benchmarks/train_default_drafter.sh 2 T0   # resume until the time budget is spent
+#                                                   # (each phase ends with `out` where $OUT is set)
 #   bash benchmarks/train_default_drafter.sh out    # into $OUT: the weights in 13 MB parts (join with cat),
 #                                                   # config, log, and the answers packed (reusable: DATA=),
 #                                                   # in 15 MB parts past 15 MB
@@ -63,3 +64,8 @@ if [ "$phase" = 1 ]; then
 else
   python3 -m ddtree.cli train-drafter "${common[@]}" --resume --deadline $((t0 + ${DEADLINE:-330}))
 fi
+status=$?
+# The checkpoint leaves with this call (as `out` writes it): a machine that goes back before the next
+# call takes /tmp with it (session 19 lost run 8 so).
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -f "$out/model.safetensors" ]; then bash "$0" out; fi
+exit $status
