@@ -33,8 +33,8 @@ phase=$1
 t0=${2:-0}
 out=${DRAFT_OUT:-/tmp/drafter}
 if [ "$phase" = out ]; then  # ($OUT takes at most 8 files of 16 MiB)
-  split -b 13M "$out/model.safetensors" "$OUT/model.safetensors.part-"
-  cp "$out/config.json" "$out/train_log.jsonl" "$OUT/"
+  split -b 13M "$out/model.safetensors" "$OUT/model.safetensors.part-" || exit 1
+  cp "$out/config.json" "$out/train_log.jsonl" "$OUT/" || exit 1
   [ -f "$out/data.pt" ] && python3 -c "import sys; from ddtree.train.data import load_dataset, pack_dataset
 pack_dataset(load_dataset(sys.argv[1]), sys.argv[2])" "$out/data.pt" "$OUT/answers.npz"
   if [ -f "$OUT/answers.npz" ] && [ "$(stat -c %s "$OUT/answers.npz")" -gt 15000000 ]; then
@@ -67,5 +67,7 @@ fi
 status=$?
 # The checkpoint leaves with this call (as `out` writes it): a machine that goes back before the next
 # call takes /tmp with it (session 19 lost run 8 so).
-if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -f "$out/model.safetensors" ]; then bash "$0" out; fi
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -f "$out/model.safetensors" ]; then
+  bash "$0" out || { echo "[the checkpoint did not reach \$OUT]" >&2; [ "$status" = 0 ] && status=1; }
+fi
 exit $status

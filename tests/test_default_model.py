@@ -47,9 +47,11 @@ def test_default_pair_is_ddtree_with_the_shipped_drafter(llm):
     assert llm.spec == "ddtree" and llm.budget == "auto" and llm.drafter is not None
     table = llm.engine.speculator.policy.table
     llm.set_mode("ddtree", 16, 4)
-    out = llm.chat([{"role": "user", "content": PROMPTS[0]}], SamplingParams(max_tokens=48))[0]
-    assert max(out.accept_lengths) >= 2  # the trained drafter gets whole tokens accepted, not just the bonus
-    llm.set_mode("ddtree", "auto", cost_table=table)  # (the start-up table: measuring one takes ~50 s here)
+    try:
+        out = llm.chat([{"role": "user", "content": PROMPTS[0]}], SamplingParams(max_tokens=48))[0]
+        assert max(out.accept_lengths) >= 2  # the trained drafter gets whole tokens accepted, not just the bonus
+    finally:  # (the start-up table: measuring one takes ~50 s here)
+        llm.set_mode("ddtree", "auto", cost_table=table)
 
 
 def test_default_pair_dflash_and_ar_equal_ddtree(llm):
