@@ -21,8 +21,9 @@
 #                                           # contexts (random model of the default shapes: wheels only, ~2 min)
 #   bash benchmarks/h200_suite.sh kernels   # the tree kernels against torch (real shapes), draft times with the
 #                                           # candidate-levels kernel off and on (random model)
-#   bash benchmarks/h200_suite.sh tree64    # budget 64 at C=1 with the torch sorts (kernel width 32), then with
-#                                           # the tree kernel at width 64 (the default); greedy DDTree b64 vs AR in float32 with it (~4 min)
+#   bash benchmarks/h200_suite.sh tree64    # budget 64 at C=1 with the torch sorts (kernel width 32), then
+#                                           # with the tree kernel at width 64 (the default); greedy DDTree
+#                                           # b64 vs AR in float32 with it (~4 min)
 set -u
 cli=(python3 -m ddtree.cli)
 sweep=("${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4
@@ -71,10 +72,11 @@ case $1 in
         > "$OUT/draft_profile_$on.log" 2>&1
       rm -f "$OUT"/draft_$on/kernels_*.txt
     done ;;
-  tree64)  # width 32: budget 64 takes the torch sorts; 64 (the default since c3da3d6): the candidate-levels kernel
+  tree64)  # width 32: budget 64 takes the torch sorts; 64 (the default since c3da3d6): the tree kernel
     for w in 32 64; do
       DDTREE_TREE_KERNEL_MAX_WIDTH=$w "${cli[@]}" bench latency --dataset humaneval --num-prompts 40 --concurrency 1 \
-        --budget 32,64 --topk 4 --repeats 1 --step-times --out "$OUT/latency_tree$w.jsonl" > "$OUT/latency_tree$w.log" 2>&1
+        --budget 32,64 --topk 4 --repeats 1 --step-times --out "$OUT/latency_tree$w.jsonl" \
+        > "$OUT/latency_tree$w.log" 2>&1
     done
     DDTREE_TREE_KERNEL_MAX_WIDTH=64 timeout 200 python3 benchmarks/gpu_checks.py --draft ddtree/models/default_drafter \
       --dtype float32 --skip kernels,transformers,dflash --budget 64 --num-prompts 40 --max-tokens 128 \

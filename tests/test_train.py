@@ -108,7 +108,7 @@ def test_training_forward_equals_inference_draft_logits(tmp_path):
     n = len(prompt)
     ids = torch.tensor(prompt + seq.output_ids + [5, 6, 7])  # tokens past the anchor must not leak in
     with torch.no_grad():
-        feats = target_features(llm.net, [ids], runner.layer_ids)[0]
+        feats = target_features(llm.net, [ids], runner.layer_ids)[0][0]
         got = draft_logits(runner.drafter, llm.net, ids[None], feats[None], torch.tensor([len(ids)]),
                            torch.tensor([[2, n, n + 2]]))[0, 1]
     assert got.shape == want.shape
@@ -254,7 +254,7 @@ def test_packed_target_features_equal_one_sequence_at_a_time(target, records):
     layers = [0, 2]
     packed, _ = precompute_features(net, records, layers, max_len=2048, tokens_per_batch=200, progress=False)
     for rec, f in zip(records, packed):
-        alone = target_features(net, [rec["input_ids"]], layers)[0]
+        alone = target_features(net, [rec["input_ids"]], layers)[0][0]
         assert f.shape == (rec["input_ids"].shape[0], 2 * net.config.hidden_size)
         torch.testing.assert_close(f, alone, atol=1e-5, rtol=1e-5)
 

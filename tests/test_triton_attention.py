@@ -236,8 +236,8 @@ def test_training_features_on_the_triton_path_equal_the_torch_path(tmp_path):
     llm = LLM(make_tiny_model(str(tmp_path), "qwen3"), device="cpu", dtype="float32", spec="none", num_pages=8)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, llm.config.vocab_size, (n,), generator=g) for n in (5, 37, 16, 1)]
-    want = target_features(llm.net, seqs, [0, 1], use_triton=False)
-    got = target_features(llm.net, seqs, [0, 1], use_triton=True)
+    want, _ = target_features(llm.net, seqs, [0, 1], use_triton=False)
+    got, _ = target_features(llm.net, seqs, [0, 1], use_triton=True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 

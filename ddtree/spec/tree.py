@@ -39,8 +39,8 @@ from ddtree.ops.fused import compiled_on_cuda
 # them bit for bit on real drafter logits and makes a graphed DDTree step 0.21-0.26 ms shorter at batch
 # 1-32 (budget 8 at batch 1: 1.73 -> 1.52 ms). Width 64 (budget 64) on the H200: its step 2.06 ms with
 # the sorts (6425cdb), 1.74 with the kernel (6da880a, DDTREE_TREE_KERNEL_MAX_WIDTH=64), and greedy float32
-# DDTree equal to AR on 40 HumanEval prompts with it. Wider (DDTREE_TREE_KERNEL_MAX_WIDTH) or top-k past 4 is unmeasured (the sort in
-# registers: build time, spills) and takes the sorts.
+# DDTree equal to AR on 40 HumanEval prompts with it. Wider (DDTREE_TREE_KERNEL_MAX_WIDTH) or top-k
+# past 4 is unmeasured (the sort in registers: build time, spills) and takes the sorts.
 TREE_KERNEL = os.environ.get("DDTREE_TREE_KERNEL", "1") == "1"
 TREE_KERNEL_MAX_WIDTH = int(os.environ.get("DDTREE_TREE_KERNEL_MAX_WIDTH", "64"))
 TREE_KERNEL_MAX_TOPK = 4

@@ -200,9 +200,8 @@ def make_batch_inputs(records: list[dict], target: CausalLM, layer_ids: list[int
     pred = torch.zeros(R, L, dtype=torch.long, device=device) if target_labels else None
     missing = [i for i, r in enumerate(rows) if r[3] is None or (target_labels and r[4] is None)]
     if missing:  # not precomputed: run the target now
-        out = target_features(target, [ids[i, :rows[i][0].shape[0]] for i in missing], layer_ids,
-                              with_pred=target_labels)
-        fs, ps = out if target_labels else (out, [None] * len(out))
+        fs, ps = target_features(target, [ids[i, :rows[i][0].shape[0]] for i in missing], layer_ids,
+                                 with_pred=target_labels)
         for i, f, p in zip(missing, fs, ps):
             feats[i, :f.shape[0]] = f
             if p is not None:

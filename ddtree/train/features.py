@@ -19,9 +19,9 @@ def target_features(target: CausalLM, seqs: list[torch.Tensor], layer_ids: list[
     """For each token sequence, [T, K*D]: the outputs of the target layers `layer_ids`, concatenated.
     One packed causal prefill over all sequences in a throwaway paged cache. On the GPU it runs the
     engine's Triton prefill kernel (the torch path attends request by request: ~10x slower for
-    thousands of short sequences); elsewhere one page per sequence. `with_pred`: also each sequence's
-    target argmax at every position (int32 [T]: the token the target would put next), returned as a
-    second list."""
+    thousands of short sequences); elsewhere one page per sequence. Returns those and, with `with_pred`,
+    each sequence's target argmax at every position (int32 [T]: the token the target would put next;
+    else None each)."""
     cfg = target.config
     dev, dtype = seqs[0].device, target.lm_head.weight.dtype
     use_triton = dev.type == "cuda" if use_triton is None else use_triton
@@ -45,7 +45,7 @@ def target_features(target: CausalLM, seqs: list[torch.Tensor], layer_ids: list[
             layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
     feats = list(torch.cat(taps, dim=-1).split(lens))
     if not with_pred:
-        return feats
+        return feats, [None] * len(seqs)
     # (in slices: 4,096 rows of the default target's logits are 1.2 GB in bf16)
     pred = torch.cat([target.compute_logits(h).argmax(-1) for h in hidden.split(4096)]).to(torch.int32)
     return feats, list(pred.split(lens))
@@ -88,11 +88,9 @@ def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[i
         if not group:
             break
         seqs = [records[j]["input_ids"][:max_len].to(dev) for j in group]
-        out = target_features(target, seqs, layer_ids, with_pred=with_pred)
-        if with_pred:
-            out, pred = out
-            for j, p in zip(group, pred):
-                preds[j] = p
+        out, pred = target_features(target, seqs, layer_ids, with_pred=with_pred)
+        for j, p in zip(group, pred):
+            preds[j] = p
         if tier == 1:  # one pinned block per group (a pinned allocation per record would be slow)
             flat = torch.empty(sum(f.shape[0] for f in out), out[0].shape[1], dtype=out[0].dtype,
                                pin_memory=dev.type == "cuda")
