@@ -13,6 +13,7 @@
 #                                           # interleaved run by run (~7 min)
 #   CONTINUOUS=1 bash benchmarks/h200_suite.sh grid   # ... every prompt queued, at most C running (not
 #                                           # batches run to completion); rows to sweep_auto_continuous_h200.jsonl
+#                                           # (TRACE=1: and auto's plans, one JSON line each)
 #   bash benchmarks/h200_suite.sh autocheck 1,32,64,128   # AR and auto only, continuous, one run each (~2 min:
 #                                           # a policy change checked with what device time is left)
 #   bash benchmarks/h200_suite.sh checks    # greedy DDTree and DFlash vs AR on HumanEval in float32
@@ -28,6 +29,10 @@ set -u
 cli=(python3 -m ddtree.cli)
 sweep=("${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4
        --with-auto --repeats 1 --out "$OUT/sweep_h200.jsonl")
+trace() {  # NAME CMD...: CMD with auto's plans traced to $OUT/policy_trace_NAME.jsonl where TRACE=1
+  local name=$1; shift
+  if [ "${TRACE:-0}" = 1 ]; then DDTREE_POLICY_TRACE="$OUT/policy_trace_$name.jsonl" "$@"; else "$@"; fi
+}
 auto_sweep() {  # REPEATS CONCURRENCIES: auto vs AR, DFlash and DDTree 8/16/32 (topk 4), rows appended
   local warm=(--warmup-pass) out=sweep_auto_h200.jsonl cont=(); [ "${WARMUP:-1}" = 0 ] && warm=()
   [ "${CONTINUOUS:-0}" = 1 ] && cont=(--continuous) && out=sweep_auto_continuous_h200.jsonl
@@ -52,7 +57,9 @@ case $1 in
          # REPEATS=3: the median of three runs per row (the single-batch rows at C >= 64 vary by ~8%)
     auto_sweep "${REPEATS:-1}" "${2:-1,2,4,8,16,32,64,128}" > "$OUT/sweep_auto.log" 2>&1 ;;
   grid)  # the whole auto grid in one call (~7 minutes on the H200): C=1-8 once, C=16-128 median of 5
-    { auto_sweep 1 1,2,4,8 && auto_sweep "${REPEATS:-5}" 16,32,64,128; } > "$OUT/sweep_auto.log" 2>&1 ;;
+    # (TRACE=1: auto's plans, one JSON line each, to $OUT/policy_trace_low.jsonl and _high.jsonl)
+    { trace low auto_sweep 1 1,2,4,8 && trace high auto_sweep "${REPEATS:-5}" 16,32,64,128; } \
+      > "$OUT/sweep_auto.log" 2>&1 ;;
   autocheck)
     "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget '' --topk 4 --auto-topk 4 \
       --no-dflash --with-auto --repeats 1 --concurrency "${2:-1,32,64,128}" --num-pages 16384 --warmup-pass \

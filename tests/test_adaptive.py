@@ -622,6 +622,35 @@ def test_a_probe_draft_replaces_estimates_as_old_as_the_ar_stretch():
     assert policy.plan(1) == 32
 
 
+def test_a_traced_policy_writes_each_plan_and_plans_as_an_untraced_one(tmp_path, monkeypatch):
+    # DDTREE_POLICY_TRACE: one JSON line per plan, what it saw and chose; the choices are the same.
+    import json
+
+    from ddtree.spec import adaptive
+    path = tmp_path / "trace.jsonl"
+    runs = []
+    for traced in (False, True):
+        monkeypatch.setattr(adaptive, "TRACE_PATH", str(path) if traced else None)
+        policy = AdaptivePolicy(table(lambda n, bs: 1.0), BUDGETS)
+        chosen = [policy.plan(1)]  # (blind)
+        policy.record_draft(1, {b: 0.05 for b in BUDGETS[1:]})
+        verify_as_drafted(policy, 0.05, steps=HOPE_EVIDENCE)
+        chosen += [policy.plan(1, gap_rows=lambda: 7) for _ in range(41)]  # (a probe after 40 AR steps)
+        policy.record_draft(1, dict(E_PER_REQUEST))
+        chosen += [policy.plan(4) for _ in range(3)]
+        runs.append((chosen, dict(policy.plans)))
+    assert runs[0] == runs[1]
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["budget"] for r in rows] == runs[1][0]
+    assert [r["outcome"] for r in rows] == ["blind"] + ["gapped"] * 40 + ["probe"] + ["spec"] * 3
+    assert "rate" not in rows[0] and rows[0]["gap_ms"] is None
+    gapped, probe, last = rows[1], rows[41], rows[-1]
+    assert gapped["gap_ms"] > 0 and gapped["rate"]["4"] < gapped["ar_rate"] and gapped["interval"] == 40
+    assert probe["budget"] == 4 and probe["verify_steps"] == HOPE_EVIDENCE
+    assert last["batch"] == 4 and set(last["rate"]) == {str(b) for b in BUDGETS[1:]}
+    assert last["rate"]["32"] > last["ar_rate"] and last["budget"] == 32
+
+
 def test_policy_counts_the_host_time_steps_really_take():
     # On the table, a budget-32 step (draft 0.1 + verify 1.03 ms for ~2.4 tokens) beats AR (1 ms a
     # token) by 2x. If speculative steps really take 4 ms on this machine, AR wins, and only for this

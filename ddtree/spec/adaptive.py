@@ -31,7 +31,9 @@ current draft's probabilities among the remaining costs: verify(b) for b > 0, or
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Callable
 
 from ddtree.spec.costs import CostTable
@@ -84,6 +86,9 @@ CALIBRATION_PRIOR = 4.0
 # a burst beyond AR's (2e2c40b), was about the 1% by which it trailed AR. (AR bursts' tallies, which
 # only move `lost` slowly, do not count as lessons: hence the limit.)
 HOPE_MEMO_PLANS = 16
+# DDTREE_POLICY_TRACE=FILE appends one JSON line per plan to FILE (`trace`): what the plan saw and chose, to
+# follow a run's decisions where a benchmark row's end state (`state`) cannot say when or why it went AR.
+TRACE_PATH = os.environ.get("DDTREE_POLICY_TRACE") or None
 
 
 def candidate_budgets(depth: int, topk: int) -> list[int]:
@@ -135,6 +140,7 @@ class AdaptivePolicy:
         # since the policy began (it lives as long as its engine), for benchmark rows: an AR plan covers
         # a whole AR burst
         self.plans: dict[str, int] = {}
+        self.outcome = ""  # the last plan's ("spec", "probe", "ar", ...: `plans`' keys less the bucket)
         self.probing = False  # this draft is a probe: AR looked better on past averages
         self.hopeless = False  # the last plan saw no chance for speculation at its batch size (`hope_rate`)
         self.tap_free = False  # ... or said AR where the batch is headed for a size with none (`plan`)
@@ -370,6 +376,8 @@ class AdaptivePolicy:
             return 0
         self._gap_rows, self._gap_ms = gap_rows, None
         budget = self._plan(batch, joined)
+        if TRACE_PATH:
+            self.trace(TRACE_PATH, batch, joined, budget)
         if callable(self._gap_rows):  # (not kept past the plan, nor the requests it counts: `gap_ms` keeps
             self._gap_rows, self._gap_ms = 0, self._gap_ms or 0.0  # what it counted, 0 if the plan did not ask)
         return budget
@@ -440,6 +448,24 @@ class AdaptivePolicy:
         self._count(outcome, batch)
         return 0
 
+    def trace(self, path: str, batch: int, joined: int, budget: int) -> None:
+        """Appends the plan just made to `path`, one JSON line: its outcome and budget, the AR streak and
+        probe interval, the run's verify steps, each budget's run-long accepted length and rate
+        (`request_rate`, without a store) against AR's, the running E and calibration, and the store a
+        switch pays (the gap rows' refeed only where the plan counted them: counting walks the batch)."""
+        row = {"plan": sum(self.plans.values()), "batch": batch, "joined": joined, "outcome": self.outcome,
+               "budget": budget, "ar_streak": self.ar_streak, "interval": self.interval,
+               "verify_steps": sum(v[1] for v in self.verified.values()), "ar_rate": 1 / self.ar_ms(batch),
+               "store_ms": self.switch.get(_bucket(batch), self.table.store_ms(_bucket(batch))),
+               "gap_ms": self._gap_ms}
+        if self.expected is not None:
+            row.update({"accepted": {b: self.mean_accepted(b) for b in self.budgets},
+                        "rate": {b: self.request_rate(b, batch) for b in self.budgets}, "fit": self.fit(batch),
+                        # (what probes are priced on: the running E and calibration, `probe_cap`)
+                        "expected": self.expected, "calibration": {b: self.calibration(b) for b in self.budgets}})
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
     def _best(self, batch: int, store: bool) -> tuple[int, float]:
         """The budget with the highest `request_rate` here, and that rate."""
         best, best_rate = self.budgets[0], self.request_rate(self.budgets[0], batch, store)
@@ -450,6 +476,7 @@ class AdaptivePolicy:
         return best, best_rate
 
     def _count(self, outcome: str, batch: int) -> None:
+        self.outcome = outcome
         key = f"{outcome}@{_bucket(batch)}"
         self.plans[key] = self.plans.get(key, 0) + 1
 
