@@ -20,7 +20,11 @@
 # (only the first N of them; train-drafter's `--prompts` used to default to 15,000, which cut session
 # 11's run to the file's first 15,000, answered in under a minute: it now defaults to all), GEN_TEMPERATURE
 # (sampled answers instead of greedy ones, e.g. 0.8 with EXTRA_DATA the greedy answers of the same prompts),
-# PROMPT_REPEATS (sampled: answers per prompt).
+# PROMPT_REPEATS (sampled: answers per prompt), LAYERS and INTERMEDIATE (the drafter's shape; default 2 x 1024;
+# with INIT and GROW=1 the init is grown to it, train/grow.py), SAVE_DTYPE (e.g. float8_e4m3fn: the matrices in
+# 8 bits, trained with that rounding), VAL_DATA (held-out greedy answers, e.g. `gen` of
+# `python -m ddtree.train.data .xfer/sharegpt_val.jsonl.gz 3000 --held-out 256`, or those prompts: replayed
+# acceptance in the log every VAL_EVERY steps, default 1,000).
 # Target features past the free GPU memory less 64 GB (FEATURE_CACHE_GB) go to pinned host memory up to
 # FEATURE_HOST_GB (default 0; the H200 machine has 128 GB, e.g. 60), the rest are computed per batch.
 # T0: the call's start (date +%s), so training checkpoints and stops before the call's time limit.
@@ -52,14 +56,15 @@ if [ "$phase" = gen ]; then
 fi
 extra=()  # EXTRA_DATA: one file or several, space-separated
 for f in ${EXTRA_DATA:-}; do extra+=(--extra-data "$f"); done  # (names without spaces or wildcards)
-common=(--out "$out" --num-layers 2 --intermediate-size 1024 --num-features 4 --block-size 16
+common=(--out "$out" --num-layers "${LAYERS:-2}" --intermediate-size "${INTERMEDIATE:-1024}" --num-features 4 --block-size 16
+        --save-dtype "${SAVE_DTYPE:-bfloat16}" ${VAL_DATA:+--val-data "$VAL_DATA"} --val-every "${VAL_EVERY:-1000}"
         --steps 1000000 --warmup 200 --lr "${LR:-1e-3}" --batch-size 16 --blocks-per-seq 32 --gamma 7
         --max-len 1024 --save-every 1000 --time-budget "${TIME_BUDGET:-9}" ${DATA:+--data "$DATA"}
         ${extra[@]+"${extra[@]}"} ${FEATURE_CACHE_GB:+--feature-cache-gb "$FEATURE_CACHE_GB"}
         ${FEATURE_HOST_GB:+--feature-host-gb "$FEATURE_HOST_GB"})
 if [ "$phase" = 1 ]; then
   # INIT=ddtree/models/default_drafter: warm start from the shipped drafter (its shape wins)
-  python3 -m ddtree.cli train-drafter "${common[@]}" ${INIT:+--init "$INIT"} "${gen[@]}" \
+  python3 -m ddtree.cli train-drafter "${common[@]}" ${INIT:+--init "$INIT"} ${GROW:+--grow} "${gen[@]}" \
     --deadline $((t0 + ${DEADLINE:-560}))
 else
   python3 -m ddtree.cli train-drafter "${common[@]}" --resume --deadline $((t0 + ${DEADLINE:-330}))

@@ -67,6 +67,11 @@ def cmd_bench_latency(args) -> int:
     return latency(args)
 
 
+def cmd_bench_acceptance(args) -> int:
+    from ddtree.bench.acceptance import main as acceptance
+    return acceptance(args)
+
+
 def cmd_bench_sweep(args) -> int:
     from ddtree.bench.sweep import main as sweep
     return sweep(args)
@@ -179,7 +184,20 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: the target's)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save-every", type=int, default=500)
-    t.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved drafter weights")
+    t.add_argument("--save-dtype", default="bfloat16",
+                   choices=["bfloat16", "float16", "float32", "float8_e4m3fn"],
+                   help="dtype of the saved drafter weights (float8_e4m3fn: its matrices, trained with that "
+                        "rounding; half the file of bfloat16)")
+    t.add_argument("--grow", action="store_true",
+                   help="with --init: first grow that drafter to --num-layers x --intermediate-size, computing "
+                        "the same function (new layers start as identities; train/grow.py)")
+    t.add_argument("--val-data", default=None,
+                   help="held-out greedy answers (a data file, .pt or .npz, as --data), or prompts (a prompt file) "
+                        "answered greedily at the start: their DFlash and DDTree acceptance lengths are replayed "
+                        "and logged every --val-every steps")
+    t.add_argument("--val-prompts", type=int, default=128, help="how many of the held-out answers or prompts")
+    t.add_argument("--val-every", type=int, default=1000, help="steps between held-out replays (0: none)")
+    t.add_argument("--val-max-tokens", type=int, default=256, help="held-out answer length")
     t.add_argument("--attention", choices=["sdpa", "flex"], default="sdpa",
                    help="training attention: SDPA with a dense boolean mask, or flex_attention (GPU)")
     t.add_argument("--init", default=None,
@@ -222,6 +240,19 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--peer-prompts", type=int, default=4)
     lat.add_argument("--out", default="benchmarks/results/latency.jsonl")
     lat.set_defaults(func=cmd_bench_latency)
+
+    acc = bench.add_parser("acceptance", help="greedy DFlash / DDTree acceptance lengths, replayed (no timing)")
+    acc.add_argument("--model", default=None)
+    acc.add_argument("--draft", default=None, help="drafter dir (default model: the shipped drafter)")
+    acc.add_argument("--device", default=None)
+    acc.add_argument("--dtype", default=None)
+    acc.add_argument("--dataset", choices=["humaneval", "mtbench", "sharegpt"], default="humaneval")
+    acc.add_argument("--num-prompts", type=int, default=40, help="(MT-Bench: categories taken in turn)")
+    acc.add_argument("--max-tokens", type=int, default=256)
+    acc.add_argument("--budget", default="16,32,64", help="DDTree budgets, e.g. 8,16,32")
+    acc.add_argument("--topk", type=int_list, default=[4], help="DDTree top-k caps, e.g. 2,4")
+    acc.add_argument("--out", default="benchmarks/results/acceptance.jsonl")
+    acc.set_defaults(func=cmd_bench_acceptance)
 
     sw = bench.add_parser("sweep", help="in-process grid: DDTree budget x topk, plus DFlash and AR")
     sw.add_argument("--model", default=None)

@@ -298,3 +298,20 @@ def test_report_tables_what_autos_bursts_realized_by_batch_size():
     assert md[2:6] == ["| batch | AR | b8 | b32 |", "|---|---|---|---|", "| 1 | 1.160 (20) | - | 1.280 (5) |",
                        "| 2 | - | 0.900 (3) | - |"]
     assert auto_bursts_table([{"time": "t", "policy": {}}]) == []
+
+
+def test_acceptance_bench_replays_each_mode_and_writes_rows(pair, tmp_path):
+    from ddtree.cli import main
+    model, draft = pair
+    out = tmp_path / "acc.jsonl"
+    assert main(["bench", "acceptance", "--model", model, "--draft", draft, "--dataset", "mtbench",
+                 "--num-prompts", "2", "--max-tokens", "6", "--budget", "4,6", "--topk", "1,2", "--device", "cpu",
+                 "--dtype", "float32", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["mode"], r["budget"], r["topk"]) for r in rows] == [
+        ("dflash", 7, 1), ("ddtree", 4, 1), ("ddtree", 4, 2), ("ddtree", 6, 1), ("ddtree", 6, 2)]
+    for r in rows:
+        assert {"commit", "device", "command", "torch", "num_prompts", "steps"} <= set(r)
+        assert 1.0 <= r["mean_accept_length"] <= 8 and r["steps"] >= 2 * 5 / 8  # (6 tokens a prompt, the prefill's first)
+    assert main(["bench", "acceptance", "--model", model, "--draft", draft, "--budget", "auto",
+                 "--device", "cpu", "--out", str(out)]) == 2

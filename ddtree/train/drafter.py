@@ -66,6 +66,9 @@ class TrainConfig:
     # LM-head pass more per record), or "data", the answer's next token (the same for greedy answers;
     # for sampled ones a draw of the target's spread, not its choice).
     labels: str = "target"
+    # Held-out greedy answers replayed (train/acceptance.py) every this many steps, with the start and the
+    # end: DFlash's and a DDTree tree's acceptance lengths in the log ("val"). 0: never.
+    val_every: int = 1000
 
 
 # Device memory left for training steps when the feature cache is sized by itself. At 16 GB the run 6
@@ -140,6 +143,18 @@ def draft_logits(drafter: DFlashDrafter, target: CausalLM, ids: torch.Tensor, fe
     ctx_len [R] real lengths, anchors [R, n] block starts (padding -1; such blocks are computed but
     meaningless). Returns logits [R, n, B-1, V] for block indices 1..B-1. `flex`: attention through
     flex_attention with a BlockMask instead of SDPA with a dense boolean mask."""
+    return block_logits(drafter, target, ids, fuse_features(drafter, feats), ctx_len, anchors, flex)
+
+
+def fuse_features(drafter: DFlashDrafter, feats: torch.Tensor) -> torch.Tensor:
+    """Target features [..., K*D] -> the drafter's context rows hidden_norm(fc(.)) [..., D]."""
+    return drafter.hidden_norm(drafter.fc(feats.to(drafter.fc.weight.dtype)))
+
+
+def block_logits(drafter: DFlashDrafter, target: CausalLM, ids: torch.Tensor, ctx: torch.Tensor,
+                 ctx_len: torch.Tensor, anchors: torch.Tensor, flex: bool = False) -> torch.Tensor:
+    """`draft_logits` from fused context rows ctx [R, L, D] (`fuse_features`), for callers that draft
+    many blocks over the same records (train/acceptance.py)."""
     dc = drafter.dcfg
     B = dc.block_size
     R, n = anchors.shape
@@ -151,7 +166,6 @@ def draft_logits(drafter: DFlashDrafter, target: CausalLM, ids: torch.Tensor, fe
     pos = (a[:, :, None] + torch.arange(B, device=dev)).view(R, n * B)
     wdt = drafter.fc.weight.dtype  # the drafter may train in fp32 on a bf16 target
     h = target.model.embed_tokens(block_ids.view(R, n * B)).to(wdt) * dc.input_embedding_scale
-    ctx = drafter.hidden_norm(drafter.fc(feats.to(wdt)))
     ctx_pos = torch.arange(L, device=dev).expand(R, L)
     mask = flex_block_mask(anchors, ctx_len, L, B) if flex else block_mask(anchors, ctx_len, L, B)
     for layer in drafter.layers:
@@ -265,10 +279,48 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
+# Dtypes a drafter may be saved in. float8_e4m3fn halves the file (the default drafter's 24 MiB limit then
+# holds twice the parameters): matrices only, the norms stay bfloat16, and training runs with its rounding
+# (`quantized`) so that the shipped weights are the ones trained.
+SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+               "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def save_dtype(name: str) -> torch.dtype:
+    if name not in SAVE_DTYPES:
+        raise ValueError(f"unknown drafter save dtype {name!r}; use one of {sorted(SAVE_DTYPES)}")
+    return SAVE_DTYPES[name]
+
+
+def round_to(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w rounded to `dtype`'s values (saturating at its largest), kept in w's dtype; the gradient passes
+    straight through the rounding."""
+    big = torch.finfo(dtype).max
+    q = w.detach().clamp(-big, big).to(dtype).to(w.dtype)
+    return w + (q - w.detach())
+
+
+class _Forward(torch.nn.Module):
+    """`draft_logits` as a module's forward, for torch.func.functional_call (the quantized pass)."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, target, *args, **kw):
+        return draft_logits(self.drafter, target, *args, **kw)
+
+
+def quantized(drafter: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The drafter's parameters with its matrices rounded to an 8-bit `dtype` (as `save_drafter`
+    stores them), for functional_call; other dtypes: the parameters as they are."""
+    small = dtype.itemsize == 1
+    return {f"drafter.{n}": round_to(p, dtype) if small and p.dim() == 2 else p for n, p in drafter.named_parameters()}
+
+
 def save_checkpoint(out: str, drafter: DFlashDrafter, opt, sched, step: int, cfg: TrainConfig,
                     trained_s: float = 0.0) -> None:
-    from ddtree.config import parse_dtype
-    save_drafter(drafter, out, parse_dtype(cfg.save_dtype, "cpu"))
+    save_drafter(drafter, out, save_dtype(cfg.save_dtype))
     state = {"step": step, "drafter": {k: v.detach().float().cpu() for k, v in drafter.state_dict().items()},
              "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "config": asdict(cfg),
              "trained_s": trained_s}
@@ -293,15 +345,33 @@ def _check_memory_budgets(cache_gb: float | None, host_gb: float) -> None:
             raise ValueError(f"{name} must be >= 0 GB, got {gb}")
 
 
+def validate(drafter: DFlashDrafter, target: CausalLM, records: list[dict], features: list[torch.Tensor],
+             dtype: torch.dtype) -> dict[str, float]:
+    """Held-out acceptance lengths (train/acceptance.py) of the drafter as it would be saved in `dtype`:
+    DFlash's chain and a budget-32 top-4 tree."""
+    import copy
+
+    from ddtree.train.acceptance import Mode, dflash_mode, mean_tau, replay
+    d = copy.deepcopy(drafter).eval()
+    with torch.no_grad():
+        rounded = quantized(d, dtype)
+        for name, p in d.named_parameters():
+            p.copy_(rounded[f"drafter.{name}"])
+    res = replay(d, target, records, [dflash_mode(d), Mode(32, 4)], features=features)
+    return {m.name: round(mean_tau(v), 4) for m, v in res.items()}
+
+
 def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, drafter: DFlashDrafter | None = None,
           resume: bool = False, num_layers: int = 1, block_size: int = 16, target_layer_ids: list[int] | None = None,
           progress: bool = True, stop_at: int | None = None, time_limit_s: float | None = None,
-          deadline: float | None = None, **drafter_kw) -> DFlashDrafter:
+          deadline: float | None = None, val_records: list[dict] | None = None, **drafter_kw) -> DFlashDrafter:
     """Trains (or resumes training) a drafter for `target` on `records` and writes checkpoints to `out`.
     `stop_at` / `time_limit_s` (seconds of this call) / `deadline` (a time.time() value) end the run
     early with a checkpoint (the schedule still spans cfg.steps or cfg.time_budget_s), for sessions
     shorter than the whole run; `resume=True` picks it up again. With cfg.time_budget_s the run ends
-    when that much training time (summed over resumed runs) is spent.
+    when that much training time (summed over resumed runs) is spent. `val_records`: held-out greedy
+    answers, replayed every cfg.val_every steps (`validate`). With an 8-bit cfg.save_dtype the forward
+    runs on the matrices rounded to it (straight-through gradients), the weights it saves.
     Returns the trained drafter (fp32 master weights on the target's device)."""
     from tqdm.auto import tqdm
 
@@ -344,6 +414,25 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
                                        max_bytes=_feature_cache_bytes(cfg, dev),
                                        host_bytes=cfg.feature_host_gb * 2**30, with_pred=target_labels)
     log = open(os.path.join(out, LOG_FILE), "a")
+    wdtype = save_dtype(cfg.save_dtype)
+    forward = _Forward(drafter)
+    val_feats = None
+    if val_records and cfg.val_every:
+        val_feats = [f for i in range(0, len(val_records), 64)
+                     for f in target_features(target, [r["input_ids"].to(dev) for r in val_records[i:i + 64]],
+                                              dc.target_layer_ids)[0]]
+
+    def log_validation(step: int) -> None:
+        if val_feats is not None:
+            t = time.perf_counter()
+            rec = {"step": step, "val": validate(drafter, target, val_records, val_feats, wdtype),
+                   "val_records": len(val_records), "val_s": round(time.perf_counter() - t, 2)}
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            tqdm.write(json.dumps(rec))
+
+    log_validation(start)
+    done = start
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train-drafter", disable=not progress)
     t0 = time.perf_counter()
     trained = lambda: trained_before + time.perf_counter() - t0  # noqa: E731
@@ -367,8 +456,9 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
         done = step + 1
         logged = done % cfg.log_every == 0 or done == cfg.steps or step == start
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            logits = draft_logits(drafter, target, inp["ids"], inp["feats"], inp["ctx_len"], inp["anchors"],
-                                  flex=cfg.attention == "flex")
+            logits = torch.func.functional_call(
+                forward, quantized(drafter, wdtype),
+                (target, inp["ids"], inp["feats"], inp["ctx_len"], inp["anchors"]), {"flex": cfg.attention == "flex"})
         loss, acc = block_loss(logits, inp["labels"], inp["valid"], cfg.gamma, logged)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -389,10 +479,13 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
             (deadline is not None and time.time() > deadline)
         if done % cfg.save_every == 0 or done == cfg.steps or early:
             save_checkpoint(out, drafter, opt, sched, done, cfg, trained())
+        if cfg.val_every and done % cfg.val_every == 0 and not early and done != cfg.steps:
+            log_validation(done)
         if early:
             tqdm.write(f"[stopped at step {done} of {cfg.steps}; continue with --resume]")
             break
     bar.close()
+    log_validation(done)
     log.close()
     return drafter
 
@@ -417,6 +510,12 @@ def main(args) -> int:
     dtype = parse_dtype(args.dtype, device.type)
     args.target = resolve_model(args.target)  # a checkpoint dir (a .gguf is converted once)
     os.makedirs(args.out, exist_ok=True)
+    llm = None
+
+    def make_llm():
+        from ddtree import LLM
+        return LLM(args.target, device=str(device), dtype=dtype, spec="none", max_num_seqs=args.max_num_seqs,
+                   kv_cache_gb=args.kv_cache_gb)
     data_path = args.data or os.path.join(args.out, "data.pt")
     if os.path.exists(data_path):
         records = load_dataset(data_path)
@@ -432,19 +531,26 @@ def main(args) -> int:
         prompts = [p for p in prompts[args.skip_prompts:][:args.prompts] for _ in range(args.prompt_repeats)]
         if not prompts:
             raise ValueError("no prompts")
-        from ddtree import LLM
-        llm = LLM(args.target, device=str(device), dtype=dtype, spec="none", max_num_seqs=args.max_num_seqs,
-                  kv_cache_gb=args.kv_cache_gb)
+        llm = make_llm()
         records = generate_dataset(args.target, prompts, data_path, args.max_new_tokens, batch_size=args.gen_batch_size,
                                    max_prompt_tokens=args.max_prompt_tokens, llm=llm,
                                    time_limit_s=args.gen_time_limit * 60 if args.gen_time_limit else None,
                                    temperature=args.gen_temperature, seed=args.seed)
-        del llm
-        gc.collect()
         print(f"[{len(records)} records, {sum(r['loss_mask'].sum().item() for r in records)} response tokens "
               f"-> {data_path}]")
     if args.data_only:
         return 0
+    val_records = None
+    if args.val_data and args.val_data.endswith((".pt", ".npz")):  # greedy answers made before
+        val_records = load_dataset(args.val_data)[:args.val_prompts]
+    elif args.val_data:
+        from ddtree.train.acceptance import greedy_answers
+        convs = [[{"role": "user", "content": p}] for p in read_prompt_file(args.val_data)[:args.val_prompts]]
+        val_records = greedy_answers(llm or make_llm(), convs, args.val_max_tokens)
+    if val_records is not None:
+        print(f"[{len(val_records)} held-out answers for validation]")
+    llm = None
+    gc.collect()
     for path in args.extra_data:
         more = load_dataset(path)
         print(f"[+ {len(more)} records from {path}]")
@@ -454,18 +560,27 @@ def main(args) -> int:
                       warmup=args.warmup, gamma=args.gamma, max_len=args.max_len, seed=args.seed,
                       save_every=args.save_every, save_dtype=args.save_dtype, attention=args.attention,
                       time_budget_s=(args.time_budget or 0) * 60, feature_cache_gb=args.feature_cache_gb,
-                      feature_host_gb=args.feature_host_gb, labels=args.labels)
+                      feature_host_gb=args.feature_host_gb, labels=args.labels, val_every=args.val_every)
     kw = {}
     if args.intermediate_size:
         kw["intermediate_size"] = args.intermediate_size
     if args.num_features and not args.target_layer_ids:
         kw["num_features"] = args.num_features
     init = None
-    if args.init:  # a warm start; its shape (layers, block, taps) is the checkpoint's
+    if args.grow and not args.init:
+        raise ValueError("--grow needs --init (the drafter to grow)")
+    if args.init:  # a warm start; its shape (layers, block, taps) is the checkpoint's, unless grown
         init = load_drafter(args.init, target.config, device, torch.float32)
+        if args.grow:
+            from ddtree.train.grow import grow_drafter
+            m = init.dcfg.model
+            init = grow_drafter(init, args.num_layers, args.intermediate_size or m.intermediate_size, seed=args.seed)
+            print(f"[grown: {m.num_layers} layers x MLP {m.intermediate_size} -> {args.num_layers} x "
+                  f"{init.dcfg.model.intermediate_size}]")
     train(target, records, args.out, cfg, drafter=init, resume=args.resume, num_layers=args.num_layers,
           block_size=args.block_size,
           target_layer_ids=args.target_layer_ids or None, stop_at=args.stop_at,
-          time_limit_s=args.time_limit * 60 if args.time_limit else None, deadline=args.deadline, **kw)
+          time_limit_s=args.time_limit * 60 if args.time_limit else None, deadline=args.deadline,
+          val_records=val_records, **kw)
     print(f"[drafter saved to {args.out}]")
     return 0
