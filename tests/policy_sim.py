@@ -30,6 +30,9 @@ class Regime:
     noise: float = 0.5
     seed: int = 0
     difficulty: list[float] = field(default_factory=list)  # per segment, drawn as the text grows
+    # A refeed (ms): fixed per forward and per row. Set: tap-free AR steps (a hopeless plan) leave a gap
+    # that a switch back feeds through the target again first, as spec/auto.py does; None: no gaps.
+    refeed_ms: tuple[float, float] | None = None
 
     def mean_accepted(self, pos: float, budget: int) -> float:
         pos = int(pos)
@@ -55,15 +58,22 @@ def run_fixed(r: Regime, budget: int, tokens: int) -> float:
 def run_policy(r: Regime, tokens: int, policy: AdaptivePolicy | None = None) -> tuple[float, AdaptivePolicy]:
     """Tokens per ms of the policy over the same text (every request of the batch at one position)."""
     policy = policy or AdaptivePolicy(r.table(), [0, *r.step_ms])
+    if r.refeed_ms:
+        policy.set_refeed_cost(*r.refeed_ms)
     noise = random.Random(r.seed + 1)
-    pos, ms, from_ar = 0.0, 0.0, False  # (the prefill stored the prompts' context)
+    pos, ms, from_ar, gap = 0.0, 0.0, False, 0  # (the prefill stored the prompts' context)
     while pos < tokens:
-        budget = policy.plan(r.batch)
+        budget = policy.plan(r.batch, gap * r.batch)
         if budget == 0:
             steps = min(AR_BURST, 1 + policy.ar_steps_ahead())
             policy.skip_ar(steps - 1)
+            gap += steps if r.refeed_ms and policy.tap_free else 0
             pos, ms, from_ar = pos + steps, ms + steps * r.ar_ms, True
             continue
+        if gap:
+            refeed = r.refeed_ms[0] + gap * r.batch * r.refeed_ms[1]
+            policy.observe_refeed(gap * r.batch, refeed)
+            ms, gap = ms + refeed, 0
         start, store = pos, (r.switch_ms if from_ar else 0.0)
         if from_ar:
             policy.observe_switch(r.batch, store)

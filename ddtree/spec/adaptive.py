@@ -64,6 +64,15 @@ HOPE_SPREAD = 3.0
 # `hope_rate`'s spread counts the run's verify steps and this many more (a fresh engine's first ones
 # are not taken at face value)
 HOPE_PRIOR_STEPS = 8
+# ... and a batch of one request also this many tokens: its text alone sets the accepted length, and the
+# next prompt's may be far easier than the run's so far (budget 32 on MT-Bench, the run 8 drafter, CPU
+# replay of 12 prompts: 1.34 writing, 1.49 roleplay, 1.98 reasoning, 3.25 coding). A hopeless batch size's
+# AR steps skip the read-out, so probing it again means feeding every skipped row through the target
+# first (an eager forward, ~16-30 ms on the H200 at batch 1, where the read-out costs ~1% of an AR step):
+# in the simulator (tests/policy_sim.py, refeeds priced) a hard first stretch at batch 1 left it
+# hopeless for good on the easy text after (worst of 12 runs 0.81x the best fixed budget; 0.92x with this). A batch mixes its requests' texts: the term falls as
+# 1/batch^2, so from batch 4 up the verdicts the H200 grids tuned stand.
+TEXT_SPREAD = 0.7
 # ... and the model says "hopeless" only after this many verify steps in all: not on a fresh engine's
 # blind first step, alone or with one probe (1 + 8 steps; 5222c67: from its blind step batch 1 was
 # hopeless for 141 AR bursts, until a probe's refeed was affordable: auto 0.92x fixed budget 32 at C=1).
@@ -484,7 +493,8 @@ class AdaptivePolicy:
         """Whether speculation can pay at this batch size at all: the model's committed tokens per ms and
         request of `budget` (`step_ms` times the bucket's `fit`) at its accepted length over the run
         (`mean_accepted`), plus HOPE_SPREAD over the root of the run's verify steps (all of them, pooled:
-        the calibration rests on them; after a long run that margin is small). Where no budget's beats
+        the calibration rests on them; after a long run that margin is small), plus TEXT_SPREAD over the
+        square of the batch size (one request's text may yet turn easy; many requests' average less). Where no budget's beats
         the AR step by the margin a plan needs (`_hopeless`: SWITCH_MARGIN from AR; after HOPE_EVIDENCE
         verify steps; or, where none beats it clearly, the plan's own bursts lost to AR's: `lost`), AR
         steps do not read out the drafter's context (fed again at a switch, should one come): auto runs
@@ -497,7 +507,7 @@ class AdaptivePolicy:
         61 AR bursts ran tap-free, where fixed budget 32 ran 1.10x AR), and C=64 kept reading out where
         fixed budget 8 ran 0.66x AR (623f5b3, run 5 drafter: auto 0.89x AR)."""
         pooled = sum(v[1] for v in self.verified.values()) + HOPE_PRIOR_STEPS
-        accepted = self.mean_accepted(budget) + HOPE_SPREAD / math.sqrt(pooled)
+        accepted = self.mean_accepted(budget) + HOPE_SPREAD / math.sqrt(pooled) + TEXT_SPREAD / batch ** 2
         return (1 + accepted) / self.step_ms(budget, batch) * self.fit(batch)
 
     def hopeless_at(self, batch: int) -> bool:
