@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ddtree.spec.adaptive import (AR_BURST_STEPS, FIT_PRIOR_STEPS, HOPE_BURSTS, HOPE_EVIDENCE, HOPE_MEMO_PLANS,
-                                  HOPE_PRIOR_STEPS, HOPE_SPREAD, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LOSS, BURST_STEPS,
-                                  TEXT_SPREAD, AdaptivePolicy, candidate_budgets)
+                                  HOPE_PRIOR_STEPS, HOPE_SPREAD, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_GROWTH, PROBE_LOSS,
+                                  BURST_STEPS, TEXT_SPREAD, AdaptivePolicy, candidate_budgets)
 from ddtree.spec.costs import CostTable
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
 from policy_sim import SHARE, H200_TABLE, Batches, Regime, run_batches, run_fixed, run_noisy_bursts, run_policy
@@ -168,6 +168,31 @@ def test_costly_probes_come_as_rarely_as_they_cost():
     capped.expected = policy.expected
     pattern = [will_draft(capped, 1) for _ in range(2 * (2 * PROBE_EVERY + 1))]
     assert pattern == ([False] * 2 * PROBE_EVERY + [True]) * 2
+
+
+def test_probe_intervals_grow_at_most_by_probe_growth_a_probe():
+    # AR 1 ms a token, a speculative step 1.6 ms at 0.5 tokens accepted: AR wins by 6%, not hopeless (one
+    # text's spread at batch 1), so probes come as often as they cost, ~80 AR steps apart. Then switches
+    # are learnt to cost 40 ms, which alone would put the next probe MAX_PROBE_EVERY away: the interval
+    # grows PROBE_GROWTH-fold a probe instead.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 1.5), BUDGETS)
+    policy.record_draft(1, {b: 0.5 for b in BUDGETS[1:]})
+    gaps, streak = [], 0
+    for _ in range(6 * MAX_PROBE_EVERY):
+        if will_draft(policy, 1):
+            gaps.append(streak)
+            streak = 0
+            if len(gaps) == 1:
+                for _ in range(4):
+                    policy.observe_switch(1, 40.0)
+        else:
+            streak += 1
+    assert not policy.hopeless and policy.probe_cap(1) == MAX_PROBE_EVERY
+    first = gaps[0]
+    assert 4 * PROBE_EVERY < first < MAX_PROBE_EVERY / 8
+    # (the second interval was priced at the first probe, before the switches were learnt)
+    assert gaps[1:5] == [first, PROBE_GROWTH * first, PROBE_GROWTH ** 2 * first, PROBE_GROWTH ** 3 * first], gaps
+    assert max(gaps) == MAX_PROBE_EVERY
 
 
 def test_a_costly_switch_from_ar_needs_a_clearer_win_and_spaces_probes():

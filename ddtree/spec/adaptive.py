@@ -44,6 +44,10 @@ SWITCH_MARGIN = 1.05  # the rate another mode (AR or speculation) must beat the 
 PROBE_EVERY = 16  # AR steps at least between probes (a burst of the budget that looks best) ...
 MAX_PROBE_EVERY = 1024  # ... and at most, within which as many as keep what losing probes cost
 PROBE_LOSS = 0.01  # ... within this share of the AR time
+# ... growing at most this many times a probe: a few hard probes price the next ones far off (on the
+# H200 at d43b91d, C=1: probes 16, 22, 185 and then 1,000 AR steps apart after the first, hard, MT-Bench
+# prompt, a switch's store learnt at 3.1 ms, while fixed budget 32 ran 1.29x AR on that text)
+PROBE_GROWTH = 2
 # Steps of a speculative burst (spec/decode.py runs them): a probe is one whole burst, whose rate means
 # something, and the model spreads a switch's context store over one
 BURST_STEPS = 8
@@ -435,7 +439,7 @@ class AdaptivePolicy:
         if due and self.gap_ms <= PROBE_LOSS * self.ar_streak * self.ar_ms(batch):  # (affordable)
             best = best or self._best(batch, store)[0]
             self.probing, self.ar_streak = True, 0
-            self.intervals[bucket] = self.probe_cap(batch, best)
+            self.intervals[bucket] = min(self.probe_cap(batch, best), PROBE_GROWTH * self.intervals[bucket])
             self._count("probe", batch)
             return best
         if due:  # due, but not affordable yet: whole AR bursts until a look again
