@@ -45,8 +45,9 @@ PROBE_EVERY = 16  # AR steps at least between probes (a burst of the budget that
 MAX_PROBE_EVERY = 1024  # ... and at most, within which as many as keep what losing probes cost
 PROBE_LOSS = 0.01  # ... within this share of the AR time
 # ... growing at most this many times a probe: a few hard probes price the next ones far off (on the
-# H200 at d43b91d, C=1: probes 16, 22, 185 and then 1,000 AR steps apart after the first, hard, MT-Bench
-# prompt, a switch's store learnt at 3.1 ms, while fixed budget 32 ran 1.29x AR on that text)
+# H200 at d43b91d, C=1, after the hard first MT-Bench prompt: probes 16, 22 and 185 AR steps apart in one
+# run; in another the fourth came 1,000 steps on, a switch's store learnt at 3.1 ms, while fixed budget 32
+# ran 1.29x AR on that text)
 PROBE_GROWTH = 2
 # Steps of a speculative burst (spec/decode.py runs them): a probe is one whole burst, whose rate means
 # something, and the model spreads a switch's context store over one
