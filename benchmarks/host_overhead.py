@@ -15,6 +15,10 @@ out so that what is timed is only the host code around it:
 - `ddtree`: the GPU speculative path (budget 16, topk 4, block 16). The step's graph pool is replaced
   by a stub returning a fixed outcome (3 draft tokens accepted + bonus), so a step is schedule ->
   drafter inputs -> (stub) -> read-back -> commit.
+- `auto-spec`: `--budget auto` where speculation pays (verifying priced at an AR step), its graphed
+  bursts on stubs of every budget's whole step with the same outcome as `ddtree`'s and each budget's
+  E(b) in the read-back: what auto's speculation costs on the host beyond fixed DDTree's (the plan per
+  burst, the E read-back and averages per step).
 
 Each configuration runs `LLM.generate` (greedy, ignore_eos, fixed max_tokens, one prompt per request)
 several times; a run's host time per decode step is (its total time - the prefill step) / decode
@@ -84,7 +88,7 @@ class StubModel:
 def make_llm(path: str, mode: str) -> LLM:
     kw = dict(device="cpu", dtype="float32", page_size=16, num_pages=2048, max_num_seqs=64,
               max_num_batched_tokens=4096, cuda_graphs=False)
-    if mode.startswith("ddtree") or mode == "auto-ar":
+    if mode.startswith("ddtree") or mode.startswith("auto"):
         llm = LLM(path, spec="none", **kw)
         llm.drafter = random_drafter(llm.config, num_layers=1, block_size=16, target_layer_ids=[0])
         if mode == "auto-ar":  # verifying costs 100 AR steps: auto plans AR (probes far apart)
@@ -95,6 +99,10 @@ def make_llm(path: str, mode: str) -> LLM:
             for _ in range(32):
                 policy.record_draft(1, {b: 0.2 for b in policy.budgets})
                 policy.observe(policy.budgets[0], 1, 0.2, 0.2)
+        elif mode == "auto-spec":  # verifying costs an AR step: auto speculates from its first plan on
+            sizes = [1, 8, 64]
+            llm.set_mode("ddtree", budget="auto", topk=4, cost_table=CostTable(
+                sizes, [1.0] * 3, [0.1] * 3, {b: [1.0] * 3 for b in (4, 8, 16, 32)}))
         else:
             llm.set_mode("ddtree", budget=16, topk=4)
     else:
@@ -105,6 +113,9 @@ def make_llm(path: str, mode: str) -> LLM:
     widths = {"block_tables": max_pages}
     logits = torch.zeros(64, V)
     logits[:, 100] = 1.0  # every row's argmax: an ordinary token
+    if mode in ("ddtree", "auto-spec"):  # bursts' pages reserved as the engine reserves them with graphs
+        from ddtree.spec.decode import SPEC_BURST
+        engine.scheduler.decode_width += (SPEC_BURST - 1) * engine.speculator.drafter.block_size
     if mode == "ar":
         engine.decode_graphs = StubPool(logits, {"block_tables": engine.runner.scratch_page}, widths)
         engine.burst = DECODE_BURST  # (as with graphs: pipelined bursts of AR steps)
@@ -125,6 +136,23 @@ def make_llm(path: str, mode: str) -> LLM:
         feats = torch.zeros(64, D + 1, spec.drafter.feat_dim)
         spec.graphs = StubPool(StepOutputs(packed, feats), {"block_tables": engine.runner.scratch_page,
                                                             "ctx_slots": spec.drafter.scratch_slot}, widths)
+    elif mode == "auto-spec":
+        from ddtree.spec.auto import EXPECTED_SCALE
+        spec = engine.speculator
+        D, E = spec.depth, len(spec.budgets) - 1
+        packed = torch.zeros(64, 2 + D + 1 + E, dtype=torch.long)
+        packed[:, 0] = ACCEPT
+        packed[:, 1] = 101
+        packed[:, 2:3 + D] = torch.randint(3, V, (64, D + 1), generator=torch.Generator().manual_seed(0))
+        packed[:, 3 + D:] = ACCEPT * EXPECTED_SCALE  # every budget's E(b): what the steps accept
+        feats = torch.zeros(64, D + 1, spec.drafter.feat_dim)
+        pad = {"block_tables": engine.runner.scratch_page, "ctx_slots": spec.drafter.scratch_slot}
+        spec.step_graphs = {b: StubPool(StepOutputs(packed, feats), pad, widths) for b in spec.budgets[1:]}
+        spec.draft_graphs = spec.ar_graphs = StubPool(None, pad, widths)  # (not run: graphed auto is on)
+        engine.decode_graphs = StubPool((logits, torch.zeros(64, spec.drafter.feat_dim)),
+                                        {"block_tables": engine.runner.scratch_page}, widths)
+        engine.untapped_decode_graphs = StubPool(logits, {"block_tables": engine.runner.scratch_page}, widths)
+        engine.burst = DECODE_BURST
     else:
         raise ValueError(mode)
     return llm
@@ -185,7 +213,7 @@ def main() -> None:
     if args.profile:
         mode, batch = args.profile[0], int(args.profile[1])
         llm = make_llm(path, mode)
-        tokens = 256 if mode.startswith("ddtree") else 128
+        tokens = 256 if mode in ("ddtree", "auto-spec") else 128
         prompts = [[(7 * i + j) % 300 + 3 for j in range(PROMPT_LEN)] for i in range(batch)]
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         llm.generate(prompts, params)
@@ -198,7 +226,7 @@ def main() -> None:
     print(f"{'mode':>9} {'batch':>5} {'steps':>5} {'us/step':>9} {'us/token':>9} {'us/model-step':>10}")
     for mode in args.modes.split(","):
         llm = make_llm(path, mode)
-        tokens_per_step = ACCEPT + 1 if mode.startswith("ddtree") else 1
+        tokens_per_step = ACCEPT + 1 if mode in ("ddtree", "auto-spec") else 1
         for batch in map(int, args.batches.split(",")):
             max_tokens = 64 * tokens_per_step
             sec, steps = measure(llm, batch, max_tokens, args.reps)
