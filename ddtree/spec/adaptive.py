@@ -75,8 +75,9 @@ HOPE_PRIOR_STEPS = 8
 # AR steps skip the read-out, so probing it again means feeding every skipped row through the target
 # first (an eager forward, ~16-30 ms on the H200 at batch 1, where the read-out costs ~1% of an AR step):
 # in the simulator (tests/policy_sim.py, refeeds priced) a hard first stretch at batch 1 left it
-# hopeless for good on the easy text after (worst of 12 runs 0.81x the best fixed budget; 0.92x with this). A batch mixes its requests' texts: the term falls as
-# 1/batch^2, so from batch 4 up the verdicts the H200 grids tuned stand.
+# hopeless for good on the easy text after (worst of 12 runs 0.81x the best fixed budget; 0.92x with
+# this). A batch mixes its requests' texts: the term falls as 1/batch^2, so from batch 4 up the verdicts
+# the H200 grids tuned stand.
 TEXT_SPREAD = 0.7
 # ... and the model says "hopeless" only after this many verify steps in all: not on a fresh engine's
 # blind first step, alone or with one probe (1 + 8 steps; 5222c67: from its blind step batch 1 was
@@ -499,10 +500,10 @@ class AdaptivePolicy:
         request of `budget` (`step_ms` times the bucket's `fit`) at its accepted length over the run
         (`mean_accepted`), plus HOPE_SPREAD over the root of the run's verify steps (all of them, pooled:
         the calibration rests on them; after a long run that margin is small), plus TEXT_SPREAD over the
-        square of the batch size (one request's text may yet turn easy; many requests' average less). Where no budget's beats
-        the AR step by the margin a plan needs (`_hopeless`: SWITCH_MARGIN from AR; after HOPE_EVIDENCE
-        verify steps; or, where none beats it clearly, the plan's own bursts lost to AR's: `lost`), AR
-        steps do not read out the drafter's context (fed again at a switch, should one come): auto runs
+        square of the batch size (one request's text may yet turn easy; many requests' average less).
+        Where no budget's beats the AR step by the margin a plan needs (`_hopeless`: SWITCH_MARGIN from
+        AR; after HOPE_EVIDENCE verify steps; or, where none beats it clearly, the plan's own bursts lost
+        to AR's: `lost`), AR steps do not read out the drafter's context (fed again at a switch, should one come): auto runs
         plain AR's own steps, and probes come only every `max_probe_every` AR steps. On the H200 those
         read-outs cost 3-7% of AR's steps at C=32-128, and prefills 5-7% more.
 
