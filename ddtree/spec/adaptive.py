@@ -503,8 +503,9 @@ class AdaptivePolicy:
         square of the batch size (one request's text may yet turn easy; many requests' average less).
         Where no budget's beats the AR step by the margin a plan needs (`_hopeless`: SWITCH_MARGIN from
         AR; after HOPE_EVIDENCE verify steps; or, where none beats it clearly, the plan's own bursts lost
-        to AR's: `lost`), AR steps do not read out the drafter's context (fed again at a switch, should one come): auto runs
-        plain AR's own steps, and probes come only every `max_probe_every` AR steps. On the H200 those
+        to AR's: `lost`), AR steps do not read out the drafter's context (fed again at a switch, should
+        one come): auto runs plain AR's own steps, and probes come only every `max_probe_every` AR steps.
+        On the H200 those
         read-outs cost 3-7% of AR's steps at C=32-128, and prefills 5-7% more.
 
         Meant as a property of the drafter and the batch size rather than of the text now (the drafter's
