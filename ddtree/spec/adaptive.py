@@ -505,8 +505,7 @@ class AdaptivePolicy:
         AR; after HOPE_EVIDENCE verify steps; or, where none beats it clearly, the plan's own bursts lost
         to AR's: `lost`), AR steps do not read out the drafter's context (fed again at a switch, should
         one come): auto runs plain AR's own steps, and probes come only every `max_probe_every` AR steps.
-        On the H200 those
-        read-outs cost 3-7% of AR's steps at C=32-128, and prefills 5-7% more.
+        On the H200 those read-outs cost 3-7% of AR's steps at C=32-128, and prefills 5-7% more.
 
         Meant as a property of the drafter and the batch size rather than of the text now (the drafter's
         E over the run, calibrated over the run): judged on the rates plans compare (realized, or
