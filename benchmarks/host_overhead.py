@@ -54,6 +54,7 @@ from tiny import make_tiny_model  # noqa: E402
 
 PROMPT_LEN = 12  # <= block size: the first speculative step already takes the (stubbed) graph path
 ACCEPT = 3  # draft tokens accepted per stubbed speculative step
+SPEC_MODES = ("ddtree", "auto-spec")  # modes whose steps are stubbed speculative ones (ACCEPT + 1 tokens)
 
 
 class _NoGraph:
@@ -113,7 +114,7 @@ def make_llm(path: str, mode: str) -> LLM:
     widths = {"block_tables": max_pages}
     logits = torch.zeros(64, V)
     logits[:, 100] = 1.0  # every row's argmax: an ordinary token
-    if mode in ("ddtree", "auto-spec"):  # bursts' pages reserved as the engine reserves them with graphs
+    if mode in SPEC_MODES:  # bursts' pages reserved as the engine reserves them with graphs
         from ddtree.spec.decode import SPEC_BURST
         engine.scheduler.decode_width += (SPEC_BURST - 1) * engine.speculator.drafter.block_size
     if mode == "ar":
@@ -213,7 +214,7 @@ def main() -> None:
     if args.profile:
         mode, batch = args.profile[0], int(args.profile[1])
         llm = make_llm(path, mode)
-        tokens = 256 if mode in ("ddtree", "auto-spec") else 128
+        tokens = 256 if mode in SPEC_MODES else 128
         prompts = [[(7 * i + j) % 300 + 3 for j in range(PROMPT_LEN)] for i in range(batch)]
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         llm.generate(prompts, params)
@@ -226,7 +227,7 @@ def main() -> None:
     print(f"{'mode':>9} {'batch':>5} {'steps':>5} {'us/step':>9} {'us/token':>9} {'us/model-step':>10}")
     for mode in args.modes.split(","):
         llm = make_llm(path, mode)
-        tokens_per_step = ACCEPT + 1 if mode in ("ddtree", "auto-spec") else 1
+        tokens_per_step = ACCEPT + 1 if mode in SPEC_MODES else 1
         for batch in map(int, args.batches.split(",")):
             max_tokens = 64 * tokens_per_step
             sec, steps = measure(llm, batch, max_tokens, args.reps)

@@ -1,7 +1,7 @@
 """What a switch's context store costs at C=1 (the policy learnt ~2.5-3 ms on the H200 at ed2a18c, where
 the start-up table timed 0.9): auto on the default pair, MT-Bench prompts one at a time; every
 `store_pending` is timed on the host up to its return (launch work), then to a synchronize (device
-work), with its requests' pending entries and rows; a second pass profiles the stores' host time.
+work), with its requests' pending entries and rows, and profiled (cProfile, host time) in the same pass.
 
     python benchmarks/store_profile.py OUT_DIR [NUM_PROMPTS [MAX_TOKENS]]
 """

@@ -44,6 +44,19 @@ class Regime:
         return CostTable([self.batch], [self.ar_ms], [0.0], {b: [ms] for b, ms in self.step_ms.items()})
 
 
+@dataclass
+class HardStart(Regime):
+    """Text that is hard for its first `hard` tokens (a first prompt with nothing accepted, then prompts
+    at `accepted`, near break-even) and easier after (`easy`)."""
+    hard: int = 3500
+    easy: tuple[float, float] = (1.5, 3.2)
+
+    def mean_accepted(self, pos: float, budget: int) -> float:
+        pos = int(pos)
+        span = (0.0, 0.05) if pos < 60 else self.accepted if pos < self.hard else self.easy
+        return random.Random(self.seed * 31 + pos // self.segment).uniform(*span) * SHARE[budget]
+
+
 def run_fixed(r: Regime, budget: int, tokens: int) -> float:
     """Tokens per ms of always `budget` (0: AR) over the first `tokens` tokens of the text."""
     pos, ms = 0, 0.0

@@ -7,7 +7,6 @@ exact enumeration. The speculator end to end: tests/test_auto.py.
 import dataclasses
 import itertools
 import math
-import random
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from ddtree.spec.adaptive import (AR_BURST_STEPS, FIT_PRIOR_STEPS, HOPE_BURSTS, 
                                   BURST_STEPS, TEXT_SPREAD, AdaptivePolicy, candidate_budgets)
 from ddtree.spec.costs import CostTable
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
-from policy_sim import SHARE, H200_TABLE, Batches, Regime, run_batches, run_fixed, run_noisy_bursts, run_policy
+from policy_sim import H200_TABLE, Batches, HardStart, Regime, run_batches, run_fixed, run_noisy_bursts, run_policy
 from test_tree import worked_example_logprobs
 
 BUDGETS = [0, 4, 8, 16, 32]
@@ -871,19 +870,6 @@ def test_a_run_of_drafts_thrown_away_against_the_plan_verifies_one():
         policy.observe(4, 1, predicted=0.5, accepted=0)  # (the calibration sinks to ~0)
     chosen = [policy.choose(1, {4: 0.5, 8: 0.6, 16: 0.7, 32: 0.8}) for _ in range(8)]
     assert chosen == [0, 0, 0, BUDGETS[1], 0, 0, 0, BUDGETS[1]]
-
-
-@dataclasses.dataclass
-class HardStart(Regime):
-    """Text that is hard for its first `hard` tokens (a first prompt with nothing accepted, then prompts
-    at `accepted`, near break-even) and easier after (`easy`)."""
-    hard: int = 3500
-    easy: tuple[float, float] = (1.5, 3.2)
-
-    def mean_accepted(self, pos: float, budget: int) -> float:
-        pos = int(pos)
-        span = (0.0, 0.05) if pos < 60 else self.accepted if pos < self.hard else self.easy
-        return random.Random(self.seed * 31 + pos // self.segment).uniform(*span) * SHARE[budget]
 
 
 @pytest.mark.parametrize("seed", range(6))
