@@ -1,7 +1,8 @@
 """What a switch's context store costs at C=1 (the policy learnt ~2.5-3 ms on the H200 at ed2a18c, where
 the start-up table timed 0.9): auto on the default pair, MT-Bench prompts one at a time; every
 `store_pending` is timed on the host up to its return (launch work), then to a synchronize (device
-work), with its requests' pending entries and rows, and profiled (cProfile, host time) in the same pass.
+work), with its requests' pending entries and rows, the device work queued before it (a sync first)
+and its caller, and profiled (cProfile, host time) in the same pass.
 
     python benchmarks/store_profile.py OUT_DIR [NUM_PROMPTS [MAX_TOKENS]]
 """
@@ -35,7 +36,8 @@ def main() -> None:
     def store_pending(self, seqs):
         entries = sum(len(s.pending_features) for s in seqs)
         pending = sum(s.num_cached - s.draft_len for s in seqs)
-        sync()
+        tw = time.perf_counter()
+        sync()  # (device work queued before the store: what a timer without this sync would charge it)
         t0 = time.perf_counter()
         profiler.enable()
         original(self, seqs)
@@ -43,7 +45,8 @@ def main() -> None:
         t1 = time.perf_counter()
         sync()
         t2 = time.perf_counter()
-        rows.append({"batch": len(seqs), "entries": entries, "rows": pending,
+        rows.append({"batch": len(seqs), "entries": entries, "rows": pending, "caller": sys._getframe(1).f_code.co_name,
+                     "queued_ms": (t0 - tw) * 1e3,
                      "host_ms": (t1 - t0) * 1e3, "to_sync_ms": (t2 - t0) * 1e3})
 
     DraftRunner.store_pending = store_pending
@@ -59,8 +62,10 @@ def main() -> None:
     for r in big[:40]:
         print(r)
     if big:
-        print("stores", len(big), "mean host ms %.3f, to sync %.3f" % (sum(r["host_ms"] for r in big) / len(big),
-                                                                       sum(r["to_sync_ms"] for r in big) / len(big)))
+        mean = lambda k: sum(r[k] for r in big) / len(big)  # noqa: E731
+        print("stores", len(big), "mean queued ms %.3f, host %.3f, to sync %.3f" % (
+            mean("queued_ms"), mean("host_ms"), mean("to_sync_ms")),
+            "callers", sorted({r["caller"] for r in big}))
 
 
 if __name__ == "__main__":
