@@ -15,7 +15,7 @@ from ddtree.models.dflash import random_drafter, save_drafter
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import candidate_budgets
 from ddtree.spec.costs import CostTable
-from ddtree.spec.draft import has_gap
+from ddtree.spec.draft import has_gap, store_shape
 from emulated import emulated_pool, fake_gpu_graphs
 from test_adaptive import BATCHES, BUDGETS, one_thread, roofline, table  # noqa: F401 (one_thread: autouse)
 from test_spec import assert_idle, continuation, hook_draft_logits, noisy_oracle, plant
@@ -320,9 +320,21 @@ def test_store_pending_puts_each_row_at_its_position_and_slot(pairs):
         want_feats.append(f)
         seqs.append(seq)
     dr.store_pending(seqs)
-    assert got["pos"] == want_pos and got["slots"] == want_slots
-    assert torch.equal(got["f"], torch.cat(want_feats))
+    n = len(want_pos)  # then padding rows up to the store's shape: zeros, into the scratch slot
+    pad = store_shape(n) - n
+    assert pad and got["pos"] == want_pos + [0] * pad and got["slots"] == want_slots + [dr.scratch_slot] * pad
+    assert torch.equal(got["f"], torch.cat(want_feats + [torch.zeros(pad, dr.feat_dim)]))
     assert all(s.draft_len == s.num_cached and not s.pending_features for s in seqs)
+    shapes = []  # every shape once, up to the most rows a store can have
+    dr.store_context = lambda f, pos, slots: shapes.append((f.shape[0], pos.shape[0], set(slots.tolist())))
+    dr.warm_stores(2, 300)
+    assert shapes == [(m, m, {dr.scratch_slot}) for m in (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)]
+
+
+def test_store_shapes_are_few_and_pad_little():
+    sizes = range(1, 5000)
+    assert all(n <= store_shape(n) <= max(n + 15, 1.25 * n) for n in sizes)
+    assert len({store_shape(n) for n in sizes}) == 8 + 4 * 5 + 1  # to 128, 4 an octave to 4096, then 5120
 
 
 def test_sampled_and_greedy_requests_in_one_auto_batch(pairs, prompts, ar_out):

@@ -86,6 +86,7 @@ class AdaptiveSpeculator(Speculator):
             for b in self.budgets[1:]:
                 self.step_graphs[b] = GraphPool(partial(self._whole_step, b), max_batch, pad=pad, widths=widths,
                                                 mempool=pool)
+            drafter.warm_stores(max_batch, runner.max_num_batched_tokens)
         if table is None:  # with graphs, every batch bucket (capturing the graphs ahead of serving); else two
             sizes = buckets_up_to(max_batch) if use_graphs else sorted({1, min(2, max_batch)})
             with torch.inference_mode():

@@ -67,6 +67,19 @@ def pending_rows(seqs: list[Sequence]) -> torch.Tensor | None:
     return flat[shift + torch.arange(total, device=flat.device)]
 
 
+STORE_WARM_ROWS = 160  # pending rows a request may hold at a store: engine.PENDING_ROWS (128) and a burst's
+
+
+def store_shape(rows: int) -> int:
+    """`rows` rounded up to a store's shape: a multiple of 16 up to 128, then one of 4 shapes an octave
+    (at most a quarter more rows). A product over a row count cuBLAS has not seen yet costs milliseconds of
+    host time on the H200: at ca1dc39 switches' stores of 34-67 rows took 1.8-8.8 ms, nearly all of it
+    in `linear`, where the start-up table's, of 64 rows, took 0.7. Padded, stores come in few shapes,
+    each run once ahead of serving (`DraftRunner.warm_stores`)."""
+    step = max(16, 1 << max(0, (rows - 1).bit_length() - 3))
+    return -(-rows // step) * step
+
+
 def open_gap(seq: Sequence) -> None:
     """The forwards from here on do not read out the request's target features (tap-free AR bursts, a
     prefill where speculation is hopeless): its context has a gap from num_cached on, open until
@@ -174,10 +187,28 @@ class DraftRunner:
         pos = torch.arange(total, device=dev) - (n.cumsum(0) - n)[row] + firsts[row]
         ps = self.page_size
         slots = req[:, 2:][row, pos // ps] * ps + pos % ps  # (one page-table entry per row, not a table copy)
-        feats = pending_rows(seqs)
+        feats, pad = pending_rows(seqs), store_shape(total) - total
+        if pad:  # (padding rows: zero features, written to the scratch slot)
+            feats = torch.cat([feats, feats.new_zeros(pad, feats.shape[1])])
+            pos = torch.cat([pos, pos.new_zeros(pad)])
+            slots = torch.cat([slots, slots.new_full((pad,), self.scratch_slot)])
         self.drafter.store_context(feats, pos, slots, self.use_triton)
         for seq in seqs:
             seq.draft_len, seq.pending_features = seq.num_cached, []
+
+    @torch.inference_mode()
+    def warm_stores(self, max_batch: int, max_chunk: int) -> None:
+        """Every store shape run once, on the scratch slot (`store_shape`), up to the most rows a store
+        can have: `max_batch` requests' pending rows at a switch (engine.PENDING_ROWS and a burst's,
+        STORE_WARM_ROWS), or a prompt chunk of `max_chunk` rows after an eager prefill."""
+        most_rows, shapes, n = max(max_batch * STORE_WARM_ROWS, max_chunk), [], 1
+        while not shapes or shapes[-1] < most_rows:
+            shapes.append(store_shape(n))
+            n = shapes[-1] + 1
+        for n in shapes:
+            self.store_context(torch.zeros(n, self.feat_dim, dtype=self.dtype, device=self.device),
+                               torch.zeros(n, dtype=torch.long, device=self.device),
+                               torch.full((n,), self.scratch_slot, dtype=torch.long, device=self.device))
 
     def store_context(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Target features [T, K*D] of context rows at `positions` into the drafter cache at `slots`
