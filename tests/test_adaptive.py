@@ -13,7 +13,7 @@ import torch
 
 from ddtree.spec.adaptive import (AR_BURST_STEPS, FIT_PRIOR_STEPS, HOPE_BURSTS, HOPE_EVIDENCE, HOPE_MEMO_PLANS,
                                   HOPE_PRIOR_STEPS, HOPE_SPREAD, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_GROWTH, PROBE_LOSS,
-                                  BURST_STEPS, TEXT_SPREAD, AdaptivePolicy, candidate_budgets)
+                                  REFEED_LOSS, BURST_STEPS, TEXT_SPREAD, AdaptivePolicy, candidate_budgets)
 from ddtree.spec.costs import CostTable
 from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
 from policy_sim import H200_TABLE, Batches, HardStart, Regime, run_batches, run_fixed, run_noisy_bursts, run_policy
@@ -102,14 +102,14 @@ def test_policy_plans_bursts_from_past_drafts_by_batch_size():
     verify_as_drafted(policy)
     # At 128 not even a budget's upper estimate beats AR's (`hope_rate`): the engine's AR bursts skip
     # reading out the drafter's context, and probes come only every MAX_PROBE_EVERY AR steps, and only
-    # while feeding the skipped rows again costs at most PROBE_LOSS of the AR time since the last one
+    # while feeding the skipped rows again costs at most REFEED_LOSS of the AR time since the last one
     policy.ar_streak = 0
     ar = [policy.plan(128) for _ in range(2 * MAX_PROBE_EVERY + 2)]
     assert policy.hopeless and [i for i, b in enumerate(ar) if b] == [MAX_PROBE_EVERY, 2 * MAX_PROBE_EVERY + 1]
     policy.ar_streak, ar_ms = 0, policy.ar_ms(128)
     rows = 128 * MAX_PROBE_EVERY  # every request's every step skipped
     ar = [policy.plan(128, gap_rows=rows) for _ in range(2 * MAX_PROBE_EVERY)]
-    assert not any(ar) and policy.gap_ms > PROBE_LOSS * MAX_PROBE_EVERY * ar_ms
+    assert not any(ar) and policy.gap_ms > REFEED_LOSS * MAX_PROBE_EVERY * ar_ms
     assert policy.ar_steps_ahead() >= PROBE_EVERY - 1  # (whole AR bursts meanwhile, not single steps)
     for _ in range(100):  # refeeds turn out cheap: the next probe is affordable
         policy.observe_refeed(1000, 1e-3)
@@ -612,14 +612,14 @@ def test_a_hopeless_verdict_is_reused_until_speculation_teaches_something():
 def test_a_probe_waits_until_the_rows_it_would_feed_again_are_affordable():
     # AR looks better at batch 4 (not hopeless): probes come every `probe_cap` steps (at most
     # MAX_PROBE_EVERY), but where tap-free steps of a larger batch left rows to feed again (~30 ms), only
-    # once PROBE_LOSS of the AR time since the last probe covers them.
+    # once REFEED_LOSS of the AR time since the last probe covers them.
     policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 1.5), BUDGETS)
     policy.record_draft(1, {b: 0.4 for b in BUDGETS[1:]})  # 1.4 tokens in 1.6 ms: 0.875x AR
     policy.set_refeed_cost(30.0, 0.0)
-    steps = [policy.plan(4, gap_rows=300) for _ in range(4000)]
+    steps = [policy.plan(4, gap_rows=300) for _ in range(16000)]
     first = next(i for i, b in enumerate(steps) if b)
     assert not policy.hopeless and policy.intervals[4] < first
-    assert 30.0 / (PROBE_LOSS * policy.ar_ms(4)) - 1 <= first <= 30.0 / (PROBE_LOSS * policy.ar_ms(4)) + PROBE_EVERY
+    assert 30.0 / (REFEED_LOSS * policy.ar_ms(4)) - 1 <= first <= 30.0 / (REFEED_LOSS * policy.ar_ms(4)) + PROBE_EVERY
 
 
 def test_a_budget_tried_on_hard_text_is_not_shut_out():

@@ -44,6 +44,10 @@ SWITCH_MARGIN = 1.05  # the rate another mode (AR or speculation) must beat the 
 PROBE_EVERY = 16  # AR steps at least between probes (a burst of the budget that looks best) ...
 MAX_PROBE_EVERY = 1024  # ... and at most, within which as many as keep what losing probes cost
 PROBE_LOSS = 0.01  # ... within this share of the AR time
+# ... and a probe's refeed of the rows tap-free AR steps skipped at most this share of the AR time since
+# the last probe: at PROBE_LOSS, on the H200 at ca1dc39, the run at C=128 drained to 4 requests at its
+# end, and a probe there refed 784 rows in 16.9 ms for one speculative step (~1% of the run: auto 0.98x AR)
+REFEED_LOSS = 0.0025
 # ... growing at most this many times a probe: a few hard probes price the next ones far off (on the
 # H200 at d43b91d, C=1, after the hard first MT-Bench prompt: probes 16, 22 and 185 AR steps apart in one
 # run; in another the fourth came 1,000 steps on, a switch's store learnt at 3.1 ms, while fixed budget 32
@@ -429,16 +433,16 @@ class AdaptivePolicy:
         # batch may well speculate, which says nothing about the next full batch).
         # Hopeless: only at the longest spacing (the averages may be stale, from hard text, and only a
         # probe's draft renews them). Any probe: only where feeding the rows tap-free steps skipped again
-        # costs at most PROBE_LOSS of the AR time since the last one (at batch 128 on the H200, ~0.3 ms of
-        # refeed per AR step of 1.6 ms: never; at the end of a run at C=64-128 the batch drained to a
-        # size with hope, and its probe refed a few hundred rows in ~30 ms, ~1.5% of the grid row).
+        # costs at most REFEED_LOSS of the AR time since the last one (at batch 128 on the H200, ~0.3 ms
+        # of refeed per AR step of 1.6 ms: never; at the end of a run at C=64-128 the batch drains to a
+        # size with hope, and a probe there refeeds a few hundred rows in 15-30 ms, for a step or two).
         bucket = _bucket(batch)
         if bucket not in self.intervals:
             best = best or self._best(batch, store)[0]
             self.intervals[bucket] = self.probe_cap(batch, best)
         self.interval = self.max_probe_every if self.hopeless else self.intervals[bucket]
         due = self.ar_streak >= self.interval
-        if due and self.gap_ms <= PROBE_LOSS * self.ar_streak * self.ar_ms(batch):  # (affordable)
+        if due and self.gap_ms <= REFEED_LOSS * self.ar_streak * self.ar_ms(batch):  # (affordable)
             best = best or self._best(batch, store)[0]
             self.probing, self.ar_streak = True, 0
             self.intervals[bucket] = min(self.probe_cap(batch, best), PROBE_GROWTH * self.intervals[bucket])
