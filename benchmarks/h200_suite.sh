@@ -58,7 +58,8 @@ case $1 in
     auto_sweep "${REPEATS:-1}" "${2:-1,2,4,8,16,32,64,128}" > "$OUT/sweep_auto.log" 2>&1 ;;
   grid)  # the whole auto grid in one call (~7 minutes on the H200): C=1-8 once, C=16-128 median of 5
     # (TRACE=1: auto's plans, one JSON line each, to $OUT/policy_trace_low.jsonl and _high.jsonl)
-    { trace low auto_sweep 1 1,2,4,8 && trace high auto_sweep "${REPEATS:-5}" 16,32,64,128; } \
+    # (LOW_REPEATS=3: C=1-8 the median of three too, ~2.5 min more)
+    { trace low auto_sweep "${LOW_REPEATS:-1}" 1,2,4,8 && trace high auto_sweep "${REPEATS:-5}" 16,32,64,128; } \
       > "$OUT/sweep_auto.log" 2>&1 ;;
   autocheck)
     "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget '' --topk 4 --auto-topk 4 \
