@@ -135,6 +135,7 @@ class Batches:
     switch_row_ms: float = 0.02
     seed: int = 0
     table: CostTable = field(default_factory=lambda: H200_TABLE)
+    readout: float = 0.0  # an AR step that reads out the drafter's context costs this share more (not tap-free)
 
     def mean_accepted(self, request: int, pos: float, budget: int) -> float:
         rng = random.Random(f"{self.seed}-{request}-{int(pos) // self.segment}")
@@ -176,7 +177,8 @@ def run_batches(w: Batches, budget: int | None, policy: AdaptivePolicy | None = 
                         break
                 if budget is None:
                     policy.skip_ar(n - 1)
-                tokens, ms, from_ar = tokens + n * B, ms + n * w.step_ms(0, B), True
+                extra = w.readout if budget is None and not policy.tap_free else 0.0
+                tokens, ms, from_ar = tokens + n * B, ms + n * w.step_ms(0, B) * (1 + extra), True
                 continue
             store = (w.switch_ms + w.switch_row_ms * B) if budget is None and from_ar else 0.0
             if store:

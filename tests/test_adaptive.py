@@ -435,6 +435,7 @@ def test_budgets_are_ranked_on_every_drafts_e_not_on_the_text_their_own_verify_s
     for _ in range(100):
         policy.record_draft(1, {4: 1.31, 8: 1.60, 16: 1.81, 32: 1.96})
     policy.verified = {8: [5059.0, 3381, 5393.6], 32: [1.0, 8, 5.85]}
+    policy.verified_requests = sum(v[1] for v in policy.verified.values())  # (batch 1: a request a step)
     assert policy.mean_accepted(32) == pytest.approx(1.96 * 5060.0 / 5399.45)
     assert policy.plan(1) == 32
 
@@ -446,6 +447,7 @@ def test_hope_in_the_states_the_h200_check_at_61b7355_saw():
     early = AdaptivePolicy(H200_61B7355, BUDGETS)
     early.record_draft(1, {4: 0.7, 8: 1.0, 16: 1.1, 32: 1.2})
     early.verified = {4: [1.0, 1, 0.69], 8: [6.0, 8, 8.49], 32: [6.0, 8, 6.85]}
+    early.verified_requests = sum(v[1] for v in early.verified.values())  # (batch 1: a request a step)
     early.extra = {("ar", 1): -0.017, ("spec", 1): -0.015}
     early.plan(1)
     assert not early.hopeless
@@ -459,6 +461,7 @@ def test_hope_in_the_states_the_h200_check_at_61b7355_saw():
     # of the E that state recorded, 1.09 / 1.30 / 1.45 / 1.56: every verify step comes with a draft)
     late.record_draft(1, {4: 1.36, 8: 1.62, 16: 1.81, 32: 1.95})
     late.verified = {4: [1.0, 1, 0.69], 8: [28.67, 24, 37.03], 16: [4469.0, 2639, 4769.55], 32: [6.0, 8, 6.85]}
+    late.verified_requests = sum(v[1] for v in late.verified.values())  # (batch 1: a request a step)
     late.extra = {("ar", 1): -0.017, ("ar", 4): 0.037, ("ar", 16): 0.023, ("ar", 32): 0.039, ("spec", 1): -0.015,
                   ("spec", 4): 0.168}
     hopeless = {}
@@ -474,6 +477,7 @@ def late_61b7355_policy() -> AdaptivePolicy:
     policy = AdaptivePolicy(H200_61B7355, BUDGETS)
     policy.record_draft(1, {4: 1.09, 8: 1.30, 16: 1.45, 32: 1.56})
     policy.verified = {4: [1.0, 1, 0.69], 8: [28.67, 24, 37.03], 16: [4469.0, 2639, 4769.55], 32: [6.0, 8, 6.85]}
+    policy.verified_requests = sum(v[1] for v in policy.verified.values())  # (batch 1: a request a step)
     return policy
 
 
@@ -503,7 +507,7 @@ def test_a_plan_where_speculation_is_hopeless_ranks_no_budgets_and_prefills_ask_
 def test_where_the_model_shows_no_clear_win_bursts_that_lost_to_ar_make_a_batch_size_hopeless(accepted, rate,
                                                                                              store_ms, hopeless):
     # AR 1 ms a token, a speculative step 2 ms: at 0.85 tokens accepted a step (plus HOPE_SPREAD over the
-    # root of 208 steps: 0.21) the model's rate is 1.03x AR's (no clear win), and HOPE_BURSTS bursts that
+    # root of 208 request-steps: 0.21) the model's rate is 1.03x AR's (no clear win), and HOPE_BURSTS bursts that
     # realized 0.9x AR's bursts there make the batch size hopeless (as at C=16-32 on the H200); at 1.5
     # (1.35x: C=1) the same bursts do not. Bursts at 1.02x AR's keep it hopeful, unless the stores before
     # them (2 ms each on 10 ms bursts) tip it. (Speculating there: from AR the model's 1.03x alone makes
@@ -512,7 +516,7 @@ def test_where_the_model_shows_no_clear_win_bursts_that_lost_to_ar_make_a_batch_
     policy.record_draft(1, {b: accepted for b in BUDGETS[1:]})  # (a calibrated drafter)
     for _ in range(50):
         for b in BUDGETS[1:]:
-            policy.observe(b, 16, predicted=16 * accepted, accepted=16 * accepted)
+            policy.observe(b, 1, predicted=accepted, accepted=accepted)
     policy.tally(0, 16, tokens=16 * 100, ms=100.0)  # AR's bursts: 1 token per ms and request
     burst = dict(tokens=16 * 10 * rate, ms=10.0, store_ms=store_ms)
     for _ in range(HOPE_BURSTS - 1):
@@ -529,7 +533,7 @@ def test_where_the_model_shows_no_clear_win_bursts_that_lost_to_ar_make_a_batch_
 
 @pytest.mark.parametrize("accepted, hopeless", [(0.85, True), (1.0, False)])
 def test_from_ar_a_batch_size_whose_hope_does_not_beat_ar_by_the_switch_margin_is_hopeless(accepted, hopeless):
-    # AR 1 ms a token, a speculative step 2 ms, 208 verify steps (HOPE_SPREAD over their root: 0.21): at
+    # AR 1 ms a token, a speculative step 2 ms, 208 verified request-steps (HOPE_SPREAD over their root: 0.21): at
     # 0.85 tokens accepted the best hope is 1.03x AR's, short of the SWITCH_MARGIN a plan needs to leave
     # AR, so the AR steps stop reading out the drafter's context (no bursts needed to judge); at 1.0
     # (1.1x) the plan could still switch, and they keep reading it out.
@@ -537,7 +541,7 @@ def test_from_ar_a_batch_size_whose_hope_does_not_beat_ar_by_the_switch_margin_i
     policy.record_draft(1, {b: accepted for b in BUDGETS[1:]})
     for _ in range(52):
         for b in BUDGETS[1:]:
-            policy.observe(b, 16, predicted=16 * accepted, accepted=16 * accepted)
+            policy.observe(b, 1, predicted=accepted, accepted=accepted)
     assert policy.plan(16) == 0 and policy.hopeless == hopeless and not policy.lost(16)
     assert policy.hopeless_at(16) == hopeless
 
@@ -552,7 +556,7 @@ def test_ar_steps_skip_the_read_out_where_the_waiting_prompts_take_the_batch_to_
     policy.record_draft(1, {b: 1.0 for b in BUDGETS[1:]})
     for _ in range(52):
         for b in BUDGETS[1:]:
-            policy.observe(b, 16, predicted=16.0, accepted=16.0)
+            policy.observe(b, 1, predicted=1.0, accepted=1.0)
     assert policy.plan(16, joined=16) == 0 and not policy.hopeless and not policy.tap_free
     assert policy.plan(16, joined=128) == 0 and not policy.hopeless and policy.tap_free
     assert policy.plan(128) == 0 and policy.hopeless and policy.tap_free
@@ -575,7 +579,7 @@ def test_ar_steps_skip_the_read_out_where_a_switch_would_feed_gaps_again_anyway(
     policy.record_draft(1, {b: 1.0 for b in BUDGETS[1:]})
     for _ in range(52):
         for b in BUDGETS[1:]:
-            policy.observe(b, 16, predicted=16.0, accepted=16.0)
+            policy.observe(b, 1, predicted=1.0, accepted=1.0)
     counted = []
     assert policy.plan(16, lambda: counted.append(1) or 0) == 0 and not policy.tap_free
     assert policy.plan(16, lambda: counted.append(1) or 300) == 0 and not policy.hopeless and policy.tap_free
@@ -847,6 +851,34 @@ def test_policy_keeps_up_in_batches_run_to_completion(seed):
             fixed = {b: run_batches(w, b) for b in BUDGETS}
             auto = run_batches(w, None, policy)
             assert auto >= 0.9 * max(fixed.values()), (c, auto / fixed[0], {b: v / fixed[0] for b, v in fixed.items()})
+
+
+def test_a_verify_step_of_many_requests_counts_each_of_them_as_evidence():
+    # A fresh engine at batch 128 (the H200's costs): its blind step verified 128 requests' trees, and
+    # their acceptances are 128 samples of the drafter's calibration, not one: on the H200 (0df5e9d) a fresh
+    # policy at C=128 alone, counting verify steps (54 in the run, ~2,000 request-steps), kept hope there,
+    # read out the drafter's context on AR bursts and speculated while the batch filled (0.89x AR).
+    policy = AdaptivePolicy(H200_TABLE, BUDGETS)
+    assert policy.plan(128) == BUDGETS[1]  # blind
+    policy.record_draft(128, {b: 128 * e for b, e in {4: 1.3, 8: 1.6, 16: 1.8, 32: 1.95}.items()})
+    policy.observe(BUDGETS[1], 128, predicted=128 * 1.3, accepted=128 * 1.2)
+    assert policy.verified_requests == 128
+    assert policy.plan(128) == 0 and policy.hopeless and policy.tap_free
+    # One step of one request is not evidence (HOPE_EVIDENCE), nor its spread small.
+    single = AdaptivePolicy(H200_TABLE, BUDGETS)
+    single.plan(1)
+    single.record_draft(1, {4: 0.1, 8: 0.1, 16: 0.1, 32: 0.1})
+    single.observe(BUDGETS[1], 1, predicted=0.1, accepted=0)
+    assert single.plan(128) == 0 and not single.hopeless
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_cold_start_at_high_load_stays_near_ar(seed):
+    # A fresh policy at C=128 (batches run to completion, filling and draining), where an AR step that
+    # reads out the drafter's context costs 6% more (4-8% on the H200): hopeless once a few large verify
+    # steps say so, its AR steps plain AR's. (Counting verify steps, not request-steps: 0.91-0.92x AR.)
+    w = Batches(128, batches=3, seed=seed, readout=0.06)
+    assert run_batches(w, None) >= 0.95 * run_batches(w, 0)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -63,15 +63,18 @@ BURST_STEPS = 8
 # bursts together realized 1.28 and AR steps 1.16.
 RATE_DECAY = 0.1
 # Speculation has hope at a batch size where a budget's `hope_rate` beats AR's: an upper estimate, its
-# accepted length plus this many tokens over the square root of the run's verify steps (plus
+# accepted length plus this many tokens over the square root of the run's verified request-steps (plus
 # HOPE_PRIOR_STEPS), two standard deviations of one request's accepted length in a step (1.3-1.6 at C=1 on
 # MT-Bench, 5222c67). With the host extra in, the model at the mean matched fixed budget 8 against AR
 # within 4% on the H200 (5222c67, run 6 drafter): 1.16x (ran 1.12x) at C=8, 0.99x (0.99x) at 16, 0.84x
 # (0.84x) at 32, 0.69x (0.67x) at 64. A flat slack instead (1.3x hope at 5222c67, 1.1x at 61b7355) left
-# C=32 reading out the drafter's context (auto 0.95x and 0.93x AR) and, at 1.3x, C=64-128 too.
+# C=32 reading out the drafter's context (auto 0.95x and 0.93x AR) and, at 1.3x, C=64-128 too. (Counted
+# in verify steps until 0df5e9d, a step of 64 requests weighing as one of a single request: a fresh
+# policy at C=128 alone on the H200, 54 verify steps in, ~2,000 request-steps, kept a spread of 0.38
+# tokens and hope at batch 64-128, and ran 0.89x AR.)
 HOPE_SPREAD = 3.0
-# `hope_rate`'s spread counts the run's verify steps and this many more (a fresh engine's first ones
-# are not taken at face value)
+# `hope_rate`'s spread counts the run's verified request-steps and this many more (a fresh engine's
+# first ones are not taken at face value)
 HOPE_PRIOR_STEPS = 8
 # ... and a batch of one request also this many tokens: its text alone sets the accepted length, and the
 # next prompt's may be far easier than the run's so far (budget 32 on MT-Bench, the run 8 drafter, CPU
@@ -83,9 +86,10 @@ HOPE_PRIOR_STEPS = 8
 # 0.91-0.97x with this). A batch mixes its requests' texts: the term falls as 1/batch^2, so from batch 4 up the verdicts
 # the H200 grids tuned stand.
 TEXT_SPREAD = 0.7
-# ... and the model says "hopeless" only after this many verify steps in all: not on a fresh engine's
-# blind first step, alone or with one probe (1 + 8 steps; 5222c67: from its blind step batch 1 was
-# hopeless for 141 AR bursts, until a probe's refeed was affordable: auto 0.92x fixed budget 32 at C=1).
+# ... and the model says "hopeless" only after this many verified request-steps in all: not on a fresh
+# engine's blind first step at batch 1, alone or with one probe (1 + 8 steps; 5222c67: from its blind
+# step batch 1 was hopeless for 141 AR bursts, until a probe's refeed was affordable: auto 0.92x fixed
+# budget 32 at C=1); a blind step of 16 requests or more is (a sample of each one's text).
 # (A few hard probes more are HOPE_SPREAD's to weigh.)
 HOPE_EVIDENCE = 16
 # Where that model shows no clear win (SWITCH_MARGIN), speculation as the plan practised it at the batch
@@ -133,6 +137,7 @@ class AdaptivePolicy:
         self.weight: dict[int, float] = {}  # ... and how many steps that is, decayed by every later step
         # per budget: accepted length per request summed, steps, and the drafter's E(b) for them summed
         self.verified: dict[int, list[float]] = {}
+        self.verified_requests = 0  # request-steps over all verify steps (`hope_rate`'s spread)
         self.drafted: dict[int, list[float]] = {}  # per budget: every draft's E(b) per request summed, drafts
         self.total: tuple[float, float] | None = None  # running (accepted, predicted) over all budgets
         self.ar_streak = 0
@@ -502,21 +507,22 @@ class AdaptivePolicy:
     def hope_rate(self, budget: int, batch: int) -> float:
         """Whether speculation can pay at this batch size at all: the model's committed tokens per ms and
         request of `budget` (`step_ms` times the bucket's `fit`) at its accepted length over the run
-        (`mean_accepted`), plus HOPE_SPREAD over the root of the run's verify steps (all of them, pooled:
-        the calibration rests on them; after a long run that margin is small), plus TEXT_SPREAD over the
-        square of the batch size (one request's text may yet turn easy; many requests' average less).
-        Where no budget's beats the AR step by the margin a plan needs (`_hopeless`: SWITCH_MARGIN from
-        AR; after HOPE_EVIDENCE verify steps; or, where none beats it clearly, the plan's own bursts lost
-        to AR's: `lost`), AR steps do not read out the drafter's context (fed again at a switch, should
-        one come): auto runs plain AR's own steps, and probes come only every `max_probe_every` AR steps.
-        On the H200 those read-outs cost 3-7% of AR's steps at C=32-128, and prefills 5-7% more.
+        (`mean_accepted`), plus HOPE_SPREAD over the root of the run's verified request-steps (all of
+        them, pooled: the calibration rests on them; after a long run that margin is small), plus
+        TEXT_SPREAD over the square of the batch size (one request's text may yet turn easy; many
+        requests' average less). Where no budget's beats the AR step by the margin a plan needs
+        (`_hopeless`: SWITCH_MARGIN from AR; after HOPE_EVIDENCE verified request-steps; or, where none
+        beats it clearly, the plan's own bursts lost to AR's: `lost`), AR steps do not read out the
+        drafter's context (fed again at a switch, should one come): auto runs plain AR's own steps, and
+        probes come only every `max_probe_every` AR steps. On the H200 those read-outs cost 3-7% of AR's
+        steps at C=32-128, and prefills 5-7% more.
 
         Meant as a property of the drafter and the batch size rather than of the text now (the drafter's
         E over the run, calibrated over the run): judged on the rates plans compare (realized, or
         the model times what the budgets tried realized), one hard stretch made C=1 hopeless (48d119e:
         61 AR bursts ran tap-free, where fixed budget 32 ran 1.10x AR), and C=64 kept reading out where
         fixed budget 8 ran 0.66x AR (623f5b3, run 5 drafter: auto 0.89x AR)."""
-        pooled = sum(v[1] for v in self.verified.values()) + HOPE_PRIOR_STEPS
+        pooled = self.verified_requests + HOPE_PRIOR_STEPS
         accepted = self.mean_accepted(budget) + HOPE_SPREAD / math.sqrt(pooled) + TEXT_SPREAD / batch ** 2
         return (1 + accepted) / self.step_ms(budget, batch) * self.fit(batch)
 
@@ -553,7 +559,7 @@ class AdaptivePolicy:
     def _judge_hope(self, batch: int, from_ar: bool) -> bool:
         ar_rate = 1 / self.ar_ms(batch)
         hope = max(self.hope_rate(b, batch) for b in self.budgets)
-        evidence = sum(v[1] for v in self.verified.values()) >= HOPE_EVIDENCE
+        evidence = self.verified_requests >= HOPE_EVIDENCE
         below = hope < (SWITCH_MARGIN if from_ar else 1.0) * ar_rate
         return (evidence and below) or (hope < SWITCH_MARGIN * ar_rate and self.lost(batch))
 
@@ -619,6 +625,7 @@ class AdaptivePolicy:
                 "plans": dict(sorted(self.plans.items())), "stored_ms": dict(sorted(self.stored_ms.items())),
                 # accepted length per request summed, verify steps, the drafter's E(b) for them summed
                 "verified": {b: [round(acc, 2), n, round(e, 2)] for b, (acc, n, e) in sorted(self.verified.items())},
+                "verified_requests": self.verified_requests,
                 # every draft's E(b) per request summed, drafts (their mean is `mean_accepted`'s base)
                 "drafted": {b: [round(e, 2), n] for b, (e, n) in sorted(self.drafted.items())},
                 # every timed burst of each budget at each batch bucket: bursts, tokens per request, ms
@@ -669,6 +676,7 @@ class AdaptivePolicy:
         p, q = predicted / batch, accepted / batch
         total = self.verified.setdefault(budget, [0.0, 0, 0.0])
         total[0], total[1], total[2] = total[0] + q, total[1] + 1, total[2] + p
+        self.verified_requests += batch
         self._learnt()
         if budget not in self.accepted:
             self.accepted[budget], self.predicted[budget] = q, p
