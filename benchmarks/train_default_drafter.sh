@@ -20,7 +20,8 @@
 # (only the first N of them; train-drafter's `--prompts` used to default to 15,000, which cut session
 # 11's run to the file's first 15,000, answered in under a minute: it now defaults to all), GEN_TEMPERATURE
 # (sampled answers instead of greedy ones, e.g. 0.8 with EXTRA_DATA the greedy answers of the same prompts),
-# PROMPT_REPEATS (sampled: answers per prompt), LAYERS and INTERMEDIATE (the drafter's shape; default 2 x 1024;
+# PROMPT_REPEATS (sampled: answers per prompt), GEN_SEED (`gen` only: the sampling seed; other draws than a
+# run before's), LAYERS and INTERMEDIATE (the drafter's shape; default 2 x 1024;
 # with INIT and GROW=1 the init is grown to it, train/grow.py), SAVE_DTYPE (e.g. float8_e4m3fn: the matrices in
 # 8 bits, trained with that rounding), VAL_DATA (held-out greedy answers, e.g. `gen` of
 # `python -m ddtree.train.data .xfer/sharegpt_val.jsonl.gz 3000 --held-out 256`, or those prompts: replayed
@@ -50,6 +51,7 @@ gen=(--prompt-file "${PROMPTS:-.xfer/sharegpt_prompts.jsonl.gz}" ${NUM_PROMPTS:+
      ${SKIP_PROMPTS:+--skip-prompts "$SKIP_PROMPTS"} --max-new-tokens 384 --max-prompt-tokens 512
      --gen-batch-size "${GEN_BATCH:-1024}" --max-num-seqs "${MAX_NUM_SEQS:-256}" --kv-cache-gb 16
      ${GEN_TEMPERATURE:+--gen-temperature "$GEN_TEMPERATURE"} ${PROMPT_REPEATS:+--prompt-repeats "$PROMPT_REPEATS"}
+     ${GEN_SEED:+--seed "$GEN_SEED"}
      --gen-time-limit "${GEN_MINUTES:-2}")
 if [ "$phase" = gen ]; then
   exec python3 -m ddtree.cli train-drafter --out "$out" --data "$2" --data-only "${gen[@]}"
