@@ -23,7 +23,8 @@
 # PROMPT_REPEATS (sampled: answers per prompt), GEN_SEED (`gen` only: the sampling seed; other draws than a
 # run before's), LAYERS and INTERMEDIATE (the drafter's shape; default 2 x 1024;
 # with INIT and GROW=1 the init is grown to it, train/grow.py), SAVE_DTYPE (e.g. float8_e4m3fn: the matrices in
-# 8 bits, trained with that rounding), VAL_DATA (held-out greedy answers, e.g. `gen` of
+# 8 bits, trained with that rounding), SOFT_TOPK and SOFT_WEIGHT (soft labels: the target's distribution over its
+# K likeliest next tokens mixed into each position's loss, `train-drafter --soft-topk`), VAL_DATA (held-out greedy answers, e.g. `gen` of
 # `python -m ddtree.train.data .xfer/sharegpt_val.jsonl.gz 3000 --held-out 256`, or those prompts: replayed
 # acceptance in the log every VAL_EVERY steps, default 1,000).
 # Target features past the free GPU memory less 64 GB (FEATURE_CACHE_GB) go to pinned host memory up to
@@ -60,6 +61,7 @@ extra=()  # EXTRA_DATA: one file or several, space-separated
 for f in ${EXTRA_DATA:-}; do extra+=(--extra-data "$f"); done  # (names without spaces or wildcards)
 common=(--out "$out" --num-layers "${LAYERS:-2}" --intermediate-size "${INTERMEDIATE:-1024}" --num-features 4 --block-size 16
         --save-dtype "${SAVE_DTYPE:-bfloat16}" ${VAL_DATA:+--val-data "$VAL_DATA"} --val-every "${VAL_EVERY:-1000}"
+        ${SOFT_TOPK:+--soft-topk "$SOFT_TOPK"} ${SOFT_WEIGHT:+--soft-weight "$SOFT_WEIGHT"}
         --steps 1000000 --warmup 200 --lr "${LR:-1e-3}" --batch-size 16 --blocks-per-seq 32 --gamma 7
         --max-len 1024 --save-every 1000 --time-budget "${TIME_BUDGET:-9}" ${DATA:+--data "$DATA"}
         ${extra[@]+"${extra[@]}"} ${FEATURE_CACHE_GB:+--feature-cache-gb "$FEATURE_CACHE_GB"}

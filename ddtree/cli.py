@@ -215,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--labels", choices=["target", "data"], default="target",
                    help="training labels: the target's argmax after each context (what greedy verification "
                         "accepts), or the answers' own next tokens (the same for greedy answers)")
+    t.add_argument("--soft-topk", type=int, default=0,
+                   help="with --labels target: also train toward the target's distribution over its K likeliest "
+                        "next tokens (0: off)")
+    t.add_argument("--soft-weight", type=float, default=0.5,
+                   help="with --soft-topk: the soft term's share of each position's loss")
     t.add_argument("--feature-host-gb", type=float, default=0.0,
                    help="past the device cache, features kept in pinned host memory, GB (default: 0, none)")
     t.add_argument("--device", default=None)

@@ -507,3 +507,59 @@ def test_cli_validates_on_held_out_prompts_or_answers(target, tmp_path):
     out2 = tmp_path / "b"  # a data file: its records as they are
     assert main([*common, "--out", str(out2), "--val-data", str(out / "data.pt"), "--data", str(out / "data.pt")]) == 0
     assert [r["val_records"] for r in read_log(str(out2)) if "val" in r] == [2, 2, 2]
+
+
+def test_soft_labels_are_the_target_s_top_k_and_k_1_is_the_hard_loss(target, records):
+    # --soft-topk K: the target's K likeliest tokens and log-probs at each label's position (at a+k-1, as
+    # the argmax), precomputed or per batch alike; K=1 puts all the weight on the argmax, so the mixed
+    # loss equals the hard one.
+    from transformers import AutoModelForCausalLM
+
+    from ddtree.train.drafter import block_loss, make_batch_inputs
+    from ddtree.train.features import precompute_features
+    net, _ = load_model(target, "cpu", torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
+    layers, K = [0, 2], 4
+    feats, preds = precompute_features(net, records, layers, max_len=2048, progress=False, with_pred=True,
+                                       soft_topk=K)
+    argmax, top_ids, top_logp = preds[0]
+    with torch.no_grad():
+        logp = hf(records[0]["input_ids"][None]).logits[0].float().log_softmax(-1)
+    assert torch.equal(argmax.long(), logp.argmax(-1)) and torch.equal(top_ids[:, 0].long(), logp.argmax(-1))
+    want = logp.topk(K, dim=-1)
+    assert torch.equal(top_ids.long(), want.indices)
+    assert torch.allclose(top_logp.float(), want.values, atol=2e-3)
+
+    def make(b, k):
+        return make_batch_inputs(b, net, layers, BLOCK, 4, torch.Generator().manual_seed(0), 2048, "cpu",
+                                 target_labels=True, soft_topk=k)
+    batch = [{**r, "feats": f, "pred": p} for r, f, p in zip(records, feats, preds)]
+    pre, bare = make(batch, K), make(records, K)
+    v = pre["valid"]
+    assert torch.equal(pre["soft_ids"][v], bare["soft_ids"][v])
+    assert torch.allclose(pre["soft_logp"][v], bare["soft_logp"][v], atol=2e-3)
+    assert torch.equal(pre["soft_ids"][..., 0][v], pre["labels"][v])  # the top-1 is the argmax label
+    logits = torch.randn(*pre["labels"].shape, net.config.vocab_size)
+    hard, _ = block_loss(logits, pre["labels"], v, 7.0, False)
+    one = (pre["soft_ids"][..., :1], pre["soft_logp"][..., :1])
+    assert torch.allclose(block_loss(logits, pre["labels"], v, 7.0, False, one, 0.7)[0], hard, atol=1e-5)
+    mixed, _ = block_loss(logits, pre["labels"], v, 7.0, False, (pre["soft_ids"], pre["soft_logp"]), 0.5)
+    assert not torch.allclose(mixed, hard)  # the other K-1 tokens weigh in
+    with pytest.raises(ValueError, match="soft_topk"):
+        train(net, records, "unused", small_cfg(1, labels="data", soft_topk=4), progress=False)
+    with pytest.raises(ValueError, match="soft_weight"):
+        train(net, records, "unused", small_cfg(1, soft_topk=4, soft_weight=1.5), progress=False)
+
+
+def test_soft_label_training_lowers_the_loss_toward_the_target_s_distribution(target, records, tmp_path):
+    # A short run with soft labels learns: the loss falls by more than a third, and tau on the training
+    # prompts rises clearly above an untrained drafter's.
+    net, _ = load_model(target, "cpu", torch.float32)
+    out = str(tmp_path / "soft")
+    train(net, records, out, small_cfg(150, soft_topk=4, soft_weight=0.5), num_layers=1, block_size=BLOCK,
+          progress=False)
+    log = read_log(out)
+    assert sum(r["loss"] for r in log[-3:]) / 3 < 0.65 * log[0]["loss"], (log[0]["loss"], log[-1]["loss"])
+    cfg = ModelConfig.from_dir(target)
+    save_drafter(random_drafter(cfg, seed=0, std=0.02, num_layers=1, block_size=BLOCK), str(tmp_path / "untrained"))
+    assert mean_tau(target, out) > mean_tau(target, str(tmp_path / "untrained")) + 1.0

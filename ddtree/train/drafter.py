@@ -7,7 +7,9 @@ nothing of other blocks. All blocks of a batch go through one forward with a boo
 (`block_attention`: plain SDPA; flex_attention with a block mask is the GPU path to add for long
 sequences). The loss is cross-entropy at block index k = 1..B-1 against the token at a+k (by default
 the target's own argmax after a+k-1, counted while the block's earlier tokens follow that argmax chain;
-or the data's token), weighted by exp(-(k-1)/gamma) and counted only where a+k is a response token.
+or the data's token), weighted by exp(-(k-1)/gamma) and counted only where a+k is a response token;
+with `--soft-topk K` it is mixed with the CE against the target's distribution over its K likeliest
+tokens there (`block_loss`).
 The target (its embedding and LM head included) is frozen; only the drafter's parameters are
 optimized (AdamW, linear warm-up then cosine decay, gradient clipping). Its features (and argmax
 labels) come from train/features.py.
@@ -66,6 +68,12 @@ class TrainConfig:
     # LM-head pass more per record), or "data", the answer's next token (the same for greedy answers;
     # for sampled ones a draw of the target's spread, not its choice).
     labels: str = "target"
+    # With target labels: also the target's K likeliest next tokens (0: off), as soft labels. Each block
+    # position's loss is then (1 - soft_weight) x the CE against the argmax plus soft_weight x the CE
+    # against the target's distribution over those K tokens (renormalized): DDTree builds its trees from
+    # the drafter's top-k at each depth, so the ranking below the argmax counts too.
+    soft_topk: int = 0
+    soft_weight: float = 0.5
     # Held-out greedy answers replayed (train/acceptance.py) every this many steps, with the start and the
     # end: DFlash's and a DDTree tree's acceptance lengths in the log ("val"). 0: never.
     val_every: int = 1000
@@ -189,11 +197,15 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, B: int, g: torch.Generator) 
 
 
 def make_batch_inputs(records: list[dict], target: CausalLM, layer_ids: list[int], B: int, n: int,
-                      g: torch.Generator, max_len: int, device, target_labels: bool = False) -> dict | None:
+                      g: torch.Generator, max_len: int, device, target_labels: bool = False,
+                      soft_topk: int = 0) -> dict | None:
     """Pads a list of records into the tensors `draft_logits` and `block_loss` read. Labels: the data's
     next tokens, or with `target_labels` the target's argmax at the position before (records' "pred",
     computed here where missing): what greedy verification accepts. For greedy answers the two agree;
-    for sampled ones the data's token is one draw of the target's spread, and the argmax is the label."""
+    for sampled ones the data's token is one draw of the target's spread, and the argmax is the label.
+    With `soft_topk` K (target labels only) also "soft_ids" and "soft_logp" [R, N, B-1, K]: the target's
+    K likeliest tokens at each label's position and their log-probabilities (records' "pred" is then
+    `target_features`' tuple)."""
     rows = []
     for rec in records:
         ids, lm = rec["input_ids"][:max_len], rec["loss_mask"][:max_len]
@@ -212,21 +224,32 @@ def make_batch_inputs(records: list[dict], target: CausalLM, layer_ids: list[int
     feat_dim = len(layer_ids) * target.config.hidden_size
     feats = torch.zeros(R, L, feat_dim, dtype=target.lm_head.weight.dtype, device=device)
     pred = torch.zeros(R, L, dtype=torch.long, device=device) if target_labels else None
+    soft_topk = soft_topk if target_labels else 0
+    if soft_topk:
+        soft_ids = torch.zeros(R, L, soft_topk, dtype=torch.long, device=device)
+        soft_logp = torch.zeros(R, L, soft_topk, dtype=torch.float32, device=device)
+
+    def put_pred(i: int, p, n: int) -> None:
+        if soft_topk:
+            p, top_ids, top_logp = p
+            soft_ids[i, :n], soft_logp[i, :n] = top_ids[:n], top_logp[:n]
+        pred[i, :n] = p[:n]
+
     missing = [i for i, r in enumerate(rows) if r[3] is None or (target_labels and r[4] is None)]
     if missing:  # not precomputed: run the target now
         fs, ps = target_features(target, [ids[i, :rows[i][0].shape[0]] for i in missing], layer_ids,
-                                 with_pred=target_labels)
+                                 with_pred=target_labels, soft_topk=soft_topk)
         for i, f, p in zip(missing, fs, ps):
             feats[i, :f.shape[0]] = f
             if p is not None:
-                pred[i, :f.shape[0]] = p
+                put_pred(i, p, f.shape[0])
     skip = set(missing)
     for i, (t, _, _, f, p) in enumerate(rows):
         if i in skip:
             continue
         feats[i, :t.shape[0]].copy_(f[:t.shape[0]], non_blocking=True)  # (pinned host memory: no wait)
         if target_labels:
-            pred[i, :t.shape[0]] = p[:t.shape[0]]
+            put_pred(i, p, t.shape[0])
     # Labels at block index k = 1..B-1 (token a+k), valid where a is real, a+k < L and a+k is a response token.
     k = torch.arange(1, B, device=device)
     tgt = anchors.clamp(min=0)[:, :, None] + k
@@ -247,15 +270,32 @@ def make_batch_inputs(records: list[dict], target: CausalLM, layer_ids: list[int
     else:
         labels = ids[:, None, :].expand(-1, N, -1).gather(2, tgt)
     ctx_len = torch.tensor([r[0].shape[0] for r in rows], device=device)
-    return {"ids": ids, "feats": feats, "ctx_len": ctx_len, "anchors": anchors, "labels": labels, "valid": valid}
+    out = {"ids": ids, "feats": feats, "ctx_len": ctx_len, "anchors": anchors, "labels": labels, "valid": valid}
+    if soft_topk:  # (at the position before each label's, as the argmax)
+        at = (tgt - 1)[..., None].expand(-1, -1, -1, soft_topk)
+        out["soft_ids"] = soft_ids[:, None].expand(-1, N, -1, -1).gather(2, at)
+        out["soft_logp"] = soft_logp[:, None].expand(-1, N, -1, -1).gather(2, at)
+    return out
 
 
-def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, gamma: float, with_acc: bool = True):
+def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, gamma: float, with_acc: bool = True,
+               soft: tuple[torch.Tensor, torch.Tensor] | None = None, soft_weight: float = 0.5):
     """Weighted CE (weight exp(-(k-1)/gamma) at block index k) and per-index accuracy [B-1] (None without
-    `with_acc`: an argmax over the whole batch's logits, read only on logged steps)."""
+    `with_acc`: an argmax over the whole batch's logits, read only on logged steps). With `soft`, the
+    target's top-K (ids, log-probs) at each position: the CE is (1 - soft_weight) x the CE against
+    `labels` plus soft_weight x the CE against the target's distribution renormalized over its K."""
     Bm1 = logits.shape[-2]
     w = torch.exp(-torch.arange(Bm1, device=logits.device, dtype=torch.float32) / gamma)
-    ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none").view(labels.shape)
+    if soft is None:
+        ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none").view(labels.shape)
+    else:  # -log q(x) = logsumexp - logit(x): one logsumexp for both terms
+        z = logits.float()
+        lse = z.logsumexp(-1)
+        hard = lse - z.gather(-1, labels[..., None]).squeeze(-1)
+        ids, logp = soft
+        p = logp.float().softmax(-1)
+        soft_ce = lse - (p * z.gather(-1, ids)).sum(-1)
+        ce = (1 - soft_weight) * hard + soft_weight * soft_ce
     wv = w * valid.float()
     loss = (ce * wv).sum() / wv.sum().clamp(min=1e-6)
     if not with_acc:
@@ -383,6 +423,11 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
         raise ValueError(f"attention must be 'sdpa' or 'flex', got {cfg.attention!r}")
     if cfg.labels not in ("target", "data"):
         raise ValueError(f"labels must be 'target' or 'data', got {cfg.labels!r}")
+    if cfg.soft_topk < 0 or (cfg.soft_topk and cfg.labels != "target"):
+        raise ValueError(f"soft_topk needs labels 'target' (the target is the teacher) and >= 0, got "
+                         f"{cfg.soft_topk} with labels {cfg.labels!r}")
+    if not 0.0 <= cfg.soft_weight <= 1.0:
+        raise ValueError(f"soft_weight must be in [0, 1], got {cfg.soft_weight}")
     _check_memory_budgets(cfg.feature_cache_gb, cfg.feature_host_gb)
     target_labels = cfg.labels == "target"
     start, trained_before = 0, 0.0
@@ -412,7 +457,8 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
     dc = drafter.dcfg
     feats, preds = precompute_features(target, records, dc.target_layer_ids, cfg.max_len, progress=progress,
                                        max_bytes=_feature_cache_bytes(cfg, dev),
-                                       host_bytes=cfg.feature_host_gb * 2**30, with_pred=target_labels)
+                                       host_bytes=cfg.feature_host_gb * 2**30, with_pred=target_labels,
+                                       soft_topk=cfg.soft_topk if target_labels else 0)
     log = open(os.path.join(out, LOG_FILE), "a")
     wdtype = save_dtype(cfg.save_dtype)
     forward = _Forward(drafter)
@@ -449,7 +495,7 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
         pick = torch.randint(len(records), (cfg.batch_size,), generator=g).tolist()
         batch = [{**records[i], "feats": feats[i], "pred": preds[i]} for i in pick]
         inp = make_batch_inputs(batch, target, dc.target_layer_ids, dc.block_size, cfg.blocks_per_seq, g, cfg.max_len,
-                                dev, target_labels)
+                                dev, target_labels, cfg.soft_topk)
         if inp is None:
             sched.step()
             continue
@@ -459,7 +505,8 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
             logits = torch.func.functional_call(
                 forward, quantized(drafter, wdtype),
                 (target, inp["ids"], inp["feats"], inp["ctx_len"], inp["anchors"]), {"flex": cfg.attention == "flex"})
-        loss, acc = block_loss(logits, inp["labels"], inp["valid"], cfg.gamma, logged)
+        soft = (inp["soft_ids"], inp["soft_logp"]) if "soft_ids" in inp else None
+        loss, acc = block_loss(logits, inp["labels"], inp["valid"], cfg.gamma, logged, soft, cfg.soft_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -560,7 +607,8 @@ def main(args) -> int:
                       warmup=args.warmup, gamma=args.gamma, max_len=args.max_len, seed=args.seed,
                       save_every=args.save_every, save_dtype=args.save_dtype, attention=args.attention,
                       time_budget_s=(args.time_budget or 0) * 60, feature_cache_gb=args.feature_cache_gb,
-                      feature_host_gb=args.feature_host_gb, labels=args.labels, val_every=args.val_every)
+                      feature_host_gb=args.feature_host_gb, labels=args.labels, val_every=args.val_every,
+                      soft_topk=args.soft_topk, soft_weight=args.soft_weight)
     kw = {}
     if args.intermediate_size:
         kw["intermediate_size"] = args.intermediate_size

@@ -15,13 +15,14 @@ from ddtree.ops.attention import make_batch
 
 @torch.no_grad()
 def target_features(target: CausalLM, seqs: list[torch.Tensor], layer_ids: list[int],
-                    use_triton: bool | None = None, with_pred: bool = False):
+                    use_triton: bool | None = None, with_pred: bool = False, soft_topk: int = 0):
     """For each token sequence, [T, K*D]: the outputs of the target layers `layer_ids`, concatenated.
     One packed causal prefill over all sequences in a throwaway paged cache. On the GPU it runs the
     engine's Triton prefill kernel (the torch path attends request by request: ~10x slower for
     thousands of short sequences); elsewhere one page per sequence. Returns those and, with `with_pred`,
     each sequence's target argmax at every position (int32 [T]: the token the target would put next;
-    else None each)."""
+    else None each); with `soft_topk` K > 0 too, that argmax with the target's K likeliest next tokens
+    and their log-probabilities: a tuple (int32 [T], int32 [T, K], float16 [T, K]) each."""
     cfg = target.config
     dev, dtype = seqs[0].device, target.lm_head.weight.dtype
     use_triton = dev.type == "cuda" if use_triton is None else use_triton
@@ -47,20 +48,30 @@ def target_features(target: CausalLM, seqs: list[torch.Tensor], layer_ids: list[
     if not with_pred:
         return feats, [None] * len(seqs)
     # (in slices: 4,096 rows of the default target's logits are 1.2 GB in bf16)
-    pred = torch.cat([target.compute_logits(h).argmax(-1) for h in hidden.split(4096)]).to(torch.int32)
-    return feats, list(pred.split(lens))
+    preds, top_ids, top_logp = [], [], []
+    for h in hidden.split(4096):
+        logits = target.compute_logits(h)
+        preds.append(logits.argmax(-1).to(torch.int32))
+        if soft_topk:
+            top = logits.float().log_softmax(-1).topk(soft_topk, dim=-1)
+            top_ids.append(top.indices.to(torch.int32))
+            top_logp.append(top.values.to(torch.float16))
+    pred = torch.cat(preds).split(lens)
+    if not soft_topk:
+        return feats, list(pred)
+    return feats, list(zip(pred, torch.cat(top_ids).split(lens), torch.cat(top_logp).split(lens)))
 
 
 def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[int], max_len: int,
                         tokens_per_batch: int = 16384, progress: bool = True,
                         max_bytes: float | None = None, host_bytes: float = 0.0,
-                        with_pred: bool = False) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+                        with_pred: bool = False, soft_topk: int = 0) -> tuple[list[torch.Tensor | None], list]:
     """Each record's target features (on the target's device and dtype), computed once so training
     steps don't re-run the frozen target: every record is revisited many times. Shortest records first,
     up to `max_bytes` of features on the device, then up to `host_bytes` more in host memory (pinned
     where CUDA is); the rest get None (computed per batch, `make_batch_inputs`). Returns those and, with
-    `with_pred`, the target's argmax tokens of the same records (on the device, 4 bytes a token; else
-    None each)."""
+    `with_pred`, the target's argmax tokens of the same records (on the device, 4 bytes a token; with
+    `soft_topk` K its top-K too, 6K bytes a token more: `target_features`; else None each)."""
     from tqdm.auto import tqdm
     dev = target.lm_head.weight.device
     order = sorted(range(len(records)), key=lambda i: records[i]["input_ids"].shape[0])
@@ -88,7 +99,7 @@ def precompute_features(target: CausalLM, records: list[dict], layer_ids: list[i
         if not group:
             break
         seqs = [records[j]["input_ids"][:max_len].to(dev) for j in group]
-        out, pred = target_features(target, seqs, layer_ids, with_pred=with_pred)
+        out, pred = target_features(target, seqs, layer_ids, with_pred=with_pred, soft_topk=soft_topk)
         for j, p in zip(group, pred):
             preds[j] = p
         if tier == 1:  # one pinned block per group (a pinned allocation per record would be slow)
