@@ -9,6 +9,12 @@ same workload (the sweep's continuous one), `ROUNDS` timed runs each (every othe
 then one run of each under cProfile. Writes `ar_gap.jsonl` (a row per run: tok/s and the engine's
 time split), `profile_MODE_C.txt` (top functions by own time) and prints, per concurrency, the
 functions whose own time differs most between the profiled runs.
+
+On a GPU each row also has `replay_gpu_ms`: the device time of the decode graphs' replays, from CUDA
+events around each one (the events sit in the stream, so an interval is the graph's execution, not the
+host's wait for it). At 0df5e9d and 89e42b6 auto's AR bursts took 1.2-1.4% longer than plain AR's on
+the same steps (C=64 and 128): equal replay times put that on the host (launches, read-backs), longer
+ones on the device.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ import os
 import pstats
 import sys
 import time
+
+import torch
 
 from ddtree import LLM, SamplingParams
 from ddtree.bench.datasets import sample_prompts
@@ -32,6 +40,34 @@ def own_times(prof: cProfile.Profile) -> dict[str, tuple[int, float]]:
     """function -> (calls, own seconds)."""
     stats = pstats.Stats(prof).stats
     return {f"{os.path.basename(k[0])}:{k[1]}({k[2]})": (v[1], v[2]) for k, v in stats.items()}
+
+
+def time_replays(engine) -> list | None:
+    """Wraps the engine's decode graph pools (tapped and untapped) once so that every replay is bracketed
+    by CUDA events; returns the shared list of (start, end) pairs (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    if getattr(engine, "_replay_events", None) is None:
+        engine._replay_events, engine._replay_count = [], [0]
+        for pool in {id(p): p for p in (engine.decode_graphs, engine.untapped_decode_graphs) if p}.values():
+            for name in ("run", "replay"):
+                fn = getattr(pool, name)
+
+                def timed(*a, _fn=fn, **k):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    out = _fn(*a, **k)
+                    end.record()
+                    engine._replay_events.append((start, end))
+                    engine._replay_count[0] += 1
+                    return out
+                setattr(pool, name, timed)
+    engine._replay_count[0] = 0
+    return engine._replay_events
+
+
+def replay_count(engine) -> int:
+    return engine._replay_count[0]
 
 
 def main() -> int:
@@ -48,6 +84,7 @@ def main() -> int:
     def run(mode: str, c: int, prof: cProfile.Profile | None = None) -> dict:
         llm.switch_mode(*MODES[mode])
         llm.engine.scheduler.max_num_seqs = c
+        events = time_replays(llm.engine)
         batch = list(itertools.islice(itertools.cycle(prompts), max(len(prompts), 2 * c)))
         sync()
         t0 = time.perf_counter()
@@ -58,12 +95,17 @@ def main() -> int:
             prof.disable()
         sync()
         wall = (time.perf_counter() - t0) * 1e3
+        replay_ms = sum(start.elapsed_time(end) for start, end in events) if events is not None else None
+        if events is not None:
+            events.clear()
         b = dict(llm.last_stats.get("bursts", {}))
         rest = b.get("engine_ms", 0) - sum(b.get(k, 0) for k in ("ar_ms", "prefill_ms", "spec_ms", "store_ms",
                                                                      "refeed_ms"))
         row = {"mode": mode, "C": c, "profiled": prof is not None, "wall_ms": round(wall, 2),
                "tok_per_s": round(sum(len(o.token_ids) for o in outs) / wall * 1e3, 1),
                "between_bursts_ms": round(rest, 2),
+               "replay_gpu_ms": None if replay_ms is None else round(replay_ms, 2),
+               "replays": None if events is None else replay_count(llm.engine),
                **{k: round(v, 2) if isinstance(v, float) else v for k, v in b.items()}}
         with open(log_path, "a") as log:  # (row by row: a run that dies keeps what it measured)
             log.write(json.dumps(row) + "\n")
@@ -78,7 +120,8 @@ def main() -> int:
                 print(f"C={c:3d} {mode:4s} {row['tok_per_s']:9.1f} tok/s  wall {row['wall_ms']:7.1f}  "
                       f"ar {row.get('ar_ms', 0):7.1f} ({row.get('ar_steps', 0)} steps, "
                       f"{row.get('ar_bursts', 0)} bursts)"
-                      f"  prefill {row.get('prefill_ms', 0):6.1f}  between {row['between_bursts_ms']:6.1f}", flush=True)
+                      f"  prefill {row.get('prefill_ms', 0):6.1f}  between {row['between_bursts_ms']:6.1f}"
+                      f"  replays {row['replay_gpu_ms']} ms GPU ({row['replays']})", flush=True)
         times = {}
         for mode in MODES:
             prof = cProfile.Profile()

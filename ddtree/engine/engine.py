@@ -26,7 +26,7 @@ from ddtree.spec.adaptive import AR_BURST_STEPS, candidate_budgets
 from ddtree.spec.auto import AdaptiveSpeculator
 from ddtree.spec.costs import CostTable
 from ddtree.spec.decode import SHORT_BURST, SPEC_BURST, Speculator
-from ddtree.spec.draft import DraftRunner, close_gap, has_gap, open_gap
+from ddtree.spec.draft import DraftRunner, close_gap, has_gap, open_gaps
 
 
 DECODE_BURST = AR_BURST_STEPS  # graphed AR decode steps per engine step, pipelined (see LLMEngine._decode_graphed)
@@ -253,8 +253,7 @@ class LLMEngine:
             return self._forward_and_sample(chunks, taps)
         if not (any(has_gap(seq) for seq, _ in chunks) or spec.tap_free_prefill(self._joined())):
             return self._forward_and_sample(chunks, taps)
-        for seq, _ in chunks:
-            open_gap(seq)
+        open_gaps([seq for seq, _ in chunks])
         self.timing["tap_free_prefills"] += 1
         return self._forward_and_sample(chunks)
 
@@ -359,11 +358,12 @@ class LLMEngine:
             spec.drafter.store_pending(full)
             spec.timed = False
             spec.stats.bursts["store_ms"] += (time.perf_counter() - t0) * 1e3
-        for seq in seqs:  # (tap-free: the gap opens, or goes on; else rows join the context after it)
-            if tap_free:
-                open_gap(seq)
-            elif seq.gap_from is not None:
-                close_gap(seq)
+        if tap_free:  # the gap opens, or goes on
+            open_gaps(seqs)
+        else:  # rows join the context after it
+            for seq in seqs:
+                if seq.gap_from is not None:
+                    close_gap(seq)
         t0 = time.perf_counter()
         steps, committed = self._decode_graphed(seqs, most, self.untapped_decode_graphs if tap_free else
                                                 self.decode_graphs)

@@ -40,7 +40,7 @@ class Sequence:
     # (spec/draft.py `pending_rows`).
     # A pending entry (None, start, n) is a gap: AR steps or a prefill that did not read out their
     # features; gap_rows counts its rows. While such steps go on the gap is open, from gap_from to
-    # num_cached (spec/draft.py `open_gap`: nothing to do per step), closed into an entry before
+    # num_cached (spec/draft.py `open_gaps`: nothing to do per step), closed into an entry before
     # anything else joins the context.
     draft_len: int = 0
     pending_features: list[torch.Tensor | tuple[torch.Tensor | None, int, int]] = field(default_factory=list)

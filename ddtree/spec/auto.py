@@ -201,8 +201,11 @@ class AdaptiveSpeculator(Speculator):
         `elapsed_ms`."""
         self.policy.skip_ar(steps - 1)
         self.stats.budget_hist[0] += request_steps
-        self.stats.bursts.update({"ar_bursts": 1, "ar_steps": steps, "ar_ms": elapsed_ms,
-                                  "tap_free_bursts": int(self.tap_free)})
+        bursts = self.stats.bursts  # (a Counter: += where `update` from a dict took ~4 us a burst on the CPU)
+        bursts["ar_bursts"] += 1
+        bursts["ar_steps"] += steps
+        bursts["ar_ms"] += elapsed_ms
+        bursts["tap_free_bursts"] += int(self.tap_free)
         if self.timed and steps >= TIMED_BURST:
             # (tap-free bursts, cheaper, do not teach the AR step's cost: the plan weighs speculation
             # against the AR steps that keep the drafter's context; nor do those tap-free for the gaps

@@ -80,13 +80,15 @@ def store_shape(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def open_gap(seq: Sequence) -> None:
-    """The forwards from here on do not read out the request's target features (tap-free AR bursts, a
-    prefill where speculation is hopeless): its context has a gap from num_cached on, open until
+def open_gaps(seqs: list[Sequence]) -> None:
+    """The forwards from here on do not read out these requests' target features (tap-free AR bursts, a
+    prefill where speculation is hopeless): each one's context has a gap from num_cached on, open until
     `close_gap` (a step in one costs nothing; an entry per request and burst cost ~1 us each, ~10 ms of
-    host time in a grid row at batch 128 on the H200)."""
-    if seq.gap_from is None:
-        seq.gap_from = seq.num_cached
+    host time in a grid row at batch 128 on the H200). One call a burst, not one a request: auto's host
+    time between AR bursts is GPU idle time."""
+    for seq in seqs:
+        if seq.gap_from is None:
+            seq.gap_from = seq.num_cached
 
 
 def close_gap(seq: Sequence) -> None:
