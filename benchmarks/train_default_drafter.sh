@@ -52,10 +52,11 @@ gen=(--prompt-file "${PROMPTS:-.xfer/sharegpt_prompts.jsonl.gz}" ${NUM_PROMPTS:+
      ${SKIP_PROMPTS:+--skip-prompts "$SKIP_PROMPTS"} --max-new-tokens 384 --max-prompt-tokens 512
      --gen-batch-size "${GEN_BATCH:-1024}" --max-num-seqs "${MAX_NUM_SEQS:-256}" --kv-cache-gb 16
      ${GEN_TEMPERATURE:+--gen-temperature "$GEN_TEMPERATURE"} ${PROMPT_REPEATS:+--prompt-repeats "$PROMPT_REPEATS"}
-     ${GEN_SEED:+--seed "$GEN_SEED"}
      --gen-time-limit "${GEN_MINUTES:-2}")
 if [ "$phase" = gen ]; then
-  exec python3 -m ddtree.cli train-drafter --out "$out" --data "$2" --data-only "${gen[@]}"
+  # (GEN_SEED here only: in phase 1 --seed would also set training's batch draws, which a resume
+  # without it would not repeat)
+  exec python3 -m ddtree.cli train-drafter --out "$out" --data "$2" --data-only "${gen[@]}" ${GEN_SEED:+--seed "$GEN_SEED"}
 fi
 extra=()  # EXTRA_DATA: one file or several, space-separated
 for f in ${EXTRA_DATA:-}; do extra+=(--extra-data "$f"); done  # (names without spaces or wildcards)

@@ -528,7 +528,7 @@ def test_soft_labels_are_the_target_s_top_k_and_k_1_is_the_hard_loss(target, rec
     assert torch.equal(argmax.long(), logp.argmax(-1)) and torch.equal(top_ids[:, 0].long(), logp.argmax(-1))
     want = logp.topk(K, dim=-1)
     assert torch.equal(top_ids.long(), want.indices)
-    assert torch.allclose(top_logp.float(), want.values, atol=2e-3)
+    assert torch.allclose(top_logp.float(), want.values, atol=1e-2)  # (float16: an ulp is 4e-3 at 4-8)
 
     def make(b, k):
         return make_batch_inputs(b, net, layers, BLOCK, 4, torch.Generator().manual_seed(0), 2048, "cpu",
@@ -537,7 +537,7 @@ def test_soft_labels_are_the_target_s_top_k_and_k_1_is_the_hard_loss(target, rec
     pre, bare = make(batch, K), make(records, K)
     v = pre["valid"]
     assert torch.equal(pre["soft_ids"][v], bare["soft_ids"][v])
-    assert torch.allclose(pre["soft_logp"][v], bare["soft_logp"][v], atol=2e-3)
+    assert torch.allclose(pre["soft_logp"][v], bare["soft_logp"][v], atol=1e-2)
     assert torch.equal(pre["soft_ids"][..., 0][v], pre["labels"][v])  # the top-1 is the argmax label
     logits = torch.randn(*pre["labels"].shape, net.config.vocab_size)
     hard, _ = block_loss(logits, pre["labels"], v, 7.0, False)
@@ -553,12 +553,15 @@ def test_soft_labels_are_the_target_s_top_k_and_k_1_is_the_hard_loss(target, rec
 
 def test_soft_label_training_lowers_the_loss_toward_the_target_s_distribution(target, records, tmp_path):
     # A short run with soft labels learns: the loss falls by more than a third, and tau on the training
-    # prompts rises clearly above an untrained drafter's.
+    # prompts rises clearly above an untrained drafter's. Its first step's loss (same weights, same batch)
+    # is not the hard-label run's: the soft term is in it.
     net, _ = load_model(target, "cpu", torch.float32)
     out = str(tmp_path / "soft")
     train(net, records, out, small_cfg(150, soft_topk=4, soft_weight=0.5), num_layers=1, block_size=BLOCK,
           progress=False)
     log = read_log(out)
+    train(net, records, str(tmp_path / "hard"), small_cfg(1), num_layers=1, block_size=BLOCK, progress=False)
+    assert abs(read_log(str(tmp_path / "hard"))[0]["loss"] - log[0]["loss"]) > 1e-3
     assert sum(r["loss"] for r in log[-3:]) / 3 < 0.65 * log[0]["loss"], (log[0]["loss"], log[-1]["loss"])
     cfg = ModelConfig.from_dir(target)
     save_drafter(random_drafter(cfg, seed=0, std=0.02, num_layers=1, block_size=BLOCK), str(tmp_path / "untrained"))

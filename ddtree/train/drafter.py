@@ -423,9 +423,9 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
         raise ValueError(f"attention must be 'sdpa' or 'flex', got {cfg.attention!r}")
     if cfg.labels not in ("target", "data"):
         raise ValueError(f"labels must be 'target' or 'data', got {cfg.labels!r}")
-    if cfg.soft_topk < 0 or (cfg.soft_topk and cfg.labels != "target"):
-        raise ValueError(f"soft_topk needs labels 'target' (the target is the teacher) and >= 0, got "
-                         f"{cfg.soft_topk} with labels {cfg.labels!r}")
+    if not 0 <= cfg.soft_topk <= target.config.vocab_size or (cfg.soft_topk and cfg.labels != "target"):
+        raise ValueError(f"soft_topk needs labels 'target' (the target is the teacher) and 0 <= K <= the "
+                         f"vocabulary ({target.config.vocab_size}), got {cfg.soft_topk} with labels {cfg.labels!r}")
     if not 0.0 <= cfg.soft_weight <= 1.0:
         raise ValueError(f"soft_weight must be in [0, 1], got {cfg.soft_weight}")
     _check_memory_budgets(cfg.feature_cache_gb, cfg.feature_host_gb)
@@ -440,6 +440,10 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
         was = state.get("config", {}).get("labels", "data")  # (runs before --labels used the data's)
         if was != cfg.labels:
             print(f"[resumed with --labels {cfg.labels}; steps 1-{start} used {was}]")
+        soft = tuple(state.get("config", {}).get(k, d) for k, d in (("soft_topk", 0), ("soft_weight", 0.5)))
+        if soft != (cfg.soft_topk, cfg.soft_weight):
+            print(f"[resumed with --soft-topk {cfg.soft_topk} --soft-weight {cfg.soft_weight}; steps 1-{start} "
+                  f"used {soft[0]} and {soft[1]}]")
     elif drafter is None:
         kw = dict(num_layers=num_layers, block_size=block_size, target_layer_ids=target_layer_ids)
         drafter = random_drafter(target.config, seed=cfg.seed, std=0.02, **kw, **drafter_kw)

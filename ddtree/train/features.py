@@ -53,9 +53,9 @@ def target_features(target: CausalLM, seqs: list[torch.Tensor], layer_ids: list[
         logits = target.compute_logits(h)
         preds.append(logits.argmax(-1).to(torch.int32))
         if soft_topk:
-            top = logits.float().log_softmax(-1).topk(soft_topk, dim=-1)
+            top = logits.topk(soft_topk, dim=-1)  # (log-probs of the K only: no [rows, V] log-softmax)
             top_ids.append(top.indices.to(torch.int32))
-            top_logp.append(top.values.to(torch.float16))
+            top_logp.append((top.values.float() - logits.float().logsumexp(-1, keepdim=True)).to(torch.float16))
     pred = torch.cat(preds).split(lens)
     if not soft_topk:
         return feats, list(pred)
