@@ -108,9 +108,17 @@ def test_policy_plans_bursts_from_past_drafts_by_batch_size():
     assert policy.hopeless and [i for i, b in enumerate(ar) if b] == [MAX_PROBE_EVERY, 2 * MAX_PROBE_EVERY + 1]
     policy.ar_streak, ar_ms = 0, policy.ar_ms(128)
     rows = 128 * MAX_PROBE_EVERY  # every request's every step skipped
-    ar = [policy.plan(128, gap_rows=rows) for _ in range(2 * MAX_PROBE_EVERY)]
+    priced, refeed_ms = [], policy.refeed_ms
+    policy.refeed_ms = lambda n: priced.append(n) or refeed_ms(n)
+    ar, ahead = [], []
+    for _ in range(2 * MAX_PROBE_EVERY):
+        ar.append(policy.plan(128, gap_rows=rows))
+        ahead.append(policy.ar_steps_ahead())
+    # Whole AR bursts meanwhile, not single steps, and the refeed priced again only every PROBE_EVERY AR
+    # steps (each plan here is one step), not on every plan past the due one.
+    assert ahead[MAX_PROBE_EVERY] == PROBE_EVERY - 1 and len(priced) == MAX_PROBE_EVERY // PROBE_EVERY
+    del policy.refeed_ms
     assert not any(ar) and policy.gap_ms > REFEED_LOSS * MAX_PROBE_EVERY * ar_ms
-    assert policy.ar_steps_ahead() >= PROBE_EVERY - 1  # (whole AR bursts meanwhile, not single steps)
     for _ in range(100):  # refeeds turn out cheap: the next probe is affordable
         policy.observe_refeed(1000, 1e-3)
     assert policy.plan(128, gap_rows=rows) > 0 and policy.refeed_ms(1000) < 1e-2
@@ -918,3 +926,36 @@ def test_a_hard_start_at_batch_1_does_not_lock_out_the_easy_text_after(seed):
     rate, policy = run_policy(r, 10000)
     assert rate >= 0.9 * max(fixed.values()), (rate / max(fixed.values()), policy.plans)
     assert "hopeless@1" not in policy.plans
+
+
+def test_a_plan_repeated_where_the_last_one_found_it_hopeless_leaves_the_state_the_full_plan_would():
+    # `_hopeless_again` stands in for `_plan` where the last plan, at the same batch size, was hopeless and
+    # nothing changed since: the same answers and the same state, plan by plan, through the late 61b7355
+    # state (hopeless from 16 up: memo expiries, a lesson, a probe falling due) and through a cold start at
+    # C=64 in the simulator (blind steps, verify steps, bursts and AR stretches in turn).
+    def plans(policy, batches):
+        out = []
+        for i, b in enumerate(batches):
+            if i == 40:
+                policy.observe(8, 64, predicted=64.0, accepted=64.0)  # (a lesson: judged afresh)
+            if i == 60:
+                policy.ar_streak = policy.max_probe_every - 2  # (a probe falls due)
+            out.append((policy.plan(b), policy.hopeless, policy.tap_free, policy.gapped, policy.ar_streak,
+                        policy.interval, policy.outcome, policy.probing, policy.fresh))
+        return out, policy.state(), {k: v[2] for k, v in policy.hope_memo.items()}
+
+    batches = [64] * 30 + [32, 64, 64, 128, 64] + [64] * 40
+    fast = late_61b7355_policy()
+    full = late_61b7355_policy()
+    full._still_hopeless = lambda batch: False
+    taken = []
+    again = fast._hopeless_again
+    fast._hopeless_again = lambda batch: taken.append(batch) or again(batch)
+    assert plans(fast, batches) == plans(full, batches)
+    assert len(taken) > 40  # (the repeat did stand in, most of the time)
+    for seed in range(2):
+        w = Batches(64, batches=2, seed=seed, readout=0.06)
+        fast, full = AdaptivePolicy(w.table, [0, 4, 8, 16, 32]), AdaptivePolicy(w.table, [0, 4, 8, 16, 32])
+        full._still_hopeless = lambda batch: False
+        assert run_batches(w, None, fast) == run_batches(w, None, full)
+        assert fast.state() == full.state() and fast.ar_streak == full.ar_streak

@@ -141,6 +141,11 @@ class AdaptivePolicy:
         self.drafted: dict[int, list[float]] = {}  # per budget: every draft's E(b) per request summed, drafts
         self.total: tuple[float, float] | None = None  # running (accepted, predicted) over all budgets
         self.ar_streak = 0
+        # A probe fell due but its refeed was not affordable: the AR streak at which to price it again.
+        # (Before, every later plan priced it, counting the gap rows of every request, until one was
+        # affordable: at C=128, where none is, every plan once the streak passed MAX_PROBE_EVERY, and the
+        # H200 grids' AR bursts there were ~4 steps long.)
+        self.look_again = 0
         self.overruled = 0  # drafts in a row `choose` threw away
         self.intervals: dict[int, int] = {}  # batch bucket -> AR steps before the next probe
         self.interval = probe_every  # ... the current batch's
@@ -165,6 +170,7 @@ class AdaptivePolicy:
         # a whole AR burst
         self.plans: dict[str, int] = {}
         self.outcome = ""  # the last plan's ("spec", "probe", "ar", ...: `plans`' keys less the bucket)
+        self.outcome_batch = 0  # ... and its batch size
         self.probing = False  # this draft is a probe: AR looked better on past averages
         self.hopeless = False  # the last plan saw no chance for speculation at its batch size (`hope_rate`)
         self.tap_free = False  # ... or said AR where the batch is headed for a size with none (`plan`)
@@ -399,12 +405,41 @@ class AdaptivePolicy:
         if not self.budgets:
             return 0
         self._gap_rows, self._gap_ms = gap_rows, None
-        budget = self._plan(batch, joined)
+        budget = self._hopeless_again(batch) if self._still_hopeless(batch) else self._plan(batch, joined)
         if TRACE_PATH:
             self.trace(TRACE_PATH, batch, joined, budget)
         if callable(self._gap_rows):  # (not kept past the plan, nor the requests it counts: `gap_ms` keeps
             self._gap_rows, self._gap_ms = 0, self._gap_ms or 0.0  # what it counted, 0 if the plan did not ask)
         return budget
+
+    def _still_hopeless(self, batch: int) -> bool:
+        """The last plan, at this very batch size, found it hopeless, nothing was learnt since, that
+        verdict may still be reused (`_hopeless`' memo) and no probe is due: `_plan` would take its
+        hopeless way again (which neither ranks budgets nor prices anything there), so `_hopeless_again`
+        repeats it without the rest. A plan is made per AR burst, and at C=32-128 on the H200 (89e42b6)
+        auto spent ~100-120 us more than plain AR between bursts: on the CPU the plan was the largest
+        part of it (~45 us a burst, in a run)."""
+        memo = self.hope_memo.get((batch, True))
+        return (self.outcome == "hopeless" and self.outcome_batch == batch and not self.speculating
+                and self.ar_streak < max(self.max_probe_every, self.look_again) and memo is not None and memo[0] and memo[2] > 0
+                and memo[1][0] == self.lessons and memo[1][1] is self.expected and memo[1][2] is self.verified
+                and memo[1][3] is self.table)
+
+    def _hopeless_again(self, batch: int) -> int:
+        """`_plan`'s hopeless way, where `_still_hopeless` says it would take it: the same state after."""
+        self.hope_memo[(batch, True)][2] -= 1  # (a reuse of the verdict, as `_hopeless` counts them)
+        self.hopeless = self.tap_free = True  # (`hopeless_seen` and `speculating` hold as the last plan left them)
+        self.interval, self.fresh = self.max_probe_every, False
+        self._whole_bursts()
+        self.ar_streak += 1
+        self._count("hopeless", batch)
+        return 0
+
+    def _whole_bursts(self) -> None:
+        """... and whole AR bursts meanwhile: past the interval (a probe due, waiting for its refeed to be
+        affordable), the next PROBE_EVERY steps are planned AR too (`ar_steps_ahead`)."""
+        if self.ar_streak >= self.interval:
+            self.interval = self.ar_streak + PROBE_EVERY
 
     def _plan(self, batch: int, joined: int) -> int:
         """`plan`, once the gap rows are in place."""
@@ -428,7 +463,7 @@ class AdaptivePolicy:
         # 0.83x AR end to end; auto 0.87x AR.)
         if not self.hopeless and best_rate > ar_rate * (SWITCH_MARGIN if switching else 1 / SWITCH_MARGIN
                                                         if staying else 1.0):
-            self.probing, self.ar_streak, self.speculating = False, 0, True
+            self.probing, self.ar_streak, self.look_again, self.speculating = False, 0, 0, True
             self.spec_bucket = _bucket(batch)
             self._count("spec", batch)
             return best
@@ -446,15 +481,16 @@ class AdaptivePolicy:
             best = best or self._best(batch, store)[0]
             self.intervals[bucket] = self.probe_cap(batch, best)
         self.interval = self.max_probe_every if self.hopeless else self.intervals[bucket]
-        due = self.ar_streak >= self.interval
+        due = self.ar_streak >= max(self.interval, self.look_again)
         if due and self.gap_ms <= REFEED_LOSS * self.ar_streak * self.ar_ms(batch):  # (affordable)
             best = best or self._best(batch, store)[0]
-            self.probing, self.ar_streak = True, 0
+            self.probing, self.ar_streak, self.look_again = True, 0, 0
             self.intervals[bucket] = min(self.probe_cap(batch, best), PROBE_GROWTH * self.intervals[bucket])
             self._count("probe", batch)
             return best
-        if due:  # due, but not affordable yet: whole AR bursts until a look again
-            self.interval = self.ar_streak + PROBE_EVERY
+        if due:  # due, but not affordable yet: priced again PROBE_EVERY AR steps on (`look_again`) ...
+            self.look_again = self.ar_streak + PROBE_EVERY
+        self._whole_bursts()
         self.ar_streak += 1
         self.fresh = False  # AR steps next: no drafts, the averages grow stale
         self.tap_free = self.hopeless or joined > batch and self.hopeless_at(joined)
@@ -500,7 +536,7 @@ class AdaptivePolicy:
         return best, best_rate
 
     def _count(self, outcome: str, batch: int) -> None:
-        self.outcome = outcome
+        self.outcome, self.outcome_batch = outcome, batch
         key = f"{outcome}@{_bucket(batch)}"
         self.plans[key] = self.plans.get(key, 0) + 1
 
