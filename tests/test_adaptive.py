@@ -939,12 +939,12 @@ def test_a_plan_repeated_where_the_last_one_found_it_hopeless_leaves_the_state_t
             if i == 40:
                 policy.observe(8, 64, predicted=64.0, accepted=64.0)  # (a lesson: judged afresh)
             if i == 60:
-                policy.ar_streak = policy.max_probe_every - 2  # (a probe falls due)
-            out.append((policy.plan(b), policy.hopeless, policy.tap_free, policy.gapped, policy.ar_streak,
-                        policy.interval, policy.outcome, policy.probing, policy.fresh))
+                policy.ar_streak = policy.max_probe_every - 2  # (a probe falls due, never affordable)
+            out.append((policy.plan(b, gap_rows=10**7 if i >= 60 else 0), policy.hopeless, policy.tap_free, policy.gapped, policy.ar_streak,
+                        policy.interval, policy.look_again, policy.outcome, policy.probing, policy.fresh))
         return out, policy.state(), {k: v[2] for k, v in policy.hope_memo.items()}
 
-    batches = [64] * 30 + [32, 64, 64, 128, 64] + [64] * 40
+    batches = [64] * 30 + [32, 64, 64, 128, 64] + [64] * 80
     fast = late_61b7355_policy()
     full = late_61b7355_policy()
     full._still_hopeless = lambda batch: False
@@ -952,7 +952,8 @@ def test_a_plan_repeated_where_the_last_one_found_it_hopeless_leaves_the_state_t
     again = fast._hopeless_again
     fast._hopeless_again = lambda batch: taken.append(batch) or again(batch)
     assert plans(fast, batches) == plans(full, batches)
-    assert len(taken) > 40  # (the repeat did stand in, most of the time)
+    assert len(taken) > 80 and fast.look_again > fast.max_probe_every  # (it stood in, most of the time,
+    # also while the due probe waited for its refeed to be affordable)
     for seed in range(2):
         w = Batches(64, batches=2, seed=seed, readout=0.06)
         fast, full = AdaptivePolicy(w.table, [0, 4, 8, 16, 32]), AdaptivePolicy(w.table, [0, 4, 8, 16, 32])
