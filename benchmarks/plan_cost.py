@@ -5,7 +5,7 @@ on the H200. CPU only; no model.
 
     python benchmarks/plan_cost.py [BATCH] [PLANS]
 
-On the CPU machine (2 cores), batch 128, runs of 3,000 plans: 9.0-16.9 us a plan at d9cfc86, 39.5-45.0
+On the CPU machine (2 cores), batch 128, runs of 3,000 plans: 9.0-18.7 us a plan at d9cfc86 and after, 39.5-45.0
 before it (when every plan past the due one counted every request's gap rows to price the refeed again).
 """
 from __future__ import annotations

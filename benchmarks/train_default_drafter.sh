@@ -23,8 +23,9 @@
 # PROMPT_REPEATS (sampled: answers per prompt), GEN_SEED (`gen` only: the sampling seed; other draws than a
 # run before's), LAYERS and INTERMEDIATE (the drafter's shape; default 2 x 1024;
 # with INIT and GROW=1 the init is grown to it, train/grow.py), SAVE_DTYPE (e.g. float8_e4m3fn: the matrices in
-# 8 bits, trained with that rounding), SOFT_TOPK and SOFT_WEIGHT (soft labels: the target's distribution over its
-# K likeliest next tokens mixed into each position's loss, `train-drafter --soft-topk`), VAL_DATA (held-out greedy answers, e.g. `gen` of
+# 8 bits, trained with that rounding), SOFT_TOPK and SOFT_WEIGHT (soft labels: the target's distribution over
+# its K likeliest next tokens mixed into each position's loss, `train-drafter --soft-topk`), VAL_DATA
+# (held-out greedy answers, e.g. `gen` of
 # `python -m ddtree.train.data .xfer/sharegpt_val.jsonl.gz 3000 --held-out 256`, or those prompts: replayed
 # acceptance in the log every VAL_EVERY steps, default 1,000).
 # Target features past the free GPU memory less 64 GB (FEATURE_CACHE_GB) go to pinned host memory up to
@@ -56,7 +57,8 @@ gen=(--prompt-file "${PROMPTS:-.xfer/sharegpt_prompts.jsonl.gz}" ${NUM_PROMPTS:+
 if [ "$phase" = gen ]; then
   # (GEN_SEED here only: in phase 1 --seed would also set training's batch draws, which a resume
   # without it would not repeat)
-  exec python3 -m ddtree.cli train-drafter --out "$out" --data "$2" --data-only "${gen[@]}" ${GEN_SEED:+--seed "$GEN_SEED"}
+  exec python3 -m ddtree.cli train-drafter --out "$out" --data "$2" --data-only "${gen[@]}" \
+    ${GEN_SEED:+--seed "$GEN_SEED"}
 fi
 extra=()  # EXTRA_DATA: one file or several, space-separated
 for f in ${EXTRA_DATA:-}; do extra+=(--extra-data "$f"); done  # (names without spaces or wildcards)

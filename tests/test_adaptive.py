@@ -940,8 +940,9 @@ def test_a_plan_repeated_where_the_last_one_found_it_hopeless_leaves_the_state_t
                 policy.observe(8, 64, predicted=64.0, accepted=64.0)  # (a lesson: judged afresh)
             if i == 60:
                 policy.ar_streak = policy.max_probe_every - 2  # (a probe falls due, never affordable)
-            out.append((policy.plan(b, gap_rows=10**7 if i >= 60 else 0), policy.hopeless, policy.tap_free, policy.gapped, policy.ar_streak,
-                        policy.interval, policy.look_again, policy.outcome, policy.probing, policy.fresh))
+            budget = policy.plan(b, gap_rows=10**7 if i >= 60 else 0)
+            out.append((budget, policy.hopeless, policy.tap_free, policy.gapped, policy.ar_streak, policy.interval,
+                        policy.look_again, policy.outcome, policy.probing, policy.fresh))
         return out, policy.state(), {k: v[2] for k, v in policy.hope_memo.items()}
 
     batches = [64] * 30 + [32, 64, 64, 128, 64] + [64] * 80

@@ -419,11 +419,10 @@ class AdaptivePolicy:
         repeats it without the rest. A plan is made per AR burst, and at C=32-128 on the H200 (89e42b6)
         auto spent ~100-120 us more than plain AR between bursts: on the CPU the plan was the largest
         part of it (~45 us a burst, in a run)."""
-        memo = self.hope_memo.get((batch, True))
-        return (self.outcome == "hopeless" and self.outcome_batch == batch and not self.speculating
-                and self.ar_streak < max(self.max_probe_every, self.look_again) and memo is not None and memo[0] and memo[2] > 0
-                and memo[1][0] == self.lessons and memo[1][1] is self.expected and memo[1][2] is self.verified
-                and memo[1][3] is self.table)
+        if self.outcome != "hopeless" or self.outcome_batch != batch or self.speculating:
+            return False
+        memo = self._reusable_verdict(batch, True)
+        return memo is not None and memo[0] and self.ar_streak < max(self.max_probe_every, self.look_again)
 
     def _hopeless_again(self, batch: int) -> int:
         """`_plan`'s hopeless way, where `_still_hopeless` says it would take it: the same state after."""
@@ -436,8 +435,8 @@ class AdaptivePolicy:
         return 0
 
     def _whole_bursts(self) -> None:
-        """... and whole AR bursts meanwhile: past the interval (a probe due, waiting for its refeed to be
-        affordable), the next PROBE_EVERY steps are planned AR too (`ar_steps_ahead`)."""
+        """Whole AR bursts while a due probe waits for its refeed to be affordable: past the interval, the
+        next PROBE_EVERY steps are planned AR too (`ar_steps_ahead`)."""
         if self.ar_streak >= self.interval:
             self.interval = self.ar_streak + PROBE_EVERY
 
@@ -581,16 +580,28 @@ class AdaptivePolicy:
         the plan's own threshold then. Reused for up to HOPE_MEMO_PLANS plans while nothing is learnt."""
         if not self.budgets or self.expected is None:
             return False
-        # (what it was judged on: the lessons so far, and the figures a caller may replace wholesale)
-        basis = (self.lessons, self.expected, self.verified, self.table)
-        memo = self.hope_memo.get((batch, from_ar))
-        if memo is not None and memo[2] > 0 and memo[1][0] == basis[0] and \
-                all(a is b for a, b in zip(memo[1][1:], basis[1:])):
+        memo = self._reusable_verdict(batch, from_ar)
+        if memo is not None:
             memo[2] -= 1
             return memo[0]
         verdict = self._judge_hope(batch, from_ar)
-        self.hope_memo[(batch, from_ar)] = [verdict, basis, HOPE_MEMO_PLANS]
+        self.hope_memo[(batch, from_ar)] = [verdict, self._hope_basis(), HOPE_MEMO_PLANS]
         return verdict
+
+    def _hope_basis(self) -> tuple:
+        """What a verdict is judged on: the lessons so far, and the figures a caller may replace wholesale."""
+        return self.lessons, self.expected, self.verified, self.table
+
+    def _reusable_verdict(self, batch: int, from_ar: bool) -> list | None:
+        """The memo entry [verdict, basis, reuses left] of `_hopeless` at this batch size, if it may serve
+        again (reuses left, nothing learnt or replaced since); else None."""
+        memo = self.hope_memo.get((batch, from_ar))
+        if memo is None or memo[2] <= 0:
+            return None
+        basis = memo[1]
+        if basis[0] != self.lessons or not all(a is b for a, b in zip(basis[1:], self._hope_basis()[1:])):
+            return None
+        return memo
 
     def _judge_hope(self, batch: int, from_ar: bool) -> bool:
         ar_rate = 1 / self.ar_ms(batch)

@@ -462,7 +462,7 @@ def train(target: CausalLM, records: list[dict], out: str, cfg: TrainConfig, dra
     feats, preds = precompute_features(target, records, dc.target_layer_ids, cfg.max_len, progress=progress,
                                        max_bytes=_feature_cache_bytes(cfg, dev),
                                        host_bytes=cfg.feature_host_gb * 2**30, with_pred=target_labels,
-                                       soft_topk=cfg.soft_topk if target_labels else 0)
+                                       soft_topk=cfg.soft_topk)  # (checked above: K > 0 only with target labels)
     log = open(os.path.join(out, LOG_FILE), "a")
     wdtype = save_dtype(cfg.save_dtype)
     forward = _Forward(drafter)
