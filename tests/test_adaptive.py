@@ -114,9 +114,11 @@ def test_policy_plans_bursts_from_past_drafts_by_batch_size():
     for _ in range(2 * MAX_PROBE_EVERY):
         ar.append(policy.plan(128, gap_rows=rows))
         ahead.append(policy.ar_steps_ahead())
-    # Whole AR bursts meanwhile, not single steps, and the refeed priced again only every PROBE_EVERY AR
-    # steps (each plan here is one step), not on every plan past the due one.
-    assert ahead[MAX_PROBE_EVERY] == PROBE_EVERY - 1 and len(priced) == MAX_PROBE_EVERY // PROBE_EVERY
+    # Whole AR bursts meanwhile, not single steps, and the refeed priced once: not again before the AR
+    # streak that would afford it (`priced_out`; here far past the 2 x MAX_PROBE_EVERY plans), as the
+    # gaps of a hopeless batch only grow.
+    assert ahead[MAX_PROBE_EVERY] == PROBE_EVERY - 1 and len(priced) == 1
+    assert policy.priced_out > 2 * MAX_PROBE_EVERY
     del policy.refeed_ms
     assert not any(ar) and policy.gap_ms > REFEED_LOSS * MAX_PROBE_EVERY * ar_ms
     for _ in range(100):  # refeeds turn out cheap: the next probe is affordable
@@ -552,6 +554,24 @@ def test_from_ar_a_batch_size_whose_hope_does_not_beat_ar_by_the_switch_margin_i
             policy.observe(b, 1, predicted=accepted, accepted=accepted)
     assert policy.plan(16) == 0 and policy.hopeless == hopeless and not policy.lost(16)
     assert policy.hopeless_at(16) == hopeless
+
+
+@pytest.mark.parametrize("rate, hopeless", [(1.08, False), (1.02, True)])
+def test_from_ar_bursts_that_won_clearly_keep_a_batch_size_hopeful_against_the_model(rate, hopeless):
+    # As above at 0.85 tokens accepted (the model's hope 1.03x AR's: short of the SWITCH_MARGIN), but the
+    # bucket's own HOPE_BURSTS bursts of budget 8 realized 1.08x the AR bursts' tokens per ms (`won`): the
+    # model follows the texts so far (C=16 on the H200 at c038e9b), the bursts' sums outweigh it. Bursts
+    # at 1.02x (a near-tie) leave the model's verdict.
+    policy = AdaptivePolicy(table(lambda n, bs: 1.0 if n == 1 else 2.0, draft_ms=lambda bs: 0.0), BUDGETS)
+    policy.record_draft(1, {b: 0.85 for b in BUDGETS[1:]})
+    for _ in range(52):
+        for b in BUDGETS[1:]:
+            policy.observe(b, 1, predicted=0.85, accepted=0.85)
+    policy.tally(0, 16, tokens=16 * 100, ms=100.0)  # AR's bursts: 1 token per ms and request
+    for _ in range(HOPE_BURSTS):
+        policy.observe_burst(8, 16, tokens=16 * 10 * rate, ms=10.0)
+    assert policy.plan(16) == 0 and policy.hopeless == hopeless and policy.won(16) == (not hopeless)
+    assert not policy.lost(16)
 
 
 def test_ar_steps_skip_the_read_out_where_the_waiting_prompts_take_the_batch_to_a_hopeless_size():

@@ -146,6 +146,7 @@ class AdaptivePolicy:
         # affordable: at C=128, where none is, every plan once the streak passed MAX_PROBE_EVERY, and the
         # H200 grids' AR bursts there were ~4 steps long.)
         self.look_again = 0
+        self.priced_out = 0  # (hopeless) the AR streak before which a due probe is not priced again
         self.overruled = 0  # drafts in a row `choose` threw away
         self.intervals: dict[int, int] = {}  # batch bucket -> AR steps before the next probe
         self.interval = probe_every  # ... the current batch's
@@ -237,6 +238,7 @@ class AdaptivePolicy:
         """A refeed's cost as timed at start-up: `fixed_ms` a forward (an eager pass through the target) of
         at most `forward_rows` rows (None: any number), plus `row_ms` a row."""
         self.refeed_fixed_ms, self.refeed_row_ms, self.refeed_forward_rows = fixed_ms, row_ms, forward_rows
+        self.priced_out = 0
 
     def _refeed_model(self, rows: int) -> float:
         """A refeed of `rows` rows as timed at start-up: a fixed cost per forward it takes (at C=128 on the
@@ -279,6 +281,7 @@ class AdaptivePolicy:
             return
         self.refeed_scale = _learn(self.refeed_scale, min(ms / model, 10.0), self.refeed_samples, self.decay)
         self.refeed_samples += 1
+        self.priced_out = 0  # (priced on the old scale)
 
     def ar_ms(self, batch: int) -> float:
         """One AR step as the engine pays it (at least half the table's: the extra is learnt per batch
@@ -422,7 +425,8 @@ class AdaptivePolicy:
         if self.outcome != "hopeless" or self.outcome_batch != batch or self.speculating:
             return False
         memo = self._reusable_verdict(batch, True)
-        return memo is not None and memo[0] and self.ar_streak < max(self.max_probe_every, self.look_again)
+        return memo is not None and memo[0] and self.ar_streak < max(self.max_probe_every, self.look_again,
+                                                                     self.priced_out)
 
     def _hopeless_again(self, batch: int) -> int:
         """`_plan`'s hopeless way, where `_still_hopeless` says it would take it: the same state after."""
@@ -462,7 +466,7 @@ class AdaptivePolicy:
         # 0.83x AR end to end; auto 0.87x AR.)
         if not self.hopeless and best_rate > ar_rate * (SWITCH_MARGIN if switching else 1 / SWITCH_MARGIN
                                                         if staying else 1.0):
-            self.probing, self.ar_streak, self.look_again, self.speculating = False, 0, 0, True
+            self.probing, self.ar_streak, self.look_again, self.priced_out, self.speculating = False, 0, 0, 0, True
             self.spec_bucket = _bucket(batch)
             self._count("spec", batch)
             return best
@@ -480,15 +484,21 @@ class AdaptivePolicy:
             best = best or self._best(batch, store)[0]
             self.intervals[bucket] = self.probe_cap(batch, best)
         self.interval = self.max_probe_every if self.hopeless else self.intervals[bucket]
-        due = self.ar_streak >= max(self.interval, self.look_again)
+        due = self.ar_streak >= max(self.interval, self.look_again, self.priced_out if self.hopeless else 0)
         if due and self.gap_ms <= REFEED_LOSS * self.ar_streak * self.ar_ms(batch):  # (affordable)
             best = best or self._best(batch, store)[0]
-            self.probing, self.ar_streak, self.look_again = True, 0, 0
+            self.probing, self.ar_streak, self.look_again, self.priced_out = True, 0, 0, 0
             self.intervals[bucket] = min(self.probe_cap(batch, best), PROBE_GROWTH * self.intervals[bucket])
             self._count("probe", batch)
             return best
         if due:  # due, but not affordable yet: priced again PROBE_EVERY AR steps on (`look_again`) ...
             self.look_again = self.ar_streak + PROBE_EVERY
+            if self.hopeless:
+                # ... and at a hopeless batch size not before the streak that would afford today's refeed:
+                # its gaps only grow while its requests run tap-free. (AR bursts of 16 steps priced it on
+                # every plan, counting every request's gap rows; this CPU's host-overhead stubs, auto-ar
+                # at batch 128: 103 of 161 plans.) At a batch size with hope the usual spacing holds.
+                self.priced_out = math.ceil(self.gap_ms / (REFEED_LOSS * self.ar_ms(batch)))
         self._whole_bursts()
         self.ar_streak += 1
         self.fresh = False  # AR steps next: no drafts, the averages grow stale
@@ -608,7 +618,7 @@ class AdaptivePolicy:
         hope = max(self.hope_rate(b, batch) for b in self.budgets)
         evidence = self.verified_requests >= HOPE_EVIDENCE
         below = hope < (SWITCH_MARGIN if from_ar else 1.0) * ar_rate
-        return (evidence and below) or (hope < SWITCH_MARGIN * ar_rate and self.lost(batch))
+        return (evidence and below and not self.won(batch)) or (hope < SWITCH_MARGIN * ar_rate and self.lost(batch))
 
     def lost(self, batch: int) -> bool:
         """Speculation at this batch bucket, all its timed bursts (at least HOPE_BURSTS) and the stores
@@ -620,13 +630,30 @@ class AdaptivePolicy:
         it made C=1 hopeless after a blind step and a few probes (0.85x fixed budget 32). (Undecayed, and
         tap-free AR bursts count with AR's: a batch size this makes hopeless stays so until probes'
         bursts, at most one every `max_probe_every` AR steps, outweigh its sums.)"""
+        ratio = self._spec_over_ar(batch)
+        return ratio is not None and ratio < 1.0
+
+    def won(self, batch: int) -> bool:
+        """`lost`'s mirror: the bucket's timed speculative bursts (at least HOPE_BURSTS), stores included,
+        realized SWITCH_MARGIN more tokens per ms and request than its AR bursts. The model alone does
+        not make such a batch size hopeless: its run-long accepted length follows the texts so far, and
+        at C=16 on the H200 (c038e9b, a fresh policy) the first 16 MT-Bench prompts (writing, roleplay)
+        held it at 1.03x AR where the bucket's 5 bursts of budget 8 had realized 1.08x AR's: hopeless
+        after 8 speculative plans, auto 0.99x AR where fixed budget 8 ran 1.08x."""
+        ratio = self._spec_over_ar(batch)
+        return ratio is not None and ratio > SWITCH_MARGIN
+
+    def _spec_over_ar(self, batch: int) -> float | None:
+        """Tokens per ms and request of the bucket's timed speculative bursts and the stores before them
+        (running sums, undecayed) over its AR bursts' (or the AR step's cost, none timed yet); None
+        before HOPE_BURSTS speculative bursts."""
         key = _bucket(batch)
         spec = [t for (k, b), t in self.totals.items() if k == key and b > 0]
         if sum(t[0] for t in spec) < HOPE_BURSTS:
-            return False
+            return None
         ar = self.totals.get((key, 0))
         ar_rate = ar[1] / ar[2] if ar and ar[2] > 0 else 1 / self.ar_ms(batch)
-        return sum(t[1] for t in spec) < ar_rate * (sum(t[2] for t in spec) + self.stored_ms.get(key, 0.0))
+        return sum(t[1] for t in spec) / (ar_rate * (sum(t[2] for t in spec) + self.stored_ms.get(key, 0.0)))
 
     def probe_cap(self, batch: int, budget: int | None = None) -> int:
         """AR steps between probes: enough that a probe's loss against AR (a burst of `budget`, default
