@@ -5,8 +5,10 @@ on the H200. CPU only; no model.
 
     python benchmarks/plan_cost.py [BATCH] [PLANS]
 
-On the CPU machine (2 cores), batch 128, runs of 3,000 plans: 9.0-18.7 us a plan at d9cfc86 and after, 39.5-45.0
-before it (when every plan past the due one counted every request's gap rows to price the refeed again).
+On the CPU machine (2 cores), batch 128, runs of 3,000 plans: 39.5-45.0 us a plan before d9cfc86 (every
+plan past the due one counted every request's gap rows to price the refeed again), 9.0-18.7 from d9cfc86
+to c038e9b (priced again every PROBE_EVERY AR steps), 5.4-9.8 at 149bbe0 (`priced_out`: not again before
+the AR streak that would afford today's refeed).
 """
 from __future__ import annotations
 
