@@ -630,8 +630,8 @@ class AdaptivePolicy:
         it made C=1 hopeless after a blind step and a few probes (0.85x fixed budget 32). (Undecayed, and
         tap-free AR bursts count with AR's: a batch size this makes hopeless stays so until probes'
         bursts, at most one every `max_probe_every` AR steps, outweigh its sums.)"""
-        ratio = self._spec_over_ar(batch)
-        return ratio is not None and ratio < 1.0
+        got = self._spec_against_ar(batch)
+        return got is not None and got[0] < got[1]
 
     def won(self, batch: int) -> bool:
         """`lost`'s mirror: the bucket's timed speculative bursts (at least HOPE_BURSTS), stores included,
@@ -640,20 +640,20 @@ class AdaptivePolicy:
         at C=16 on the H200 (c038e9b, a fresh policy) the first 16 MT-Bench prompts (writing, roleplay)
         held it at 1.03x AR where the bucket's 5 bursts of budget 8 had realized 1.08x AR's: hopeless
         after 8 speculative plans, auto 0.99x AR where fixed budget 8 ran 1.08x."""
-        ratio = self._spec_over_ar(batch)
-        return ratio is not None and ratio > SWITCH_MARGIN
+        got = self._spec_against_ar(batch)
+        return got is not None and got[0] > SWITCH_MARGIN * got[1]
 
-    def _spec_over_ar(self, batch: int) -> float | None:
-        """Tokens per ms and request of the bucket's timed speculative bursts and the stores before them
-        (running sums, undecayed) over its AR bursts' (or the AR step's cost, none timed yet); None
-        before HOPE_BURSTS speculative bursts."""
+    def _spec_against_ar(self, batch: int) -> tuple[float, float] | None:
+        """The tokens per request the bucket's timed speculative bursts committed (running sums,
+        undecayed), and what its AR bursts' rate (or the AR step's cost, none timed yet) commits in their
+        time and the stores before them; None before HOPE_BURSTS speculative bursts."""
         key = _bucket(batch)
         spec = [t for (k, b), t in self.totals.items() if k == key and b > 0]
         if sum(t[0] for t in spec) < HOPE_BURSTS:
             return None
         ar = self.totals.get((key, 0))
         ar_rate = ar[1] / ar[2] if ar and ar[2] > 0 else 1 / self.ar_ms(batch)
-        return sum(t[1] for t in spec) / (ar_rate * (sum(t[2] for t in spec) + self.stored_ms.get(key, 0.0)))
+        return sum(t[1] for t in spec), ar_rate * (sum(t[2] for t in spec) + self.stored_ms.get(key, 0.0))
 
     def probe_cap(self, batch: int, budget: int | None = None) -> int:
         """AR steps between probes: enough that a probe's loss against AR (a burst of `budget`, default
