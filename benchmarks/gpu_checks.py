@@ -5,6 +5,8 @@
 2. Greedy AR on the GPU (CUDA graphs) vs transformers generate on the same prompts.
 3. Greedy DDTree and DFlash (CUDA graphs) vs greedy AR on HumanEval prompts; each divergence is
    classified by the top-2 logit gap of AR at the first differing position (a near-tie or not).
+4. The keyed sampler's Triton kernels vs the torch reference at the real vocabulary, their times by
+   row count, and seeded sampled DDTree vs seeded sampled AR (the same tokens, near-ties aside).
 
     python benchmarks/gpu_checks.py --draft DIR [--num-prompts 164] [--max-tokens 256] [--budget 32]
 """
@@ -100,6 +102,32 @@ def check_tree_kernels() -> dict:
     return {"topk_max_abs_err": lp_err, "levels_equal": True}
 
 
+def check_sampler() -> dict:
+    from ddtree.engine.sampler import SamplingRows, sample
+    dev, V = torch.device("cuda"), 151936
+    g = torch.Generator(device="cpu").manual_seed(0)
+    kinds = {"greedy": SamplingParams(), "t1": SamplingParams(temperature=1.0),
+             "t07_p095": SamplingParams(temperature=0.7, top_p=0.95), "t1_k50": SamplingParams(temperature=1.0, top_k=50),
+             "t1_k50_p09": SamplingParams(temperature=1.0, top_k=50, top_p=0.9)}
+    out, mismatches = {}, 0
+    for M in (1, 9, 33, 64, 128, 1152):
+        logits = (torch.randn(M, V, generator=g) * 4).to(dev, torch.bfloat16)
+        pos = torch.arange(M, device=dev) + 1000
+        for name, p in kinds.items():
+            rows = SamplingRows.of([p] * M, list(range(M)), dev)
+            got = sample(logits, rows, pos, use_triton=True)
+            want = sample(logits, rows, pos, use_triton=False)
+            mismatches += int((got != want).sum())
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                sample(logits, rows, pos, use_triton=True)
+            end.record()
+            torch.cuda.synchronize()
+            out[f"{name}_rows{M}_us"] = round(start.elapsed_time(end) / 20 * 1e3, 1)
+    return {"check": "sampler", "mismatches": mismatches, **out}
+
+
 def compare(llm: LLM, prompts, params, spec, budget, topk) -> dict:
     llm.set_mode("none")
     ar = [o.token_ids for o in llm.generate(prompts, params)]
@@ -181,6 +209,7 @@ def main() -> int:
     skip = set(args.skip.split(","))
     if "kernels" not in skip:
         run("kernels", check_kernels)
+        run("sampler", check_sampler)
     llm = LLM(args.model, draft=args.draft, spec="none", max_num_seqs=32, dtype=args.dtype)
     rows = load_prompts("humaneval", args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows]
@@ -188,6 +217,10 @@ def main() -> int:
     if "transformers" not in skip:
         run("ar-vs-transformers", lambda: check_ar_vs_hf(llm, prompts[:8], 64))
     run("ddtree-vs-ar", lambda: compare(llm, prompts, params, "ddtree", args.budget, 4))
+    if "sampled" not in skip:  # seeded: the same tokens as seeded AR
+        sampled = [SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.95, seed=i)
+                   for i in range(len(prompts))]
+        run("sampled-ddtree-vs-ar", lambda: compare(llm, prompts, sampled, "ddtree", args.budget, 4))
     if "dflash" not in skip:
         run("dflash-vs-ar", lambda: compare(llm, prompts[:32], params, "dflash", None, None))
     with open(args.out, "w") as f:

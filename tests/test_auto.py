@@ -442,8 +442,8 @@ def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out,
     burst, read = eng._auto_ar_burst, eng._commit_decoded
     monkeypatch.setattr(eng, "_auto_ar_burst", lambda *a: calls.__setitem__("bursts", calls["bursts"] + 1) or burst(*a))
     monkeypatch.setattr(eng, "_commit_decoded", lambda *a: calls.__setitem__("steps", calls["steps"] + 1) or read(*a))
-    monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed, "
-                                                                 "a new prompt's context stored first"))
+    monkeypatch.setattr(spec, "_eager_step", lambda *a: pytest.fail("an eager step: greedy steps run graphed, "
+                                                                     "a new prompt's context stored first"))
     finished = []
     finish = eng.scheduler.finish
     monkeypatch.setattr(eng.scheduler, "finish", lambda seq, reason: finished.append(seq) or finish(seq, reason))
@@ -464,7 +464,7 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     spec = llm.engine.speculator
     learned = []  # what whole bursts teach the policy: (budget, batch, tokens, ms, store ms, steps)
     spec.policy.observe_time, spec.policy.observe_burst = (lambda *a: None), (lambda *a: learned.append(a))
-    monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed"))
+    monkeypatch.setattr(spec, "_eager_step", lambda *a: pytest.fail("an eager step: greedy steps run graphed"))
     steps = []
     burst = spec._burst
     monkeypatch.setattr(spec, "_burst", lambda *a, **k: (lambda n: steps.append(n) or n)(burst(*a, **k)))
@@ -553,8 +553,8 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
     spec = llm.engine.speculator
     assert spec.graphs is not None and llm.engine.scheduler.decode_width > budget + 1
     assert set(spec.graphs.graphs) == set(spec.graphs.buckets)  # every bucket captured at start-up
-    monkeypatch.setattr(spec, "_sample", lambda *a: pytest.fail("an eager step: greedy steps run graphed, "
-                                                                 "a new prompt's context stored first"))
+    monkeypatch.setattr(spec, "_eager_step", lambda *a: pytest.fail("an eager step: greedy steps run graphed, "
+                                                                     "a new prompt's context stored first"))
     prefills = []  # prefills replay graphs that also store the drafter's context
     real = llm.engine._prefill_graphed
     monkeypatch.setattr(llm.engine, "_prefill_graphed",
@@ -590,7 +590,7 @@ def test_next_burst_inputs_stay_inside_the_pages_the_accepted_path_used(pairs):
     packed = torch.stack([length, torch.tensor([11, 12])], 1)
     feats = torch.randn(2, B, spec.drafter.feat_dim)
     inp = StepInputs(torch.tensor([1, 2]), starts, tables.clamp(min=0), feats, starts[:, None].expand(2, B),
-                     torch.zeros(2, B, dtype=torch.long))
+                     torch.zeros(2, B, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
     nxt = spec._next_inputs(inp, packed, feats)
     assert nxt.roots.tolist() == [11, 12] and nxt.starts.tolist() == [8, 16]
     assert nxt.ctx_pos[0].tolist() == [5, 6, 7] + [0] * (B - 3)

@@ -170,6 +170,7 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
     """Device time of one AR decode step, one draft step and one verify step of each width, for
     requests with `context` cached tokens (fake requests; their pages are returned afterwards)."""
     from ddtree.engine.engine import DecodeInputs
+    from ddtree.engine.sampler import COLUMNS
     from ddtree.engine.sequence import Sequence
     from ddtree.spec.auto import AdaptiveSpeculator
     from ddtree.spec.draft import StepInputs
@@ -188,13 +189,15 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
         ids = torch.full((bs,), 7, device=dev)
         row = {"concurrency": bs, "context": context}
         row["ar_step_ms"] = time_graph(lambda i: runner.decode_logits(i.ids, i.block_tables, i.starts),
-                                       DecodeInputs(ids, starts, tables))
+                                       DecodeInputs(ids, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long,
+                                                                                     device=dev)))
         if eng.speculator is not None:
             dr = eng.speculator.drafter
             C = dr.block_size
             inp = StepInputs(ids, starts, tables, torch.zeros(bs, C, dr.feat_dim, dtype=llm.dtype, device=dev),
                              (starts[:, None] - C + torch.arange(C, device=dev)),
-                             torch.full((bs, C), dr.scratch_slot, device=dev))
+                             torch.full((bs, C), dr.scratch_slot, device=dev),
+                             torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev))
             row["draft_step_ms"] = time_graph(dr.logits, inp)
             if not isinstance(eng.speculator, AdaptiveSpeculator):  # a fixed budget: the whole step (draft, tree, verify,
                 # accept, K/V compaction), as the engine replays it
@@ -278,7 +281,7 @@ def main(args) -> int:
     env = environment(llm)
     rows_in = load_prompts(args.dataset, args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
-    params = SamplingParams(max_tokens=args.max_tokens)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
     budgets = parse_budgets(args.budget)
     modes = [("ar", "none", 0, 1)]
     if args.draft:
@@ -292,7 +295,8 @@ def main(args) -> int:
             batches = full_batches(prompts, c)
             r = run_mode(llm, batches, params, args.repeats)
             row = {**env, "mode": name, "budget": llm.budget, "topk": llm.topk, "concurrency": c,
-                   "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens, **r}
+                   "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
+                   "temperature": args.temperature, "top_p": args.top_p, **r}
             if name == "auto":  # the step costs measured at start-up that `auto` chose from
                 row["cost_table"] = llm.engine.speculator.policy.table.as_dict()
             results.append(row)

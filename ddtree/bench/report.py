@@ -34,6 +34,8 @@ def load_rows(paths: list[str]) -> tuple[list[dict], list[str]]:
                     continue
                 r["source"] = "serve" if r.get("bench") == "serve" else \
                     "in-process, continuous" if r.get("batching") == "continuous" else "in-process"
+                if r.get("temperature"):  # sampled rows compare among themselves (greedy rows carry 0 or none)
+                    r["source"] += f", T={r['temperature']:g}" + (f" top-p {r['top_p']:g}" if r.get("top_p", 1) < 1 else "")
                 r["file"] = path
                 key = (r["source"], r.get("dataset"), r.get("device"), r["mode"], str(r.get("budget")),
                        r.get("topk"), r.get("concurrency"))

@@ -177,7 +177,7 @@ async def bench(args) -> list[dict]:
 
         def body(r: dict) -> dict:
             return {"model": model, "messages": r["messages"], "max_tokens": args.max_tokens,
-                    "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
+                    "temperature": args.temperature, "top_p": args.top_p, "stream": True, "stream_options": {"include_usage": True},
                     **({"ignore_eos": True} if fixed else {})}
 
         env = environment()
@@ -206,7 +206,7 @@ async def bench(args) -> list[dict]:
                    "budget": (served or {}).get("budget"), "topk": (served or {}).get("topk"),
                    "concurrency": c, "dataset": args.dataset, "num_prompts": len(rows_in), "num_requests": len(ok),
                    "num_errors": len(results) - len(ok), "max_tokens": args.max_tokens,
-                   "output_len": args.output_len, "temperature": args.temperature,
+                   "output_len": args.output_len, "temperature": args.temperature, "top_p": args.top_p,
                    "output_tok_per_s": tokens / wall, "request_per_s": len(ok) / wall, "duration_s": wall,
                    "generated_tokens": tokens,
                    "mean_accept_length": d["ddtree_spec_acceptance_length_sum"] / hist_n if hist_n else None,

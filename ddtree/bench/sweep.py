@@ -39,7 +39,7 @@ def modes(args) -> list[tuple[str, str, int | str | None, int | None]]:
     out += [] if args.no_ar else [("ar", "none", 0, 1)]
     if not args.no_dflash:
         out.append(("dflash", "dflash", None, 1))
-    return out + [("ddtree", "ddtree", b, k) for b in args.budget for k in args.topk]
+    return out + [("ddtree", "ddtree", b, k) for b in args.budget for k in args.topk if not args.no_ddtree]
 
 
 def main(args) -> int:
@@ -59,7 +59,8 @@ def main(args) -> int:
     rows_in = sample_prompts(args.dataset, args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
     cats = [r["category"] for r in rows_in]
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, temperature=args.temperature,
+                            top_p=args.top_p)
     if args.warmup_pass:  # (the engine is still plain AR here: no mode's state learns from this pass)
         for c in args.concurrency:
             for batch in full_batches(prompts, c):
@@ -91,7 +92,8 @@ def main(args) -> int:
                # (at C=1 one request at a time either way: a --continuous run's rows all say so)
                "concurrency": c, "batching": "continuous" if args.continuous else "to completion",
                "interleaved": args.interleave, "dataset": args.dataset, "num_prompts": len(prompts),
-               "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, **r}
+               "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+               "top_p": args.top_p, **r}
         results.append(row)
         with open(args.out, "a") as f:  # row by row: a long grid that dies keeps what it measured
             f.write(json.dumps(row) + "\n")

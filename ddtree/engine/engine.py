@@ -15,7 +15,7 @@ from ddtree.engine.graphs import GraphPool
 from ddtree.engine.kv_cache import PageAllocator
 from ddtree.engine.readback import TokenReadback
 from ddtree.engine.runner import ModelRunner
-from ddtree.engine.sampler import RowSampler, sample
+from ddtree.engine.sampler import COLUMNS, SamplingRows, request_seed, sample, sampling_columns
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.sequence import Sequence
 from ddtree.models.dflash import DFlashDrafter
@@ -44,6 +44,7 @@ class DecodeInputs:
     ids: torch.Tensor  # [R] last token of each request
     starts: torch.Tensor  # [R] its position
     block_tables: torch.Tensor  # [R, P] page ids
+    draw: torch.Tensor  # [R, COLUMNS] sampling settings (engine/sampler.py `sampling_columns`)
 
 
 @dataclass(slots=True)
@@ -115,7 +116,8 @@ class LLMEngine:
                 graphs = GraphPool(partial(self._graph_decode, taps), engine_cfg.max_num_seqs,
                                    pad={"block_tables": self.runner.scratch_page}, widths={"block_tables": max_pages})
                 with torch.inference_mode():  # (padding rows: their K/V go to the scratch page)
-                    graphs.capture_all(lambda bs: DecodeInputs(zeros(bs), zeros(bs), scratch.expand(bs, 1)))
+                    graphs.capture_all(lambda bs: DecodeInputs(zeros(bs), zeros(bs), scratch.expand(bs, 1),
+                                                               zeros(bs)[:, None].expand(bs, COLUMNS)))
                 return graphs
             self.untapped_decode_graphs = self.decode_graphs = pool(None)
             if self.speculator is not None:
@@ -187,8 +189,7 @@ class LLMEngine:
         incremental = stream or bool(params.stop)
         seq = Sequence(list(prompt_ids), params,
                        IncrementalDetokenizer(self.tokenizer, prompt_ids) if incremental else None)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq.seed = request_seed(params)
         self.scheduler.add(seq)
         return seq
 
@@ -271,7 +272,11 @@ class LLMEngine:
         if not done:
             return []
         seqs = [chunks[i][0] for i in done]
-        tokens = sample(logits[done], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        # each draw at the position its token takes (one host->device copy for settings and positions)
+        cols = sampling_columns([s.params for s in seqs], [s.seed for s in seqs]) + [[len(s) for s in seqs]]
+        draw = torch.tensor(cols, dtype=torch.long).T.contiguous().to(self.device)
+        tokens = sample(logits[done], SamplingRows.unpack(draw[:, :COLUMNS]), draw[:, COLUMNS],
+                        self.runner.use_triton).tolist()
         for seq, tok in zip(seqs, tokens):
             self.commit(seq, [tok])
         return seqs
@@ -333,13 +338,14 @@ class LLMEngine:
         return logits[:len(chunks)].clone()  # a static output, overwritten by the next replay
 
     def _graph_decode(self, taps: list[int] | None, inp: "DecodeInputs"):
-        """logits [R, V], and with taps (auto) also the step's target features [R, K*D]."""
+        """The tokens drawn [R] (greedy and sampled rows alike, keyed by the position they take), and
+        with taps (auto) also the step's target features [R, K*D]."""
         logits, feats = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts, taps)
-        # The next step's inputs, written by this one: its greedy tokens (sampled rows are overwritten
-        # by the host's sampler before the next replay) one position further on.
-        inp.ids.copy_(logits.argmax(dim=-1))
+        tokens = sample(logits, SamplingRows.unpack(inp.draw), inp.starts + 1, self.runner.use_triton)
+        # The next step's inputs, written by this one: its tokens, one position further on.
+        inp.ids.copy_(tokens)
         inp.starts.add_(1)
-        return logits if feats is None else (logits, feats)
+        return tokens if feats is None else (tokens, feats)
 
     def _auto_ar_burst(self, seqs: list[Sequence], most: int) -> None:
         """AR steps chosen by auto (at most `most`): a graphed AR burst whose steps also read out their
@@ -378,22 +384,23 @@ class LLMEngine:
         its K/V land in pages it held, which nobody reuses before the next schedule). Returns the number
         of steps run and of tokens committed."""
         R, pool = len(seqs), pool or self.decode_graphs
-        rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
+        steps = min(self._burst_length(seqs), most or self.burst)
+        # Only the pages the burst writes and reads go in (auto's requests hold a speculative step's worth
+        # more); the graph's table pads the rest with the scratch page.
+        ps = self.runner.page_size
+        tables = [s.block_table[:(s.num_cached + steps - 1) // ps + 1] for s in seqs]
+        draw = sampling_columns([s.params for s in seqs], [s.seed for s in seqs])
+        rows = pack_rows(tables, [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw,
                          self.runner.scratch_page, self.device)
-        params = [s.params for s in seqs]
-        sampler = None if all(p.greedy for p in params) else \
-            RowSampler(params, [s.generator for s in seqs], self.device)  # built once for the burst
-        pending, steps = None, min(self._burst_length(seqs), most or self.burst)
+        pending = None
         kept, feats_buf = [0] * R, None  # (auto) rows committed per request, and the burst's feature rows
         for i in range(steps):
             if i == 0:
-                out = pool.run(DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2:]))
+                out = pool.run(DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2 + COLUMNS:], rows[:, 2:2 + COLUMNS]))
             else:  # the graph already wrote this step's inputs
                 out = pool.replay(R)
-            logits, feats = out if isinstance(out, tuple) else (out, None)
-            tokens = pool.static["ids"][:R]  # the greedy tokens, also the next step's inputs
-            if sampler is not None:
-                tokens.copy_(sampler(logits[:R]))
+            tokens, feats = out if isinstance(out, tuple) else (out, None)
+            tokens = tokens[:R]
             if feats is not None:  # a static output: kept before the next replay overwrites it
                 if feats_buf is None:
                     feats_buf = feats.new_empty(R, steps, feats.shape[-1])

@@ -147,15 +147,16 @@ class ModelRunner:
     @torch.inference_mode()
     def decode_logits(self, ids: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """AR decode, device ops only: one token per request at position `starts`. Returns [R, V] fp32."""
-        return self.decode_features(ids, block_tables, starts, None)[0]
+        return self.decode_features(ids, block_tables, starts, None)[0].float()
 
     def decode_features(self, ids: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor,
                         taps: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`decode_logits`, and the tapped layers' outputs [R, len(taps) * D] (None without taps)."""
+        """`decode_logits` in the model dtype (the sampler reads any), and the tapped layers' outputs
+        [R, len(taps) * D] (None without taps)."""
         batch = uniform_batch(block_tables, starts, 1, None, self.page_size, self.use_triton, self.heads_per_kv,
                               self.cfg.num_kv_heads)
         hidden, tapped = self.model(ids, starts, batch, taps)
-        return self.model.compute_logits(hidden).float(), torch.cat(tapped, dim=-1) if taps else None
+        return self.model.compute_logits(hidden), torch.cat(tapped, dim=-1) if taps else None
 
     def tables(self, seqs: list[Sequence]) -> torch.Tensor:
         """Page tables [R, P] on the device (unused entries: the scratch page)."""

@@ -1,101 +1,186 @@
-"""Token sampling with per-row parameters: greedy, temperature, top-k, top-p and per-request seeds.
+"""Sampling keyed by position: every draw is a function of (request seed, position, logits), on the device.
 
-Rows are independent: one batch can mix greedy and sampled requests with different settings.
-A seeded request draws from its own torch.Generator, so its output does not depend on what else
-is in the batch.
+A request's token at absolute position `pos` (its index in prompt + output) is
+
+    argmax over kept tokens v of  logits[v] + T * g(seed, pos, v)
+
+with g a Gumbel variate computed from a 64-bit hash of (seed, pos, v) (`gumbel`). For T > 0 this is
+an exact draw from softmax(logits / T) restricted to the kept set (the Gumbel-max trick); at T = 0 it
+is the argmax, so greedy and sampled rows share one computation and one CUDA graph. The kept set is
+every token whose logit reaches the row's threshold (`keep_threshold`): top-k first, then top-p of the
+top-k-renormalized distribution at temperature T.
+
+Because a draw never depends on how many draws came before, a seeded request commits the same tokens
+under AR, DFlash and DDTree (verification draws at each tree node's next position, spec/verify.py),
+alone or in any batch, and after preemption and recompute. Unseeded requests get a random seed at
+admission (`request_seed`).
+
+On the GPU the threshold and the noisy argmax are Triton kernels (ops/triton_sample.py) that never
+hold a [rows, vocab] noise tensor; the torch functions here are the reference (CPU, tests), which
+work through the vocabulary in column blocks for the same reason.
 """
 from __future__ import annotations
+
+import random
+import struct
+from dataclasses import dataclass
 
 import torch
 
 from ddtree.sampling_params import SamplingParams
 
+# splitmix64's constants: the golden-ratio increment and the finalizer's two multipliers.
+GOLDEN = 0x9E3779B97F4A7C15
+MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+VOCAB_STEP = 0xD1B54A32D192ED03  # spreads vocabulary indices over the 64-bit key space
+COLUMNS = 4  # a request's sampling settings as int64 columns: seed, temperature bits, top-p bits, top-k
+BLOCK_COLUMNS = 16384  # the torch reference's vocabulary block
 
-class RowSampler:
-    """One batch's sampling settings as device tensors, built once: a burst of decode steps samples the
-    same requests every step, and building these from host lists each step would mean host-to-device
-    copies that wait for the GPU, stalling the pipelined steps."""
 
-    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator | None], device,
-                 every_row: bool = False):
-        """`every_row`: filter greedy rows too (temperature 1), for `filter_logits`."""
-        self.rows = len(params)
-        sampled = [i for i, p in enumerate(params) if every_row or not p.greedy]
-        self.sampled = torch.tensor(sampled, dtype=torch.long, device=device) if sampled else None
-        if not sampled:
-            return
-        sp = [params[i] for i in sampled]
-        self.temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in sp], dtype=torch.float32,
-                                  device=device)
-        self.filtered = not all(p.top_k == 0 and p.top_p >= 1.0 for p in sp)
-        if self.filtered:  # top_k 0: no cap (the vocabulary's size is only known from the logits)
-            self.top_k = torch.tensor([p.top_k if p.top_k > 0 else 2**62 for p in sp], device=device)
-            self.top_p = torch.tensor([p.top_p for p in sp], dtype=torch.float32, device=device)
-        # rows (among the sampled) drawing from the global generator, and one group per seeded request
-        # (a speculative step has one row per tree node of that request)
-        unseeded = [j for j, i in enumerate(sampled) if generators[i] is None]
-        self.unseeded = self._pair(unseeded, sampled, device)
-        by_gen: dict[int, tuple[torch.Generator, list[int]]] = {}
-        for j, i in enumerate(sampled):
-            if generators[i] is not None:
-                by_gen.setdefault(id(generators[i]), (generators[i], []))[1].append(j)
-        self.seeded = [(gen, *self._pair(js, sampled, device)) for gen, js in by_gen.values()]
+def request_seed(params: SamplingParams) -> int:
+    """The request's seed as a signed 64-bit integer: its own, or a random one (unseeded requests)."""
+    seed = params.seed if params.seed is not None else random.getrandbits(64)
+    seed %= 2**64
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def sampling_columns(params: list[SamplingParams], seeds: list[int]) -> list[list[int]]:
+    """The batch's settings as `COLUMNS` host int columns (`SamplingRows.unpack` reads them on the
+    device), to travel in the same host->device copy as the step's other per-request integers."""
+    temps = [0.0 if p.greedy else p.temperature for p in params]
+    return [list(seeds), [_float_bits(t) for t in temps], [_float_bits(p.top_p) for p in params],
+            [p.top_k for p in params]]
+
+
+@dataclass(slots=True)
+class SamplingRows:
+    """Per-row sampling settings as device tensors (one row per request, or per tree node)."""
+    seed: torch.Tensor  # [M] int64
+    temperature: torch.Tensor  # [M] float32; 0 = greedy
+    top_p: torch.Tensor  # [M] float32; 1 = off
+    top_k: torch.Tensor  # [M] int64; 0 = off
 
     @staticmethod
-    def _pair(local: list[int], sampled: list[int], device):
-        """(indices among the sampled rows, the same rows in the batch) as device tensors, or None."""
-        if not local:
-            return None
-        return (torch.tensor(local, dtype=torch.long, device=device),
-                torch.tensor([sampled[j] for j in local], dtype=torch.long, device=device))
+    def unpack(cols: torch.Tensor) -> "SamplingRows":
+        """From `sampling_columns` as an int64 tensor [M, COLUMNS] (padding rows of zeros are greedy)."""
+        bits = cols[:, 1:3].to(torch.int32).contiguous().view(torch.float32)
+        return SamplingRows(cols[:, 0], bits[:, 0], bits[:, 1], cols[:, 3])
 
-    def filter(self, logits: torch.Tensor) -> torch.Tensor:
-        """The sampled rows' logits, temperature-scaled, outside each row's top-k / top-p set -inf."""
-        logits = logits.float() / self.temps[:, None]
-        if not self.filtered:
-            return logits
-        vocab = logits.shape[-1]
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= self.top_k.clamp(max=vocab)[:, None], float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)
-        # Keep a token if the mass strictly before it is < top_p (the first token is always kept).
-        mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill((mass_before >= self.top_p[:, None]) & (ranks > 0), float("-inf"))
-        return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    @staticmethod
+    def of(params: list[SamplingParams], seeds: list[int], device) -> "SamplingRows":
+        cols = torch.tensor(sampling_columns(params, seeds), dtype=torch.long).T.contiguous()
+        return SamplingRows.unpack(cols.to(device))
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """One token per row of `logits` [N, V] (N = the batch's rows); device ops only."""
-        assert logits.shape[0] == self.rows
-        tokens = logits.argmax(dim=-1)
-        if self.sampled is None:
-            return tokens
-        probs = self.filter(logits[self.sampled]).softmax(dim=-1)
-        if self.unseeded is not None:
-            local, rows = self.unseeded
-            tokens[rows] = torch.multinomial(probs[local], 1).squeeze(-1)
-        for gen, local, rows in self.seeded:
-            tokens[rows] = torch.multinomial(probs[local], 1, generator=gen).squeeze(-1)
+    def repeat(self, n: int) -> "SamplingRows":
+        """Each row n times in a row (a tree's nodes share their request's settings)."""
+        return SamplingRows(*(t.repeat_interleave(n, 0) for t in (self.seed, self.temperature, self.top_p,
+                                                                  self.top_k)))
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
+    """The token drawn at `positions` [M] for each row of `logits` [M, V]; device ops only."""
+    if use_triton:
+        from ddtree.ops.triton_sample import triton_sample
+        return triton_sample(logits, rows, positions)
+    return noisy_argmax(logits, rows.temperature, keep_threshold(logits, rows), rows.seed, positions)
+
+
+# ----------------------------------------------------------------------------- the hash (torch, int64)
+
+def _signed(c: int) -> int:
+    return c - 2**64 if c >= 2**63 else c
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 bit patterns (multiplication wraps mod 2^64)."""
+    x = x ^ _srl(x, 30)
+    x = x * _signed(MIX1)
+    x = x ^ _srl(x, 27)
+    x = x * _signed(MIX2)
+    return x ^ _srl(x, 31)
+
+
+def row_keys(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 64-bit key per (seed, position)."""
+    return _mix(seed + positions.long() * _signed(GOLDEN))
+
+
+def gumbel(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise [M, n] for row keys [M] and vocabulary indices [n]: the hash's top 24 bits as a
+    uniform u in (0, 1), then -log(-log u), in float32."""
+    h = _mix(keys[:, None] + columns[None, :].long() * _signed(VOCAB_STEP))
+    u = (_srl(h, 40).float() + 0.5) * 2.0**-24
+    return -torch.log(-torch.log(u))
+
+
+# ----------------------------------------------------------------------------- the reference
+
+def keep_threshold(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """The smallest logit each row keeps [M] (float32; -inf where nothing is cut: greedy rows and
+    rows without top-k or top-p). Top-k keeps the k largest logits; top-p then keeps the smallest
+    prefix, in descending order, of the top-k distribution at temperature T whose mass reaches p.
+    Ties at the threshold are all kept."""
+    M, V = logits.shape
+    thresh = torch.full((M,), float("-inf"), device=logits.device)
+    T, k, p = rows.temperature, rows.top_k, rows.top_p
+    active = (T > 0) & (((k > 0) & (k < V)) | (p < 1))
+    idx = active.nonzero().flatten()
+    if not idx.numel():
+        return thresh
+    sorted_logits = logits[idx].float().sort(dim=-1, descending=True).values
+    ranks = torch.arange(V, device=logits.device)[None, :]
+    k_cut = torch.where((k[idx] > 0) & (k[idx] < V), k[idx], V)
+    top = sorted_logits.masked_fill(ranks >= k_cut[:, None], float("-inf"))
+    probs = ((top - top[:, :1]) / T[idx, None]).exp()
+    cum = probs.cumsum(-1)
+    reach = cum >= p[idx, None] * cum[:, -1:]  # (cum[-1]: the top-k mass)
+    first = torch.where(reach.any(-1), reach.float().argmax(-1), k_cut - 1)  # the first rank that reaches p
+    last = torch.where(p[idx] < 1, torch.minimum(first, k_cut - 1), k_cut - 1)
+    thresh[idx] = sorted_logits.gather(1, last[:, None]).squeeze(1)
+    return thresh
+
+
+def noisy_argmax(logits: torch.Tensor, temperature: torch.Tensor, thresh: torch.Tensor, seed: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """argmax over tokens with logit >= thresh of logits + T * gumbel (the first index wins a tie, as
+    torch.argmax). Greedy rows take the plain argmax; sampled ones go through the vocabulary a block
+    of columns at a time."""
+    M, V = logits.shape
+    tokens = logits.argmax(dim=-1)
+    noisy = (temperature > 0).nonzero().flatten()
+    if not noisy.numel():
         return tokens
-
-
-def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature-scaled logits with everything outside each row's top-k / top-p set to -inf."""
-    return RowSampler(params, [None] * len(params), logits.device, every_row=True).filter(logits)
+    lg_rows, T, th = logits[noisy], temperature[noisy, None], thresh[noisy, None]
+    keys = row_keys(seed[noisy], positions[noisy])
+    best = torch.full((len(noisy),), float("-inf"), device=logits.device)
+    best_idx = torch.zeros(len(noisy), dtype=torch.long, device=logits.device)
+    for c0 in range(0, V, BLOCK_COLUMNS):
+        cols = torch.arange(c0, min(V, c0 + BLOCK_COLUMNS), device=logits.device)
+        lg = lg_rows[:, c0:c0 + len(cols)].float()
+        score = (lg + T * gumbel(keys, cols)).masked_fill(lg < th, float("-inf"))
+        val, i = score.max(dim=-1)
+        better = val > best
+        best = torch.where(better, val, best)
+        best_idx = torch.where(better, i + c0, best_idx)
+    tokens[noisy] = best_idx
+    return tokens
 
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The distribution each row samples from (one-hot at the argmax for greedy rows)."""
-    probs = filter_logits(logits, params).softmax(dim=-1)
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    if greedy.any():
-        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], onehot, probs)
-    return probs
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of `logits` [N, V]; row i uses params[i] and generators[i]."""
-    assert logits.shape[0] == len(params) == len(generators)
-    return RowSampler(params, generators, logits.device)(logits)
+    """The distribution each row draws from [M, V] (one-hot at the argmax for greedy rows)."""
+    rows = SamplingRows.of(params, [0] * len(params), logits.device)
+    kept = logits.float() >= keep_threshold(logits, rows)[:, None]
+    T = torch.where(rows.temperature > 0, rows.temperature, 1.0)
+    probs = (logits.float() / T[:, None]).masked_fill(~kept, float("-inf")).softmax(-1)
+    greedy = rows.temperature == 0
+    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], onehot, probs)

@@ -32,7 +32,7 @@ class Sequence:
     num_cached: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
     accept_lengths: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    seed: int = 0  # keys every draw with the token's position (engine/sampler.py)
     text: str = ""  # detokenized output, cut at a stop string
     # Speculative decoding: the drafter's context K/V cover positions [0, draft_len); target features
     # of positions [draft_len, num_cached) wait in pending_features until the next draft step: tensors

@@ -11,6 +11,7 @@ oracle in tests) and the Triton kernels in `triton_attention.py` (GPU, CUDA-grap
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
 import torch
@@ -73,10 +74,20 @@ def make_batch(block_tables: list[list[int]], prefix_lens: list[int], q_lens: li
 def pack_rows(block_tables: list[list[int]], columns: list[list[int]], pad_page: int,
               device: torch.device) -> torch.Tensor:
     """Per-request integer inputs in one host->device copy: [R, len(columns) + P] int64 rows, the
-    given columns first, then each page table padded with `pad_page` to the batch's widest."""
-    width = max(len(t) for t in block_tables)
-    rows = [[c[i] for c in columns] + t + [pad_page] * (width - len(t)) for i, t in enumerate(block_tables)]
-    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+    given columns first, then each page table padded with `pad_page` to the batch's widest. (Built as
+    one flat list read by `array`: `torch.tensor` of the nested rows took 2.6x as long, 0.28 vs 0.11 ms
+    for 128 rows of 22 on the CPU machine, on the host before every graphed burst.)"""
+    width = max(map(len, block_tables))
+    flat: list[int] = []
+    for *values, table in zip(*columns, block_tables):
+        flat += values
+        flat += table
+        if len(table) < width:
+            flat += [pad_page] * (width - len(table))
+    if not flat:  # (frombuffer refuses an empty buffer)
+        return torch.empty(len(block_tables), 0, dtype=torch.long, device=device)
+    packed = torch.frombuffer(array.array("q", flat), dtype=torch.long)
+    return packed.view(len(block_tables), len(columns) + width).to(device, non_blocking=True)
 
 
 def uniform_batch(block_tables: torch.Tensor, starts: torch.Tensor, width: int, mask: torch.Tensor | None,

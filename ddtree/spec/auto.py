@@ -15,7 +15,8 @@ from ddtree.ops.attention import pack_rows, page_slots
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import AdaptivePolicy, candidate_budgets
 from ddtree.spec.costs import STORE_ENTRY_ROWS, STORE_ROWS, CostTable, measure_costs, wall_ms
-from ddtree.spec.decode import SPEC_BURST, Speculator, StepOutputs, _argmax
+from ddtree.engine.sampler import COLUMNS, sampling_columns
+from ddtree.spec.decode import SPEC_BURST, Speculator, StepOutputs
 from ddtree.spec.draft import DraftRunner, StepInputs, gap_rows, gaps
 from ddtree.spec.tree import Candidates, candidates, cut_tree, expected_accepts
 
@@ -29,6 +30,7 @@ class RootInputs:
     roots: torch.Tensor  # [R]
     starts: torch.Tensor  # [R]
     block_tables: torch.Tensor  # [R, P]
+    draw: torch.Tensor  # [R, COLUMNS] sampling settings
 
 
 @dataclass(slots=True)
@@ -37,6 +39,7 @@ class TreeInputs:
     roots: torch.Tensor
     starts: torch.Tensor
     block_tables: torch.Tensor
+    draw: torch.Tensor
     score: torch.Tensor
     parent: torch.Tensor
     rank: torch.Tensor
@@ -81,7 +84,7 @@ class AdaptiveSpeculator(Speculator):
             pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None  # (CPU: tests)
             # The draft alone and auto's own AR step are graphed only to be timed for the cost table.
             self.draft_graphs = GraphPool(self._draft, max_batch, pad=pad, widths=widths, mempool=pool)
-            self.ar_graphs = GraphPool(partial(self._budget_step, 0, pred_fn=_argmax), max_batch,
+            self.ar_graphs = GraphPool(partial(self._budget_step, 0), max_batch,
                                        pad=pad, widths=widths, mempool=pool)
             for b in self.budgets[1:]:
                 self.step_graphs[b] = GraphPool(partial(self._whole_step, b), max_batch, pad=pad, widths=widths,
@@ -138,22 +141,22 @@ class AdaptiveSpeculator(Speculator):
         """A burst step of `budget` (device ops only): the packed rows gain E(b) of every budget, in
         fixed point so that one integer read-back carries them."""
         c, expected = self._draft(inp)
-        out = self._verify(inp, cut_tree(c, inp.roots, budget), _argmax)
+        out = self._verify(inp, cut_tree(c, inp.roots, budget))
         fixed = (expected * EXPECTED_SCALE).round().long()
         return StepOutputs(torch.cat([out.packed, fixed], dim=1), out.feats)
 
-    def _budget_step(self, budget: int, inp: RootInputs | TreeInputs, pred_fn) -> StepOutputs:
+    def _budget_step(self, budget: int, inp: RootInputs | TreeInputs) -> StepOutputs:
         """Verify the tree of `budget` nodes; device ops only. Budget 0: one AR step that also stores
         the root's target features in the drafter cache (its context)."""
         if budget:
-            return self._verify(inp, cut_tree(inp.candidates, inp.roots, budget), pred_fn)
+            return self._verify(inp, cut_tree(inp.candidates, inp.roots, budget))
         R = inp.roots.shape[0]
         ids = inp.roots[:, None]
         logits, feats = self.runner.verify(inp.block_tables, inp.starts, ids, torch.zeros_like(ids), None,
                                            self.drafter.layer_ids)
         slots = page_slots(inp.block_tables, inp.starts[:, None], self.runner.page_size).flatten()
         self.drafter.store_context(feats[:, 0], inp.starts, slots)
-        packed = torch.cat([torch.zeros_like(ids), pred_fn(logits).long(), ids], 1)
+        packed = torch.cat([torch.zeros_like(ids), self.target_draws(logits, inp, torch.zeros_like(ids)), ids], 1)
         return StepOutputs(packed.view(R, 3), feats)
 
     def tap_free_prefill(self, batch: int) -> bool:
@@ -220,11 +223,11 @@ class AdaptiveSpeculator(Speculator):
         """One eager AR step that stores its drafter context row itself (no CUDA graphs: the CPU)."""
         self._refeed_gaps(seqs)
         self.drafter.store_pending(seqs)  # AR steps append to the drafter cache: no gap before them
-        rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
+        draw = sampling_columns([s.params for s in seqs], [s.seed for s in seqs])
+        rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw,
                          self.runner.scratch_page, self.runner.device)
         t0 = time.perf_counter()
-        out = self._budget_step(0, RootInputs(rows[:, 0], rows[:, 1], rows[:, 2:]),
-                                lambda logits: self._sample(seqs, logits))
+        out = self._budget_step(0, RootInputs(rows[:, 0], rows[:, 1], rows[:, 2 + COLUMNS:], rows[:, 2:2 + COLUMNS]))
         self._commit(seqs, out, commit, 0)
         if self.timed and self.draft_graphs is None:  # timed as the table was (eager)
             self.policy.observe_time("ar", len(seqs), (time.perf_counter() - t0) * 1e3,
@@ -235,10 +238,14 @@ class AdaptiveSpeculator(Speculator):
         """Speculation (the engine asked `ar_steps` first): a graphed burst of the planned budget, or
         without graphs one step that drafts, chooses the budget on that draft, and verifies."""
         R = len(seqs)
-        if self.draft_graphs is not None and R <= self.draft_graphs.max_batch and all(s.params.greedy for s in seqs):
+        if self.draft_graphs is not None and R <= self.draft_graphs.max_batch:
             self._auto_burst(seqs, commit)
-            return
-        eager_pred = lambda logits: self._sample(seqs, logits)  # noqa: E731
+        else:
+            self._eager_step(seqs, commit)
+
+    def _eager_step(self, seqs: list[Sequence], commit) -> None:
+        """One step without graphs: draft, the budget chosen on this draft, verify."""
+        R = len(seqs)
         self._refeed_gaps(seqs)
         short = all(s.num_cached - s.draft_len <= self.ctx_rows for s in seqs)
         t0 = time.perf_counter()
@@ -247,10 +254,10 @@ class AdaptiveSpeculator(Speculator):
         expected = dict(zip(self.budgets[1:], expected[:R].sum(0).tolist()))  # read back mid-step to choose
         budget = self.policy.choose(R, expected)
         if budget == 0:  # (the draft consumed the pending rows: the AR step's row follows them)
-            out = self._budget_step(0, RootInputs(inp.roots, inp.starts, inp.block_tables), eager_pred)
+            out = self._budget_step(0, RootInputs(inp.roots, inp.starts, inp.block_tables, inp.draw))
         else:
-            out = self._budget_step(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, c.score, c.parent,
-                                                       c.rank, c.order, c.tokens), eager_pred)
+            out = self._budget_step(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, c.score,
+                                                       c.parent, c.rank, c.order, c.tokens))
         accepted = self._commit(seqs, out, commit, budget)
         if budget:
             self.policy.observe(budget, R, expected[budget], accepted)
@@ -327,12 +334,12 @@ class AdaptiveSpeculator(Speculator):
         included), "store": a switch's store of STORE_ROWS pending rows a request, kept as AR bursts
         keep them}."""
         inp = self.padding_inputs(bs, context, distinct)
-        root = RootInputs(inp.roots, inp.starts, inp.block_tables)
+        root = RootInputs(inp.roots, inp.starts, inp.block_tables, inp.draw)
         if self.draft_graphs is not None:
             steps = {"draft": partial(self.draft_graphs.run, inp), 0: partial(self.ar_graphs.run, root)}
             steps.update({b: partial(self.step_graphs[b].run, inp) for b in self.budgets[1:]})
         else:
-            steps = {"draft": partial(self._draft, inp), 0: partial(self._budget_step, 0, root, _argmax)}
+            steps = {"draft": partial(self._draft, inp), 0: partial(self._budget_step, 0, root)}
             steps.update({b: partial(self._whole_step, b, inp) for b in self.budgets[1:]})
         # (an entry per request and AR burst, as the engine's bursts leave them; rebuilding the lists is
         # timed too, ~0.3 ms at 512 requests on the CPU, against table stores of ~1 ms)

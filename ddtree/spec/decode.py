@@ -16,7 +16,7 @@ import torch
 from ddtree.engine.graphs import GraphPool
 from ddtree.engine.readback import TokenReadback
 from ddtree.engine.runner import ModelRunner
-from ddtree.engine.sampler import sample
+from ddtree.engine.sampler import COLUMNS, SamplingRows, sample
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import page_slots
 from ddtree.spec.adaptive import BURST_STEPS
@@ -104,25 +104,34 @@ class Speculator:
         slots = page_slots(tables, ctx_pos, ps) if distinct else \
             torch.full((bs, C), dr.scratch_slot, dtype=torch.long, device=dev)
         return StepInputs(torch.zeros_like(starts), starts, tables,
-                          torch.zeros(bs, C, dr.feat_dim, dtype=dr.dtype, device=dev), ctx_pos, slots)
+                          torch.zeros(bs, C, dr.feat_dim, dtype=dr.dtype, device=dev), ctx_pos, slots,
+                          torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev))
 
     @property
     def width(self) -> int:
         """Cache positions a step writes past num_cached: the verified tree or the drafter block."""
         return max(self.budget + 1, self.drafter.block_size)
 
-    def device_step(self, inp: StepInputs, pred_fn) -> StepOutputs:
-        """Draft, build the tree, verify it, accept, and compact the accepted K/V; device ops only.
-        `pred_fn(logits [R, N, V]) -> [R, N]` gives the target's token at every node."""
+    def device_step(self, inp: StepInputs) -> StepOutputs:
+        """Draft, build the tree, verify it, accept, and compact the accepted K/V; device ops only."""
         draft_logits = self.drafter.logits(inp)
         tree = build_tree(draft_logits, inp.roots, self.budget, self.topk)
-        return self._verify(inp, tree, pred_fn)
+        return self._verify(inp, tree)
 
-    def _verify(self, inp, tree: Tree, pred_fn) -> StepOutputs:
-        """Verify a tree, accept, compact; `inp` has the requests' roots, starts and block_tables."""
+    def target_draws(self, logits: torch.Tensor, inp, depth: torch.Tensor) -> torch.Tensor:
+        """The target's token at every node [R, N] from its logits [R, N, V]: the draw (or argmax) for
+        the node's next position, start + depth + 1, keyed as AR keys the token it draws there."""
+        R, N, V = logits.shape
+        rows = SamplingRows.unpack(inp.draw).repeat(N)
+        positions = (inp.starts[:, None] + depth + 1).flatten()
+        return sample(logits.reshape(R * N, V), rows, positions, self.runner.use_triton).view(R, N)
+
+    def _verify(self, inp, tree: Tree) -> StepOutputs:
+        """Verify a tree, accept, compact; `inp` has the requests' roots, starts, block_tables and
+        sampling settings."""
         logits, feats = self.runner.verify(inp.block_tables, inp.starts, tree.tokens, tree.depth, tree.mask,
                                            self.drafter.layer_ids)
-        acc = walk(tree, pred_fn(logits))
+        acc = walk(tree, self.target_draws(logits, inp, tree.depth))
         self._compact(inp, acc.length, acc.path)
         tokens = tree.tokens.gather(1, acc.path)
         path_feats = feats.gather(1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))
@@ -141,21 +150,23 @@ class Speculator:
                             page_slots(inp.block_tables, dst, ps).flatten())
 
     def _graph_step(self, inp: StepInputs) -> StepOutputs:
-        return self.device_step(inp, lambda logits: logits.argmax(dim=-1))
+        return self.device_step(inp)
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], commit) -> None:
         """`commit(seq, tokens) -> kept` appends tokens to a request, stopping at a stop condition."""
-        greedy = all(s.params.greedy for s in seqs)
-        if self.graphs is not None and greedy and len(seqs) <= self.graphs.max_batch:
+        if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             if any(s.num_cached - s.draft_len > self.drafter.block_size for s in seqs):
                 # context wider than the graph's (prefills store a prompt's themselves): the cache first
                 self.drafter.store_pending(seqs)
             self._burst(seqs, commit)
-            return
-        # eager: sampled requests (on the CPU: every step)
+        else:
+            self._eager_step(seqs, commit)
+
+    def _eager_step(self, seqs: list[Sequence], commit) -> None:
+        """One step without graphs (the CPU), or for a batch larger than the graphs'."""
         inp = self.drafter.prepare(seqs)
-        out = self.device_step(inp, lambda logits: self._sample(seqs, logits))
+        out = self.device_step(inp)
         self._commit(seqs, out, commit, self.budget)
 
     def _burst(self, seqs: list[Sequence], commit, graphs: GraphPool | None = None, budget: int | None = None,
@@ -195,7 +206,8 @@ class Speculator:
         valid = j[None, :] <= length[:, None]
         pos = torch.where(valid, inp.starts[:, None] + j, inp.starts[:, None])  # padding: a position in range
         slots = torch.where(valid, page_slots(inp.block_tables, pos, self.runner.page_size), self.drafter.scratch_slot)
-        return StepInputs(bonus, inp.starts + length + 1, inp.block_tables, feats, torch.where(valid, pos, 0), slots)
+        return StepInputs(bonus, inp.starts + length + 1, inp.block_tables, feats, torch.where(valid, pos, 0), slots,
+                          inp.draw)
 
     def _commit_burst_step(self, seqs: list[Sequence], pending, commit, budget: int) -> bool:
         """Commits one step of a burst to the requests still running; True if one finished. Each
@@ -247,14 +259,3 @@ class Speculator:
         self.stats.drafted += budget * len(seqs)
         self.stats.budget_hist[budget] += len(seqs)
         return accepted
-
-    @staticmethod
-    def _sample(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        R, N, V = logits.shape
-        params = [s.params for s in seqs for _ in range(N)]
-        gens = [s.generator for s in seqs for _ in range(N)]
-        return sample(logits.view(R * N, V), params, gens).view(R, N)
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)

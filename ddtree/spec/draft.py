@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.engine.sampler import COLUMNS, sampling_columns
 from ddtree.engine.sequence import Sequence
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
@@ -25,6 +26,7 @@ class StepInputs:
     ctx_feats: torch.Tensor  # [R, C, K*D] target features not yet in the drafter cache (padded)
     ctx_pos: torch.Tensor  # [R, C] their positions
     ctx_slots: torch.Tensor  # [R, C] their cache slots (padding: the scratch slot)
+    draw: torch.Tensor  # [R, COLUMNS] sampling settings (engine/sampler.py `sampling_columns`)
 
 
 def pending_count(seq: Sequence) -> int:
@@ -168,9 +170,11 @@ class DraftRunner:
         if pending is not None:
             feats[torch.tensor(rows, device=self.device)] = pending
         pos_slots = torch.tensor([pos, slots], dtype=torch.long).view(2, R, C).to(self.device)
-        req = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]],
+        draw = sampling_columns([s.params for s in seqs], [s.seed for s in seqs])
+        req = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw,
                         self.scratch_slot // self.page_size, self.device)
-        return StepInputs(req[:, 0], req[:, 1], req[:, 2:], feats.view(R, C, -1), pos_slots[0], pos_slots[1])
+        return StepInputs(req[:, 0], req[:, 1], req[:, 2 + COLUMNS:], feats.view(R, C, -1), pos_slots[0], pos_slots[1],
+                          req[:, 2:2 + COLUMNS])
 
     def store_pending(self, seqs: list[Sequence]) -> None:
         """Moves every request's pending target features into the drafter cache now, outside a draft
