@@ -103,7 +103,7 @@ def check_tree_kernels() -> dict:
 
 
 def check_sampler() -> dict:
-    from ddtree.engine.sampler import SamplingRows, sample
+    from ddtree.engine.sampler import draw_tensor, sample
     dev, V = torch.device("cuda"), 151936
     g = torch.Generator(device="cpu").manual_seed(0)
     kinds = {"greedy": SamplingParams(), "t1": SamplingParams(temperature=1.0),
@@ -114,7 +114,7 @@ def check_sampler() -> dict:
         logits = (torch.randn(M, V, generator=g) * 4).to(dev, torch.bfloat16)
         pos = torch.arange(M, device=dev) + 1000
         for name, p in kinds.items():
-            rows = SamplingRows.of([p] * M, list(range(M)), dev)
+            rows = draw_tensor([p] * M, list(range(M)), dev)
             got = sample(logits, rows, pos, use_triton=True)
             want = sample(logits, rows, pos, use_triton=False)
             mismatches += int((got != want).sum())

@@ -47,16 +47,27 @@ def prompts():
     return [list(range(5, 5 + n)) for n in (3, 17, 6, 11)]
 
 
+def params_of(max_tokens, sampled: bool = False) -> list[SamplingParams]:
+    """Greedy requests; or `sampled`: seeded ones at temperature 0.8, top-p 0.95 and top-k 50, the third
+    one greedy (a mixed batch)."""
+    if not sampled:
+        return [SamplingParams(max_tokens=m) for m in max_tokens]
+    return [SamplingParams(max_tokens=m) if i == 2 else
+            SamplingParams(max_tokens=m, temperature=0.8, top_p=0.95, top_k=50, seed=11 + i)
+            for i, m in enumerate(max_tokens)]
+
+
 @pytest.fixture(scope="module")
 def ar_out(pairs, prompts):
-    """ar_out(family, max_tokens) -> the AR engine's greedy outputs for `prompts` (memoized)."""
+    """ar_out(family, max_tokens, sampled) -> the AR engine's outputs for `prompts` with
+    `params_of(max_tokens, sampled)` (memoized)."""
     cache = {}
 
-    def get(family, max_tokens=tuple(MAX_TOKENS)):
-        if (family, max_tokens) not in cache:
+    def get(family, max_tokens=tuple(MAX_TOKENS), sampled=False):
+        if (family, max_tokens, sampled) not in cache:
             llm = LLM(pairs(family)[0], **ENGINE)
-            cache[family, max_tokens] = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
-        return cache[family, max_tokens]
+            cache[family, max_tokens, sampled] = llm.generate(prompts, params_of(max_tokens, sampled))
+        return cache[family, max_tokens, sampled]
 
     return get
 
@@ -128,8 +139,8 @@ class Scripted:
         assert kind in ("ar", "spec") and measured_ms > 0 and table_ms > 0
 
 
-def check_lossless(llm: LLM, prompts, ref, tokens_per_step_le: int = 8) -> list:
-    params = [SamplingParams(max_tokens=m) for m in MAX_TOKENS]
+def check_lossless(llm: LLM, prompts, ref, tokens_per_step_le: int = 8, sampled: bool = False) -> list:
+    params = params_of(MAX_TOKENS, sampled)
     outs, hist = [], {}
     for batch, ps in [([p], [q]) for p, q in zip(prompts, params)] + [(prompts, params)]:  # alone, then batched
         outs += llm.generate(batch, ps)
@@ -455,20 +466,23 @@ def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out,
     assert finished and not any(seq.pending_features for seq in finished)
 
 
-def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, ar_out, monkeypatch):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, ar_out, monkeypatch, sampled):
     # Verification priced cheap and an oracle drafter: the real policy plans budgets > 0, which run as
-    # pipelined bursts of whole-step graphs; the output is AR's exactly.
+    # pipelined bursts of whole-step graphs; the output is AR's exactly (sampled: seeded requests and a
+    # greedy one, the same graphs, seeded AR's tokens).
     import ddtree.spec.auto as auto
     import ddtree.spec.decode as decode
-    llm, ref = graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, table(lambda n, bs: 1.0 + 0.01 * n))
+    llm, ref = graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, table(lambda n, bs: 1.0 + 0.01 * n),
+                                           sampled)
     spec = llm.engine.speculator
     learned = []  # what whole bursts teach the policy: (budget, batch, tokens, ms, store ms, steps)
     spec.policy.observe_time, spec.policy.observe_burst = (lambda *a: None), (lambda *a: learned.append(a))
-    monkeypatch.setattr(spec, "_eager_step", lambda *a: pytest.fail("an eager step: greedy steps run graphed"))
+    monkeypatch.setattr(spec, "_eager_step", lambda *a: pytest.fail("an eager step: every step runs graphed"))
     steps = []
     burst = spec._burst
     monkeypatch.setattr(spec, "_burst", lambda *a, **k: (lambda n: steps.append(n) or n)(burst(*a, **k)))
-    outs, hist = check_lossless(llm, prompts, ref)
+    outs, hist = check_lossless(llm, prompts, ref, sampled=sampled)
     assert hist.get(0, 0) < sum(hist.values()) / 4, hist  # mostly speculating ...
     assert max(steps) > decode.SHORT_BURST and sum(steps) > 2 * len(steps), steps  # ... in pipelined bursts
     bursts = llm.last_stats["bursts"]  # (the last generate call: the four requests batched)
@@ -502,11 +516,11 @@ def test_graphed_auto_skips_the_drafter_context_where_speculation_is_hopeless(pa
     assert any(bs > 2 for bs, untapped in pools if untapped), pools
 
 
-def graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, cost: CostTable):
+def graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, cost: CostTable, sampled: bool = False):
     """An engine built as on a GPU (graphs emulated) in `auto` on `cost`, its drafter a noisy oracle of
-    AR's continuation; and AR's outputs (made before the graphs are faked)."""
+    AR's continuation (`params_of(..., sampled)`); and AR's outputs (made before the graphs are faked)."""
     family = "qwen2"
-    ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)
+    ref, longer = ar_out(family, sampled=sampled), ar_out(family, (max(MAX_TOKENS),) * 4, sampled)
     fake_gpu_graphs(monkeypatch)
     path, d = pairs(family)
     llm = LLM(path, draft=d, spec="none", max_num_seqs=4, **ENGINE)
@@ -537,23 +551,26 @@ def plant_by_position(llm: LLM, choose) -> None:
     spec.step, spec.drafter.logits = step, logits
 
 
-@pytest.mark.parametrize("budget,topk,min_tau,admitting", [(8, 4, 2.0, False), (7, 1, 1.5, False), (8, 4, 2.0, True)],
-                         ids=["ddtree", "dflash", "ddtree-admitting"])
+@pytest.mark.parametrize("budget,topk,min_tau,admitting,sampled",
+                         [(8, 4, 2.0, False, False), (7, 1, 1.5, False, False), (8, 4, 2.0, True, False),
+                          (8, 4, 2.0, False, True), (7, 1, 1.5, False, True)],
+                         ids=["ddtree", "dflash", "ddtree-admitting", "ddtree-sampled", "dflash-sampled"])
 def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out, monkeypatch, budget, topk,
-                                                             min_tau, admitting):
+                                                             min_tau, admitting, sampled):
     # Fixed-budget speculation on the graphed path: bursts of pipelined steps whose inputs (root, positions,
     # drafter context = the accepted path's features) are built on the device from the previous step,
-    # requests finishing mid-burst; the output is AR's exactly and no page leaks.
+    # requests finishing mid-burst; the output is AR's exactly and no page leaks. Sampled: seeded requests
+    # (and a greedy one) run the same graphs and commit exactly seeded AR's tokens.
     import ddtree.spec.decode as decode
     family = "qwen2"
-    ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)  # AR before graphs are faked
+    ref, longer = ar_out(family, sampled=sampled), ar_out(family, (max(MAX_TOKENS),) * 4, sampled)  # (before graphs are faked)
     fake_gpu_graphs(monkeypatch)
     path, d = pairs(family)
     llm = LLM(path, draft=d, spec="ddtree", budget=budget, topk=topk, **ENGINE)
     spec = llm.engine.speculator
     assert spec.graphs is not None and llm.engine.scheduler.decode_width > budget + 1
     assert set(spec.graphs.graphs) == set(spec.graphs.buckets)  # every bucket captured at start-up
-    monkeypatch.setattr(spec, "_eager_step", lambda *a: pytest.fail("an eager step: greedy steps run graphed, "
+    monkeypatch.setattr(spec, "_eager_step", lambda *a: pytest.fail("an eager step: every step runs graphed, "
                                                                      "a new prompt's context stored first"))
     prefills = []  # prefills replay graphs that also store the drafter's context
     real = llm.engine._prefill_graphed
@@ -568,7 +585,7 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
     # steps per burst: at most SPEC_BURST, or SHORT_BURST while a request waits for a slot
     if admitting:
         monkeypatch.setattr(llm.engine, "_admitting", lambda: True)
-    outs, hist = check_lossless(llm, prompts, ref)
+    outs, hist = check_lossless(llm, prompts, ref, sampled=sampled)
     assert calls["steps"] > (1 if admitting else 2) * calls["bursts"] > 0, calls
     assert calls["steps"] <= (decode.SHORT_BURST if admitting else decode.SPEC_BURST) * calls["bursts"], calls
     accepted = [a for o in outs for a in o.accept_lengths]

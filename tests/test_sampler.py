@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from ddtree.engine.sampler import SamplingRows, keep_threshold, row_keys, sample, target_probs
+from ddtree.engine.sampler import SamplingRows, draw_tensor, keep_threshold, row_keys, sample, target_probs
 from ddtree.sampling_params import SamplingParams
 
 # Probabilities 0.5, 0.3, 0.15, 0.05, stored out of order so the scatter back to vocab order is exercised.
@@ -16,13 +16,14 @@ def log_probs_row() -> torch.Tensor:
     return torch.tensor([[math.log(p) for p in PROBS]])
 
 
-def rows_of(params: list[SamplingParams], seeds: list[int] | None = None) -> SamplingRows:
-    return SamplingRows.of(params, seeds or [0] * len(params), "cpu")
+def rows_of(params: list[SamplingParams], seeds: list[int] | None = None) -> torch.Tensor:
+    """The requests' settings as `sample` reads them."""
+    return draw_tensor(params, seeds or [0] * len(params), "cpu")
 
 
 def kept(logits: torch.Tensor, params: list[SamplingParams]) -> list[set[int]]:
     """The tokens each row can draw."""
-    keep = logits >= keep_threshold(logits, rows_of(params))[:, None]
+    keep = logits >= keep_threshold(logits, SamplingRows.unpack(rows_of(params)))[:, None]
     return [set(row.nonzero().flatten().tolist()) for row in keep]
 
 
@@ -167,7 +168,7 @@ def test_triton_draws_equal_the_torch_reference(dtype):
     logits[1, V - 3] = 30.0  # a clear winner in the partial last tile
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for trial in range(3):
-        rows = SamplingRows.of(params, [1000 * trial + i for i in range(len(params))], device)
+        rows = draw_tensor(params, [1000 * trial + i for i in range(len(params))], device)
         positions = torch.arange(len(params), device=device) + 50 * trial
         want = sample(logits.to(device), rows, positions, use_triton=False)
         got = sample(logits.to(device), rows, positions, use_triton=True)

@@ -435,6 +435,40 @@ def test_greedy_request_among_sampled_ones_keeps_its_ar_output(tiny, drafter, ar
     assert_idle(llm)
 
 
+def sampled_params(max_tokens=MAX_TOKENS) -> list[SamplingParams]:
+    """Seeded requests at temperature 0.8 with top-p 0.95 and a top-k, the third one greedy (a mixed batch)."""
+    return [SamplingParams(max_tokens=m) if i == 2 else
+            SamplingParams(max_tokens=m, temperature=0.8, top_p=0.95, top_k=40, seed=100 + i)
+            for i, m in enumerate(max_tokens)]
+
+
+SAMPLED_CASES = [("qwen3", 8, "dflash", None, None), ("qwen3", 8, "ddtree", 4, 2), ("qwen3", 8, "ddtree", 16, 4),
+                 ("qwen2", 16, "ddtree", 32, 8), ("llama", 8, "ddtree", 7, 1)]
+
+
+@pytest.mark.parametrize("drafter_kind", ["oracle", "noisy"])
+@pytest.mark.parametrize("case", SAMPLED_CASES, ids=case_id)
+def test_seeded_sampled_output_equals_seeded_ar_alone_and_batched(case, drafter_kind, tiny, drafter, ar, prompts):
+    # Every draw is keyed by (seed, position): the target's draw at each tree node is the one AR makes at
+    # that position, so a seeded request commits seeded AR's tokens exactly, whatever was drafted. The
+    # drafter proposes seeded AR's own continuation (oracle: always; noisy: at ranks 0-2 or not at all).
+    family, block, spec, budget, topk = case
+    params = sampled_params()
+    ref = ar(family, prompts, params)
+    full = continuation(prompts, ar(family, prompts, sampled_params([LONGEST] * 4)))
+    llm = spec_llm(tiny(family), drafter(family, block), spec, budget, topk)
+    plant(llm, oracle(full) if drafter_kind == "oracle" else noisy_oracle(full))
+    alone = [llm.generate([p], q)[0] for p, q in zip(prompts, params)]
+    batched = llm.generate(prompts, params)
+    for r, a, b in zip(ref, alone, batched):
+        assert a.token_ids == r.token_ids and b.token_ids == r.token_ids
+        assert a.finish_reason == b.finish_reason == r.finish_reason
+    assert len({tuple(r.token_ids[:8]) for r in ref}) == len(ref)  # (the seeds really sample)
+    accepts = [n for o in alone + batched for n in o.accept_lengths]
+    assert sum(accepts) / len(accepts) >= (2.0 if drafter_kind == "oracle" else 1.2), accepts
+    assert_idle(llm)
+
+
 def test_budget_zero_ddtree_is_plain_ar(tiny, drafter, ar, prompts):
     params = greedy_params()
     llm = spec_llm(tiny("llama"), drafter("llama", 8), "ddtree", 0, 4)

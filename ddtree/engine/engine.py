@@ -15,7 +15,7 @@ from ddtree.engine.graphs import GraphPool
 from ddtree.engine.kv_cache import PageAllocator
 from ddtree.engine.readback import TokenReadback
 from ddtree.engine.runner import ModelRunner
-from ddtree.engine.sampler import COLUMNS, SamplingRows, request_seed, sample, sampling_columns
+from ddtree.engine.sampler import COLUMNS, request_seed, sample, sampling_columns
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.sequence import Sequence
 from ddtree.models.dflash import DFlashDrafter
@@ -275,7 +275,7 @@ class LLMEngine:
         # each draw at the position its token takes (one host->device copy for settings and positions)
         cols = sampling_columns([s.params for s in seqs], [s.seed for s in seqs]) + [[len(s) for s in seqs]]
         draw = torch.tensor(cols, dtype=torch.long).T.contiguous().to(self.device)
-        tokens = sample(logits[done], SamplingRows.unpack(draw[:, :COLUMNS]), draw[:, COLUMNS],
+        tokens = sample(logits[done], draw[:, :COLUMNS], draw[:, COLUMNS],
                         self.runner.use_triton).tolist()
         for seq, tok in zip(seqs, tokens):
             self.commit(seq, [tok])
@@ -341,7 +341,7 @@ class LLMEngine:
         """The tokens drawn [R] (greedy and sampled rows alike, keyed by the position they take), and
         with taps (auto) also the step's target features [R, K*D]."""
         logits, feats = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts, taps)
-        tokens = sample(logits, SamplingRows.unpack(inp.draw), inp.starts + 1, self.runner.use_triton)
+        tokens = sample(logits, inp.draw, inp.starts + 1, self.runner.use_triton)
         # The next step's inputs, written by this one: its tokens, one position further on.
         inp.ids.copy_(tokens)
         inp.starts.add_(1)

@@ -70,22 +70,26 @@ class SamplingRows:
         bits = cols[:, 1:3].to(torch.int32).contiguous().view(torch.float32)
         return SamplingRows(cols[:, 0], bits[:, 0], bits[:, 1], cols[:, 3])
 
-    @staticmethod
-    def of(params: list[SamplingParams], seeds: list[int], device) -> "SamplingRows":
-        cols = torch.tensor(sampling_columns(params, seeds), dtype=torch.long).T.contiguous()
-        return SamplingRows.unpack(cols.to(device))
-
     def repeat(self, n: int) -> "SamplingRows":
         """Each row n times in a row (a tree's nodes share their request's settings)."""
         return SamplingRows(*(t.repeat_interleave(n, 0) for t in (self.seed, self.temperature, self.top_p,
                                                                   self.top_k)))
 
 
-def sample(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
-    """The token drawn at `positions` [M] for each row of `logits` [M, V]; device ops only."""
+def draw_tensor(params: list[SamplingParams], seeds: list[int], device) -> torch.Tensor:
+    """`sampling_columns` as an int64 device tensor [R, COLUMNS] (what `sample` reads)."""
+    return torch.tensor(sampling_columns(params, seeds), dtype=torch.long).T.contiguous().to(device)
+
+
+def sample(logits: torch.Tensor, draw: torch.Tensor, positions: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
+    """The token drawn at `positions` [M] for each row of `logits` [M, V]; device ops only. `draw`
+    [R, COLUMNS] holds the settings of R requests whose rows come in M / R consecutive rows each (a
+    tree's nodes)."""
+    assert logits.shape[0] % draw.shape[0] == 0
     if use_triton:
         from ddtree.ops.triton_sample import triton_sample
-        return triton_sample(logits, rows, positions)
+        return triton_sample(logits, draw, positions)
+    rows = SamplingRows.unpack(draw).repeat(logits.shape[0] // draw.shape[0])
     return noisy_argmax(logits, rows.temperature, keep_threshold(logits, rows), rows.seed, positions)
 
 
@@ -177,7 +181,7 @@ def noisy_argmax(logits: torch.Tensor, temperature: torch.Tensor, thresh: torch.
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution each row draws from [M, V] (one-hot at the argmax for greedy rows)."""
-    rows = SamplingRows.of(params, [0] * len(params), logits.device)
+    rows = SamplingRows.unpack(draw_tensor(params, [0] * len(params), logits.device))
     kept = logits.float() >= keep_threshold(logits, rows)[:, None]
     T = torch.where(rows.temperature > 0, rows.temperature, 1.0)
     probs = (logits.float() / T[:, None]).masked_fill(~kept, float("-inf")).softmax(-1)

@@ -1,19 +1,20 @@
 """Keyed Gumbel-max sampling on the GPU (engine/sampler.py defines the draw; this is its kernel).
 
-Two kernels, both CUDA-graph friendly and neither holding a [rows, vocab] noise tensor:
+Two kernels, both CUDA-graph friendly and neither holding a [rows, vocab] noise tensor. Each reads a
+row's settings from the request's `draw` row (seed, temperature and top-p as float bits, top-k); a
+request's tree nodes are consecutive rows.
 
 1. `_tile_kernel`, one program per (row, tile of TILE tokens): the tile's best noisy score
-   logits + T * gumbel(seed, pos, v) and its index, and the tile's max logit and sum of
-   exp((logit - max) / T) (the row's softmax mass, for top-p). A row's draw without top-k or top-p
-   is the best of its tiles, picked in torch.
-2. `_filter_kernel`, one program per row, for rows with top-k or top-p (others return at once): the
-   drawn token y is kept when fewer than k tokens have a larger logit and their mass is below p of
-   the (top-k) total. Otherwise no token with a logit <= y's is kept, so the draw is taken again
-   over the larger logits only, until it is kept. The best noisy token among the kept ones is the
-   draw of the filtered distribution, the set the reference's sort-based threshold keeps. A draw
-   from outside the nucleus has probability about 1 - p, so most rows pass the first check.
-   With both top-k and top-p, the top-k mass needs the k-th largest logit: found by bisection on
-   the logits' ordered bit patterns.
+   logits + T * gumbel(seed, pos, v) and its index; for rows with top-k or top-p also the tile's max
+   logit and sum of exp((logit - max) / T) (the row's softmax mass).
+2. `_row_kernel`, one program per row: the best of the row's tiles is the draw. Rows with top-k or
+   top-p then check it: the drawn token y is kept when fewer than k tokens have a larger logit and
+   their mass is below p of the (top-k) total. Otherwise no token with a logit <= y's is kept, so
+   the draw is taken again over the larger logits only, until it is kept. The best noisy token among
+   the kept ones is the draw of the filtered distribution, the set the reference's sort-based
+   threshold keeps. A draw from outside the nucleus has probability about 1 - p, so most rows pass
+   the first check. With both top-k and top-p the top-k mass needs the k-th largest logit: found by
+   bisection on the logits' ordered bit patterns.
 """
 from __future__ import annotations
 
@@ -49,30 +50,34 @@ def _noisy(x, key, cols, T):
 
 
 @triton.jit
-def _tile_kernel(X, stride_x, V, Temp, TopP, TopK, Seed, Pos, BestVal, BestIdx, TileMax, TileSum,
-                 BLOCK: tl.constexpr):
+def _settings(Draw, row, nodes):
+    """(seed, temperature, top_p, top_k) of the request that row belongs to."""
+    d = Draw + (row // nodes) * 4
+    seed = tl.load(d)
+    T = tl.load(d + 1).to(tl.int32).to(tl.float32, bitcast=True)
+    p = tl.load(d + 2).to(tl.int32).to(tl.float32, bitcast=True)
+    k = tl.load(d + 3)
+    return seed, T, p, k
+
+
+@triton.jit
+def _tile_kernel(X, stride_x, V, Draw, nodes, Pos, BestVal, BestIdx, TileMax, TileSum, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     tile = tl.program_id(1)
     out = row * tl.num_programs(1) + tile
     cols = tile * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    T = tl.load(Temp + row)
+    seed, T, p, k = _settings(Draw, row, nodes)
     score = x
     if T > 0:
-        score = _noisy(x, _row_key(tl.load(Seed + row), tl.load(Pos + row)), cols, T)
-        score = tl.where(cols < V, score, float("-inf"))
+        score = tl.where(cols < V, _noisy(x, _row_key(seed, tl.load(Pos + row)), cols, T), float("-inf"))
     best = tl.max(score, 0)
-    at = tl.min(tl.where(score == best, cols, 2147483647), 0)  # (a tie: the lower index)
     tl.store(BestVal + out, best)
-    tl.store(BestIdx + out, at)
-    k = tl.load(TopK + row)
-    if (T > 0) & ((tl.load(TopP + row) < 1.0) | ((k > 0) & (k < V))):  # (the mass: filtered rows only)
+    tl.store(BestIdx + out, tl.min(tl.where(score == best, cols, 2147483647), 0))  # (a tie: the lower index)
+    if (T > 0) & ((p < 1.0) | ((k > 0) & (k < V))):  # the mass: filtered rows only
         m = tl.max(x, 0)
         tl.store(TileMax + out, m)
         tl.store(TileSum + out, tl.sum(tl.exp((x - tl.where(m == float("-inf"), 0.0, m)) / T), 0))
-    else:
-        tl.store(TileMax + out, 0.0)
-        tl.store(TileSum + out, 0.0)
 
 
 @triton.jit
@@ -83,21 +88,28 @@ def _key(x):
 
 
 @triton.jit
-def _filter_kernel(X, stride_x, V, Temp, TopP, TopK, Seed, Pos, RowMax, RowSum, Token, BLOCK: tl.constexpr):
+def _row_kernel(X, stride_x, V, Draw, nodes, Pos, BestVal, BestIdx, TileMax, TileSum, tiles, Token,
+                TILES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    T = tl.load(Temp + row)
-    p = tl.load(TopP + row)
-    k = tl.load(TopK + row)
+    t = tl.arange(0, TILES)
+    alive = t < tiles
+    vals = tl.load(BestVal + row * tiles + t, mask=alive, other=float("-inf"))
+    best = tl.max(vals, 0)
+    first = tl.min(tl.where(alive & (vals == best), t, TILES), 0)  # (a tie: the lower tile)
+    y = tl.load(BestIdx + row * tiles + first)
+    seed, T, p, k = _settings(Draw, row, nodes)
     use_k = (k > 0) & (k < V)
     use_p = p < 1.0
     if (T > 0) & (use_k | use_p):
         base = X + row.to(tl.int64) * stride_x
-        m = tl.load(RowMax + row)
-        total = tl.load(RowSum + row)
+        tmax = tl.load(TileMax + row * tiles + t, mask=alive, other=float("-inf"))
+        m = tl.max(tmax, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.sum(tl.load(TileSum + row * tiles + t, mask=alive, other=0.0) * tl.exp((tmax - m) / T), 0)
         offs = tl.arange(0, BLOCK)
         if use_k & use_p:  # the top-k mass: the k-th largest logit by bisection on ordered bit patterns
             lo = _key(m).to(tl.int64) * 0 - 2147483648  # every logit's key is >= lo
-            hi = _key(m).to(tl.int64)
+            hi = _key(tl.max(tmax, 0)).to(tl.int64)
             for _ in range(33):
                 mid = lo + (hi - lo + 1) // 2
                 count = 0
@@ -113,8 +125,7 @@ def _filter_kernel(X, stride_x, V, Temp, TopP, TopK, Seed, Pos, RowMax, RowSum, 
                 cols = c0 + offs
                 x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
                 total += tl.sum(tl.where(_key(x).to(tl.int64) >= lo, tl.exp((x - m) / T), 0.0), 0)
-        key = _row_key(tl.load(Seed + row), tl.load(Pos + row))
-        y = tl.load(Token + row)
+        key = _row_key(seed, tl.load(Pos + row))
         ly = tl.load(base + y).to(tl.float32)
         kept = 0
         while kept == 0:
@@ -140,30 +151,24 @@ def _filter_kernel(X, stride_x, V, Temp, TopP, TopK, Seed, Pos, RowMax, RowSum, 
                     y = tl.where(better, bat, y)
                     best = tl.where(better, bmax, best)
                 ly = tl.load(base + y).to(tl.float32)
-        tl.store(Token + row, y)
+    tl.store(Token + row, y.to(tl.int64))
 
 
-def triton_sample(logits: torch.Tensor, rows, positions: torch.Tensor) -> torch.Tensor:
-    """`sampler.sample` on the GPU: logits [M, V] (any float dtype, unit stride in V)."""
+def triton_sample(logits: torch.Tensor, draw: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`sampler.sample` on the GPU: logits [M, V] (any float dtype, unit stride in V), `draw` [R, 4]
+    int64, positions [M]."""
     M, V = logits.shape
-    assert logits.stride(1) == 1
-    tiles = triton.cdiv(V, TILE)
-    dev = logits.device
+    assert logits.stride(1) == 1 and draw.dtype == torch.long
+    tiles, dev = triton.cdiv(V, TILE), logits.device
     best_val = torch.empty(M, tiles, dtype=torch.float32, device=dev)
     best_idx = torch.empty(M, tiles, dtype=torch.int32, device=dev)
     tile_max = torch.empty(M, tiles, dtype=torch.float32, device=dev)
     tile_sum = torch.empty(M, tiles, dtype=torch.float32, device=dev)
-    temp = rows.temperature.float().contiguous()
-    seed, pos = rows.seed.contiguous(), positions.long().contiguous()
-    top_p, top_k = rows.top_p.float().contiguous(), rows.top_k.contiguous()
-    _tile_kernel[(M, tiles)](logits, logits.stride(0), V, temp, top_p, top_k, seed, pos, best_val, best_idx,
-                             tile_max, tile_sum, BLOCK=TILE)
-    token = best_idx.gather(1, best_val.argmax(dim=1, keepdim=True)).squeeze(1)
-    row_max = tile_max.max(dim=1).values
-    scale = torch.where(temp > 0, temp, 1.0)
-    safe = torch.where(row_max == float("-inf"), 0.0, row_max)
-    row_sum = (tile_sum * ((tile_max - safe[:, None]) / scale[:, None]).exp()).sum(1)
-    token = token.contiguous()
-    _filter_kernel[(M,)](logits, logits.stride(0), V, temp, top_p, top_k, seed, pos, safe.contiguous(),
-                         row_sum.contiguous(), token, BLOCK=BLOCK)
-    return token.long()
+    draw, pos = draw.contiguous(), positions.long().contiguous()
+    nodes = M // draw.shape[0]
+    token = torch.empty(M, dtype=torch.long, device=dev)
+    _tile_kernel[(M, tiles)](logits, logits.stride(0), V, draw, nodes, pos, best_val, best_idx, tile_max, tile_sum,
+                             BLOCK=TILE)
+    _row_kernel[(M,)](logits, logits.stride(0), V, draw, nodes, pos, best_val, best_idx, tile_max, tile_sum, tiles,
+                      token, TILES=max(16, triton.next_power_of_2(tiles)), BLOCK=BLOCK)
+    return token

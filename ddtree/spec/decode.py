@@ -16,7 +16,7 @@ import torch
 from ddtree.engine.graphs import GraphPool
 from ddtree.engine.readback import TokenReadback
 from ddtree.engine.runner import ModelRunner
-from ddtree.engine.sampler import COLUMNS, SamplingRows, sample
+from ddtree.engine.sampler import COLUMNS, sample
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import page_slots
 from ddtree.spec.adaptive import BURST_STEPS
@@ -122,9 +122,8 @@ class Speculator:
         """The target's token at every node [R, N] from its logits [R, N, V]: the draw (or argmax) for
         the node's next position, start + depth + 1, keyed as AR keys the token it draws there."""
         R, N, V = logits.shape
-        rows = SamplingRows.unpack(inp.draw).repeat(N)
         positions = (inp.starts[:, None] + depth + 1).flatten()
-        return sample(logits.reshape(R * N, V), rows, positions, self.runner.use_triton).view(R, N)
+        return sample(logits.reshape(R * N, V), inp.draw, positions, self.runner.use_triton).view(R, N)
 
     def _verify(self, inp, tree: Tree) -> StepOutputs:
         """Verify a tree, accept, compact; `inp` has the requests' roots, starts, block_tables and

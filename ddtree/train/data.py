@@ -121,9 +121,8 @@ def generate_dataset(target: str, prompts: Iterable[str], out: str | None = None
 
     Greedy by default: the drafter learns to predict the target's own greedy continuation, which is
     exactly what greedy verification accepts (and what sampled verification accepts most often, since
-    the drafts are the drafter's argmax). `temperature` > 0 samples instead, from the global generator
-    seeded with `seed` (no generator per request: at hundreds of requests per step, one sampling call
-    each): other answers to prompts already answered greedily, new contexts where the prompts run out
+    the drafts are the drafter's argmax). `temperature` > 0 samples instead, prompt i with the seed
+    `seed` * 2^32 + i (the same answers again from the same seed): other answers to prompts already answered greedily, new contexts where the prompts run out
     (the default drafter had used every ShareGPT prompt it may by run 6); training labels them with
     the target's argmax (`train-drafter --labels target`), not the draws. An `out` ending in .npz is
     written packed (`pack_dataset`, no metadata)."""
@@ -136,16 +135,18 @@ def generate_dataset(target: str, prompts: Iterable[str], out: str | None = None
         raise ValueError(f"{target} has no tokenizer: cannot chat-format prompts")
     convs = [[{"role": "user", "content": p}] for p in prompts]
     convs = [c for c in convs if len(llm.encode_chat(c)) <= max_prompt_tokens]
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos)
-    if temperature > 0:
-        torch.manual_seed(seed)
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos,
+                              seed=(seed * 2**32 + i) % 2**64 if temperature > 0 else None)
+
     records: list[dict] = []
     t0 = time.perf_counter()
     for i in range(0, len(convs), batch_size):
         if time_limit_s is not None and i and time.perf_counter() - t0 > time_limit_s:
             print(f"[data: time limit reached after {i} of {len(convs)} prompts]")
             break
-        for res in llm.chat(convs[i:i + batch_size], params, use_tqdm=True):
+        batch = convs[i:i + batch_size]
+        for res in llm.chat(batch, [params(i + j) for j in range(len(batch))], use_tqdm=True):
             ids = list(res.prompt_token_ids) + list(res.token_ids)
             mask = torch.zeros(len(ids), dtype=torch.bool)
             mask[len(res.prompt_token_ids):] = True
