@@ -15,12 +15,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=None, help="DDTree per-depth top-k cap")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--coupled-drafts", action="store_true",
+                   help="sampled requests: the drafter ranks candidates with the noise of the target's draw (same output)")
 
 
 def llm_from_args(args):
     from ddtree import LLM
     return LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
-               device=args.device, dtype=args.dtype)
+               device=args.device, dtype=args.dtype, coupled_drafts=args.coupled_drafts)
 
 
 def cmd_generate(args) -> int:
@@ -240,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--topk", type=int_list, default=[4], help="DDTree top-k caps, e.g. 2,4")
     lat.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     lat.add_argument("--top-p", type=float, default=1.0)
+    lat.add_argument("--coupled-drafts", action="store_true",
+                     help="sampled requests: the drafter ranks candidates with the noise of the target's draw (same output)")
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--num-pages", type=int, default=None)
     lat.add_argument("--step-times", action="store_true", help="also time AR / draft / verify steps")
@@ -275,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--topk", type=int_list, default=[1, 2, 4, 8], help="DDTree top-k caps")
     sw.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     sw.add_argument("--top-p", type=float, default=1.0)
+    sw.add_argument("--coupled-drafts", action="store_true",
+                    help="sampled requests: the drafter ranks candidates with the noise of the target's draw (same output)")
     sw.add_argument("--no-ar", action="store_true", help="skip the AR rows")
     sw.add_argument("--no-dflash", action="store_true", help="skip the DFlash (linear) rows")
     sw.add_argument("--no-ddtree", action="store_true", help="skip the fixed-budget DDTree rows")

@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from ddtree.engine.sampler import SamplingRows, draw_tensor, keep_threshold, row_keys, sample, target_probs
+from ddtree.engine.sampler import (SamplingRows, draw_tensor, keep_threshold, perturb, row_keys, sample,
+                                   target_probs)
 from ddtree.sampling_params import SamplingParams
 
 # Probabilities 0.5, 0.3, 0.15, 0.05, stored out of order so the scatter back to vocab order is exercised.
@@ -173,6 +174,12 @@ def test_triton_draws_equal_the_torch_reference(dtype):
         want = sample(logits.to(device), rows, positions, use_triton=False)
         got = sample(logits.to(device), rows, positions, use_triton=True)
         assert got.tolist() == want.tolist()
+        coupled = [logits.to(device).clone() for _ in range(2)]
+        perturb(coupled[0], rows, positions, use_triton=False)
+        perturb(coupled[1], rows, positions, use_triton=True)
+        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)  # (a bf16 ulp)
+        torch.testing.assert_close(coupled[1], coupled[0], **tol)  # (log: not bit-exact across)
+        assert torch.equal(coupled[1][0], logits[0].to(device))  # greedy rows stay as they are
 
 
 @pytest.mark.parametrize("kwargs, field", [

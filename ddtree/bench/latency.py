@@ -277,6 +277,7 @@ def main(args) -> int:
     if args.draft is None and is_default_model(args.model):
         args.draft = default_draft()  # the default pair
     llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
+              coupled_drafts=args.coupled_drafts,
               max_num_seqs=max(args.concurrency), num_pages=args.num_pages)
     env = environment(llm)
     rows_in = load_prompts(args.dataset, args.num_prompts)
@@ -296,7 +297,7 @@ def main(args) -> int:
             r = run_mode(llm, batches, params, args.repeats)
             row = {**env, "mode": name, "budget": llm.budget, "topk": llm.topk, "concurrency": c,
                    "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
-                   "temperature": args.temperature, "top_p": args.top_p, **r}
+                   "temperature": args.temperature, "top_p": args.top_p, "coupled_drafts": args.coupled_drafts, **r}
             if name == "auto":  # the step costs measured at start-up that `auto` chose from
                 row["cost_table"] = llm.engine.speculator.policy.table.as_dict()
             results.append(row)

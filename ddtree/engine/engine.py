@@ -95,10 +95,11 @@ class LLMEngine:
                                        self.runner.scratch_page * engine_cfg.page_size, self.runner.use_triton)
             if auto:
                 self.speculator = AdaptiveSpeculator(self.runner, draft_runner, topk, self.use_graphs,
-                                                     engine_cfg.max_num_seqs, max_pages, cost_table)
+                                                     engine_cfg.max_num_seqs, max_pages, cost_table,
+                                                     engine_cfg.coupled_drafts)
             else:
                 self.speculator = Speculator(self.runner, draft_runner, budget, topk, self.use_graphs,
-                                             engine_cfg.max_num_seqs, max_pages)
+                                             engine_cfg.max_num_seqs, max_pages, engine_cfg.coupled_drafts)
                 if self.use_graphs:
                     with torch.inference_mode():
                         self.speculator.graphs.capture_all(self.speculator.padding_inputs)

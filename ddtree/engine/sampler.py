@@ -188,3 +188,24 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     greedy = rows.temperature == 0
     onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], onehot, probs)
+
+
+def perturb(logits: torch.Tensor, draw: torch.Tensor, positions: torch.Tensor, use_triton: bool = False) -> None:
+    """Coupled drafts: each sampled row of drafter logits [M, V] becomes logits / T + gumbel(seed,
+    position) in place, the noise the target's draw at that position will use (greedy rows are left
+    as they are). Ranking a depth's candidates by it puts first the token the target draws there
+    whenever the drafter's distribution is close to the target's; what is committed does not change
+    (verification draws with the same keys whatever was drafted)."""
+    if use_triton:
+        from ddtree.ops.triton_sample import triton_perturb
+        triton_perturb(logits, draw, positions)
+        return
+    rows = SamplingRows.unpack(draw).repeat(logits.shape[0] // draw.shape[0])
+    noisy = (rows.temperature > 0).nonzero().flatten()
+    if not noisy.numel():
+        return
+    T, keys = rows.temperature[noisy, None], row_keys(rows.seed[noisy], positions[noisy])
+    for c0 in range(0, logits.shape[1], BLOCK_COLUMNS):
+        cols = torch.arange(c0, min(logits.shape[1], c0 + BLOCK_COLUMNS), device=logits.device)
+        part = logits[noisy, c0:c0 + len(cols)].float()
+        logits[noisy, c0:c0 + len(cols)] = (part / T + gumbel(keys, cols)).to(logits.dtype)

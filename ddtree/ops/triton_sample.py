@@ -172,3 +172,23 @@ def triton_sample(logits: torch.Tensor, draw: torch.Tensor, positions: torch.Ten
     _row_kernel[(M,)](logits, logits.stride(0), V, draw, nodes, pos, best_val, best_idx, tile_max, tile_sum, tiles,
                       token, TILES=max(16, triton.next_power_of_2(tiles)), BLOCK=BLOCK)
     return token
+
+
+@triton.jit
+def _perturb_kernel(X, stride_x, V, Draw, nodes, Pos, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    seed, T, p, k = _settings(Draw, row, nodes)
+    if T > 0:
+        ptr = X + row.to(tl.int64) * stride_x + cols
+        x = tl.load(ptr, mask=cols < V, other=0.0).to(tl.float32)
+        y = _noisy(x / T, _row_key(seed, tl.load(Pos + row)), cols, 1.0)
+        tl.store(ptr, y.to(X.dtype.element_ty), mask=cols < V)
+
+
+def triton_perturb(logits: torch.Tensor, draw: torch.Tensor, positions: torch.Tensor) -> None:
+    """`sampler.perturb` on the GPU, in place."""
+    M, V = logits.shape
+    assert logits.stride(1) == 1 and draw.dtype == torch.long
+    _perturb_kernel[(M, triton.cdiv(V, TILE))](logits, logits.stride(0), V, draw.contiguous(), M // draw.shape[0],
+                                               positions.long().contiguous(), BLOCK=TILE)

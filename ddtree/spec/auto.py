@@ -72,9 +72,9 @@ class AdaptiveSpeculator(Speculator):
     stores its own drafter context row."""
 
     def __init__(self, runner: ModelRunner, drafter: DraftRunner, topk: int, use_graphs: bool = False,
-                 max_batch: int = 64, max_pages: int = 0, table: CostTable | None = None):
+                 max_batch: int = 64, max_pages: int = 0, table: CostTable | None = None, coupled: bool = False):
         self.budgets = candidate_budgets(drafter.block_size - 1, topk)
-        super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages)
+        super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages, coupled)
         self.ctx_rows = drafter.block_size  # a burst's context width: the last accepted path (more: stored first)
         self.max_pages, self.planned, self.tap_free = max_pages, 0, False  # (`ar_steps`)
         self.draft_graphs, self.ar_graphs, self.step_graphs = None, None, {}
@@ -130,7 +130,7 @@ class AdaptiveSpeculator(Speculator):
 
     def _draft(self, inp: StepInputs) -> tuple[Candidates, torch.Tensor]:
         """Drafter block -> candidates for the largest budget and E(b) [R, budgets] for each b > 0."""
-        c = candidates(self.drafter.logits(inp), self.budget, self.topk)
+        c = candidates(self.draft_logits(inp), self.budget, self.topk)
         return c, expected_accepts(c, self.budgets[1:])
 
     @property
