@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--max-new-tokens", type=int, default=512, help="answer length")
     t.add_argument("--gen-temperature", type=float, default=0.0,
                    help="data: 0 answers greedily (the default); above, sampled answers (other answers to the "
-                        "same prompts), from a generator seeded with --seed")
+                        "same prompts), each prompt i with the seed --seed * 2^32 + i")
     t.add_argument("--prompt-repeats", type=int, default=1,
                    help="data: ask each prompt this many times (sampled answers only: each a different one)")
     t.add_argument("--data-only", action="store_true", help="make the data file, then stop (no training)")
@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--topk", type=int_list, default=[4], help="DDTree top-k caps, e.g. 2,4")
     lat.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     lat.add_argument("--top-p", type=float, default=1.0)
+    lat.add_argument("--seed", type=int, default=0,
+                     help="sampled runs: request j of a batch draws with seed SEED + j, the same tokens in every mode and run "
+                          "(-1: unseeded, random)")
     lat.add_argument("--coupled-drafts", action="store_true",
                      help="sampled requests: the drafter ranks candidates with the noise of the target's draw (same output)")
     lat.add_argument("--repeats", type=int, default=3)
@@ -279,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--topk", type=int_list, default=[1, 2, 4, 8], help="DDTree top-k caps")
     sw.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     sw.add_argument("--top-p", type=float, default=1.0)
+    sw.add_argument("--seed", type=int, default=0,
+                    help="sampled runs: request j of a batch draws with seed SEED + j, the same tokens in every mode and run "
+                         "(-1: unseeded, random)")
     sw.add_argument("--coupled-drafts", action="store_true",
                     help="sampled requests: the drafter ranks candidates with the noise of the target's draw (same output)")
     sw.add_argument("--no-ar", action="store_true", help="skip the AR rows")

@@ -9,6 +9,7 @@ Results are JSON lines, one object per measured configuration.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -51,11 +52,21 @@ def full_batches(prompts: list, c: int) -> list[list]:
     return [cycled[i:i + c] for i in range(0, n, c)]
 
 
+def per_request(params: SamplingParams, n: int) -> SamplingParams | list[SamplingParams]:
+    """A batch's params: seeded ones give request j of the batch the seed `params.seed + j`, so every
+    mode and every run draws the same tokens (sampling is keyed by seed and position, and lossless), and
+    their speeds compare on the same work."""
+    if params.seed is None or params.greedy:
+        return params
+    return [dataclasses.replace(params, seed=params.seed + j) for j in range(n)]
+
+
 def run_mode(llm: LLM, batches: list[list[list[int]]], params: SamplingParams, repeats: int,
              labels: list[str] | None = None, warmup: list[list[int]] | None = None) -> dict:
     """`labels`: the category of each batch (a batch holds one category), for per-category results;
     `warmup`: the untimed first call's prompts (default: the first batch)."""
-    llm.generate(batches[0] if warmup is None else warmup, params)  # warm-up: graphs, kernels, allocator
+    first = batches[0] if warmup is None else warmup
+    llm.generate(first, per_request(params, len(first)))  # warm-up: graphs, kernels, allocator
     tally = RunTally(labels)
     for _ in range(repeats):
         tally.run(llm, batches, params)
@@ -81,7 +92,7 @@ class RunTally:
         for i, batch in enumerate(batches):
             sync()
             t0 = time.perf_counter()
-            outs = llm.generate(batch, params)
+            outs = llm.generate(batch, per_request(params, len(batch)))
             sync()
             dt = time.perf_counter() - t0
             elapsed += dt
@@ -282,7 +293,8 @@ def main(args) -> int:
     env = environment(llm)
     rows_in = load_prompts(args.dataset, args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=None if args.seed < 0 else args.seed)
     budgets = parse_budgets(args.budget)
     modes = [("ar", "none", 0, 1)]
     if args.draft:
@@ -297,7 +309,8 @@ def main(args) -> int:
             r = run_mode(llm, batches, params, args.repeats)
             row = {**env, "mode": name, "budget": llm.budget, "topk": llm.topk, "concurrency": c,
                    "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
-                   "temperature": args.temperature, "top_p": args.top_p, "coupled_drafts": args.coupled_drafts, **r}
+                   "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+                   "coupled_drafts": args.coupled_drafts, **r}
             if name == "auto":  # the step costs measured at start-up that `auto` chose from
                 row["cost_table"] = llm.engine.speculator.policy.table.as_dict()
             results.append(row)

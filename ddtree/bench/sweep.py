@@ -20,7 +20,7 @@ import os
 
 from ddtree import LLM, SamplingParams
 from ddtree.bench.datasets import sample_prompts
-from ddtree.bench.latency import RunTally, environment, full_batches, print_table, run_mode
+from ddtree.bench.latency import RunTally, environment, full_batches, print_table, run_mode, per_request
 
 
 def check_auto(llm: LLM, topk: int | None) -> None:
@@ -61,11 +61,11 @@ def main(args) -> int:
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
     cats = [r["category"] for r in rows_in]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, temperature=args.temperature,
-                            top_p=args.top_p)
+                            top_p=args.top_p, seed=None if args.seed < 0 else args.seed)
     if args.warmup_pass:  # (the engine is still plain AR here: no mode's state learns from this pass)
         for c in args.concurrency:
             for batch in full_batches(prompts, c):
-                llm.generate(batch, params)
+                llm.generate(batch, per_request(params, len(batch)))
         print(f"warm-up pass: {len(prompts)} prompts at C={','.join(map(str, args.concurrency))} (AR, untimed)")
     if args.with_auto:
         check_auto(llm, args.auto_topk)
@@ -94,7 +94,7 @@ def main(args) -> int:
                "concurrency": c, "batching": "continuous" if args.continuous else "to completion",
                "interleaved": args.interleave, "dataset": args.dataset, "num_prompts": len(prompts),
                "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
-               "top_p": args.top_p, "coupled_drafts": args.coupled_drafts, **r}
+               "top_p": args.top_p, "seed": args.seed, "coupled_drafts": args.coupled_drafts, **r}
         results.append(row)
         with open(args.out, "a") as f:  # row by row: a long grid that dies keeps what it measured
             f.write(json.dumps(row) + "\n")
@@ -108,7 +108,8 @@ def main(args) -> int:
             for name, spec, budget, topk in modes(args):
                 llm.switch_mode(spec, budget, topk)
                 enter(c)
-                llm.generate(batches[0] if warmup is None else warmup, params)  # warm-up
+                first = batches[0] if warmup is None else warmup
+                llm.generate(first, per_request(params, len(first)))  # warm-up
                 tallies.append(RunTally(labels))
             turn = list(zip(modes(args), tallies))
             for rep in range(args.repeats):
