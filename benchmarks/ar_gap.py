@@ -51,7 +51,7 @@ def time_replays(engine) -> list | None:
         return None
     if getattr(engine, "_replay_events", None) is None:
         engine._replay_events, engine._replay_count = [], [0]
-        for pool in {id(p): p for p in (engine.decode_graphs, engine.untapped_decode_graphs) if p}.values():
+        for pool in {id(p): p for p in (engine.ar.decode_graphs, engine.ar.untapped_decode_graphs) if p}.values():
             # (`replay` only: `run` copies the inputs in and ends in `replay`, found on the instance)
             def timed(rows, _fn=pool.replay):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

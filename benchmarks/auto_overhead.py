@@ -50,14 +50,14 @@ def timed_parts(obj, names: list[str], acc: dict, prefix: str = "") -> None:
 
 def trace_decode(eng, bursts: list) -> None:
     """Wraps the engine's graphed AR decode to log (batch, steps, host ms) of every burst."""
-    fn = eng._decode_graphed
+    fn = eng.ar.burst
 
     def wrapper(seqs, *a, **k):
         t0 = time.perf_counter()
-        steps = fn(seqs, *a, **k)
-        bursts.append((len(seqs), steps, (time.perf_counter() - t0) * 1e3))
-        return steps
-    eng._decode_graphed = wrapper
+        burst = fn(seqs, *a, **k)
+        bursts.append((len(seqs), burst.steps, (time.perf_counter() - t0) * 1e3))
+        return burst
+    eng.ar.burst = wrapper
 
 
 def burst_summary(bursts: list) -> dict:
@@ -123,7 +123,7 @@ def main() -> int:
         if not cpu:
             trace_decode(llm.engine, bursts)
         ar_acc: dict = defaultdict(float)
-        timed_parts(llm.engine, ["_forward_and_sample"], ar_acc, "engine.")
+        timed_parts(llm.engine.ar, ["_feed"], ar_acc, "ar.")
         row = {"concurrency": c, "ar": run(llm, prompts, params, ar_acc, None if cpu else bursts)}
         row["ar"]["host_s"] = {k: round(v, 4) for k, v in sorted(ar_acc.items())}
         llm.set_mode("ddtree", "auto", 4)
@@ -132,8 +132,8 @@ def main() -> int:
             trace_decode(eng, bursts)
         acc: dict = defaultdict(float)
         timed_parts(eng.scheduler, ["schedule"], acc, "scheduler.")
-        timed_parts(eng, ["_forward_and_sample", "_auto_ar_burst", "_decode_graphed"], acc, "engine.")
-        timed_parts(spec, ["ar_steps", "step", "ar_step"], acc, "spec.")
+        timed_parts(eng.ar, ["_feed", "burst"], acc, "ar.")
+        timed_parts(spec, ["ar_steps", "_ar_burst", "decode", "ar_step"], acc, "spec.")
         timed_parts(spec.drafter, ["store_pending", "prepare"], acc, "drafter.")
         row["auto"] = run(llm, prompts, params, acc, None if cpu else bursts)
         row["auto"]["host_s"] = {k: round(v, 4) for k, v in sorted(acc.items())}

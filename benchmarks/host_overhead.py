@@ -114,17 +114,19 @@ def make_llm(path: str, mode: str) -> LLM:
     widths = {"block_tables": max_pages}
     logits = torch.zeros(64, V)
     logits[:, 100] = 1.0  # every row's argmax: an ordinary token
+    tokens = torch.full((64,), 100, dtype=torch.long)  # (what a decode graph returns: the tokens drawn)
     if mode in SPEC_MODES:  # bursts' pages reserved as the engine reserves them with graphs
         from ddtree.spec.decode import SPEC_BURST
         engine.scheduler.decode_width += (SPEC_BURST - 1) * engine.speculator.drafter.block_size
     if mode == "ar":
-        engine.decode_graphs = StubPool(logits, {"block_tables": engine.runner.scratch_page}, widths)
-        engine.burst = DECODE_BURST  # (as with graphs: pipelined bursts of AR steps)
+        engine.ar.decode_graphs = StubPool(tokens, {"block_tables": engine.runner.scratch_page}, widths)
+        engine.ar.untapped_decode_graphs = engine.ar.decode_graphs
+        engine.ar.burst_steps = DECODE_BURST  # (as with graphs: pipelined bursts of AR steps)
     elif mode == "auto-ar":
         feats = torch.zeros(64, engine.speculator.drafter.feat_dim)
-        engine.decode_graphs = StubPool((logits, feats), {"block_tables": engine.runner.scratch_page}, widths)
-        engine.untapped_decode_graphs = StubPool(logits, {"block_tables": engine.runner.scratch_page}, widths)
-        engine.burst = DECODE_BURST
+        engine.ar.decode_graphs = StubPool((tokens, feats), {"block_tables": engine.runner.scratch_page}, widths)
+        engine.ar.untapped_decode_graphs = StubPool(tokens, {"block_tables": engine.runner.scratch_page}, widths)
+        engine.ar.burst_steps = DECODE_BURST
     elif mode == "ar-eager":
         engine.runner.model = StubModel(engine.runner.model, logits)
     elif mode == "ddtree":
@@ -150,10 +152,10 @@ def make_llm(path: str, mode: str) -> LLM:
         pad = {"block_tables": engine.runner.scratch_page, "ctx_slots": spec.drafter.scratch_slot}
         spec.step_graphs = {b: StubPool(StepOutputs(packed, feats), pad, widths) for b in spec.budgets[1:]}
         spec.draft_graphs = spec.ar_graphs = StubPool(None, pad, widths)  # (not run: graphed auto is on)
-        engine.decode_graphs = StubPool((logits, torch.zeros(64, spec.drafter.feat_dim)),
-                                        {"block_tables": engine.runner.scratch_page}, widths)
-        engine.untapped_decode_graphs = StubPool(logits, {"block_tables": engine.runner.scratch_page}, widths)
-        engine.burst = DECODE_BURST
+        engine.ar.decode_graphs = StubPool((tokens, torch.zeros(64, spec.drafter.feat_dim)),
+                                           {"block_tables": engine.runner.scratch_page}, widths)
+        engine.ar.untapped_decode_graphs = StubPool(tokens, {"block_tables": engine.runner.scratch_page}, widths)
+        engine.ar.burst_steps = DECODE_BURST
     else:
         raise ValueError(mode)
     return llm

@@ -99,15 +99,15 @@ def main() -> int:
         kw = {"spec": "ddtree", "budget": "auto", "topk": 4} if spec == "auto" else {"spec": "none"}
         # (a fixed cache: the first engine's memory is not all back when the second starts)
         llm = LLM(d, draft=DEFAULT_DRAFT_DIR, max_num_seqs=64, dtype="bfloat16", num_pages=8192, **kw)
-        graphs = llm.engine.prefill_graphs
+        graphs = llm.engine.ar.prefill_graphs
         for graphed in (True, False):
-            llm.engine.prefill_graphs = graphs if graphed else {}  # (none: every prefill eager)
+            llm.engine.ar.prefill_graphs = graphs if graphed else {}  # (none: every prefill eager)
             for r in sizes:
                 batches = [prompts_of(r, 1000 * r + k) for k in range(8)]
                 emit("prefill", spec=spec, graphed=graphed, batch=r, ms=ms_per_call(llm, batches))
             for r in (2, 16):
                 host_table(llm, prompts_of(r, 7), f"{spec}-{'graphed' if graphed else 'eager'}-{r}")
-        llm.engine.prefill_graphs = graphs
+        llm.engine.ar.prefill_graphs = graphs
         if spec == "auto":
             store_cost(llm)
         del llm

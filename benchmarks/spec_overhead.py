@@ -29,7 +29,7 @@ from auto_overhead import timed_parts  # noqa: E402
 from gpu_profile import busy_share, default_shaped_model, emit  # noqa: E402
 
 from ddtree import LLM, SamplingParams  # noqa: E402
-from ddtree.engine import engine as engine_mod  # noqa: E402
+from ddtree.engine import ar as ar_mod  # noqa: E402
 from ddtree.models.hub import DEFAULT_DRAFT_DIR  # noqa: E402
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
@@ -68,14 +68,14 @@ def main() -> int:
     d = default_shaped_model()
     emit("env", gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     prompt = [(17 * j) % 150000 + 100 for j in range(128)]
-    engine_mod.PREFILL_GRAPHS = False
+    ar_mod.PREFILL_GRAPHS = False
     llm = LLM(d, draft=DEFAULT_DRAFT_DIR, spec="none", max_num_seqs=16, dtype="bfloat16")
     request_overhead(llm, prompt, "ar-prefill-graphs-0")
     if len(sys.argv) > 2:  # modes to skip
         skip = set(sys.argv[2].split(","))
     else:
         skip = set()
-    engine_mod.PREFILL_GRAPHS = True
+    ar_mod.PREFILL_GRAPHS = True
     P = SamplingParams(max_tokens=256, ignore_eos=True)
     for mode, budget, topk in (("none", None, None), ("dflash", None, None), ("ddtree", 32, 4)):
         if mode in skip:
@@ -105,7 +105,7 @@ def main() -> int:
             row["wall_ms_per_step"] = round(wall * 1e3 / steps, 4)
             row["replay"] = replay_times(spec.graphs)
         else:
-            row["replay"] = replay_times(eng.decode_graphs)
+            row["replay"] = replay_times(eng.ar.decode_graphs)
         emit("spec-overhead", **row)
         busy_share(llm, [prompt], 128, f"c1-{mode}")
         os.system(f"python3 {os.path.dirname(__file__)}/trace_gaps.py {OUT}/trace_c1-{mode}.json.gz --top 25 "

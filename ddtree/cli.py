@@ -19,6 +19,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="sampled requests: the drafter ranks candidates with the noise of the target's draw (same output)")
 
 
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """A benchmark's sampling settings (every request alike)."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampled runs: request j of a batch draws with seed SEED + j, the same tokens in every mode and "
+                        "run (-1: unseeded, random)")
+    p.add_argument("--coupled-drafts", action="store_true",
+                   help="sampled requests: the drafter ranks candidates with the noise of the target's draw (same output)")
+
+
 def llm_from_args(args):
     from ddtree import LLM
     return LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
@@ -240,13 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--concurrency", type=int_list, default=[1])
     lat.add_argument("--budget", default="16", help="DDTree budgets, e.g. 8,16,32,auto (auto: adaptive)")
     lat.add_argument("--topk", type=int_list, default=[4], help="DDTree top-k caps, e.g. 2,4")
-    lat.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    lat.add_argument("--top-p", type=float, default=1.0)
-    lat.add_argument("--seed", type=int, default=0,
-                     help="sampled runs: request j of a batch draws with seed SEED + j, the same tokens in every mode and run "
-                          "(-1: unseeded, random)")
-    lat.add_argument("--coupled-drafts", action="store_true",
-                     help="sampled requests: the drafter ranks candidates with the noise of the target's draw (same output)")
+    add_sampling_args(lat)
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--num-pages", type=int, default=None)
     lat.add_argument("--step-times", action="store_true", help="also time AR / draft / verify steps")
@@ -280,13 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--concurrency", type=int_list, default=[1])
     sw.add_argument("--budget", type=int_list, default=[4, 8, 16, 32, 64], help="DDTree budgets")
     sw.add_argument("--topk", type=int_list, default=[1, 2, 4, 8], help="DDTree top-k caps")
-    sw.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    sw.add_argument("--top-p", type=float, default=1.0)
-    sw.add_argument("--seed", type=int, default=0,
-                    help="sampled runs: request j of a batch draws with seed SEED + j, the same tokens in every mode and run "
-                         "(-1: unseeded, random)")
-    sw.add_argument("--coupled-drafts", action="store_true",
-                    help="sampled requests: the drafter ranks candidates with the noise of the target's draw (same output)")
+    add_sampling_args(sw)
     sw.add_argument("--no-ar", action="store_true", help="skip the AR rows")
     sw.add_argument("--no-dflash", action="store_true", help="skip the DFlash (linear) rows")
     sw.add_argument("--no-ddtree", action="store_true", help="skip the fixed-budget DDTree rows")

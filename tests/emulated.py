@@ -43,10 +43,11 @@ def emulated_pool():
 def fake_gpu_graphs(monkeypatch) -> None:
     """Engines built after this take the GPU path on the CPU: graphs for AR decode, prefill and
     speculative steps, with every replay emulated."""
+    import ddtree.engine.ar as ar_mod
     import ddtree.engine.engine as engine_mod
     import ddtree.spec.auto as auto
     import ddtree.spec.decode as decode
-    monkeypatch.setattr(engine_mod, "GraphPool", emulated_pool())
+    monkeypatch.setattr(ar_mod, "GraphPool", emulated_pool())
     monkeypatch.setattr(decode, "GraphPool", emulated_pool())
     monkeypatch.setattr(auto, "GraphPool", emulated_pool())
     monkeypatch.setattr(engine_mod.LLMEngine, "_graphs_supported", lambda self: True)

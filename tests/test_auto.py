@@ -223,11 +223,10 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
     # tokens again; "mixed": prompts in chunks of a few tokens, every other prefill step without the
     # read-out, and none in a step where one of the requests' context has a gap);
     # the next draft must see exactly the context a fresh engine builds by prefilling the same tokens.
-    import ddtree.engine.engine as engine_mod
     import ddtree.spec.auto as auto
     family = "qwen2"
     if pending_rows is not None:
-        monkeypatch.setattr(engine_mod, "PENDING_ROWS", pending_rows)
+        monkeypatch.setattr(auto, "PENDING_ROWS", pending_rows)
     if graphed:
         fake_gpu_graphs(monkeypatch)
         # speculative bursts of one step: the recorder keys each draft by its request's tokens on the
@@ -239,18 +238,18 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
     if gap == "mixed":
         llm.engine.scheduler.max_num_batched_tokens = 8
     steps = []
-    prefill = llm.engine._forward_and_sample
-    monkeypatch.setattr(llm.engine, "_forward_and_sample", lambda chunks, taps=None: steps.append(
-        ([has_gap(seq) for seq, _ in chunks], taps is not None)) or prefill(chunks, taps))
+    feed = llm.engine.ar._feed
+    monkeypatch.setattr(llm.engine.ar, "_feed", lambda chunks, taps=False: steps.append(
+        ([has_gap(seq) for seq, _ in chunks], taps)) or feed(chunks, taps))
     prefills = []  # per prefill step: which of its chunks' requests had a gap before it, and its forwards
-    spec_prefill = llm.engine._spec_prefill
+    spec_prefill = llm.engine.speculator.prefill
 
     def counted(chunks):
         before, n = [has_gap(seq) for seq, _ in chunks], len(steps)
         out = spec_prefill(chunks)
         prefills.append((before, len(steps) - n))
         return out
-    monkeypatch.setattr(llm.engine, "_spec_prefill", counted)
+    monkeypatch.setattr(llm.engine.speculator, "prefill", counted)
     seen = {}
     hook_draft_logits(llm, recorder(seen))
     plan = ["gap", "ar", "gap", 4, "ar", "gap", "gap", "wasted", "ar", 8] if gap else \
@@ -260,7 +259,7 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
     monkeypatch.setattr(Scripted, "observe_refeed",
                         lambda self, rows, ms: observed.append(llm.engine.speculator.timed))
     llm.generate(prompts, [SamplingParams(max_tokens=m) for m in MAX_TOKENS])
-    assert (llm.engine.decode_graphs is not None) == graphed
+    assert (llm.engine.ar.decode_graphs is not None) == graphed
     stats = llm.last_stats["bursts"]
     assert (stats.get("refeeds", 0) > 0 and stats.get("tap_free_bursts", 0) > 0) == bool(gap), stats
     assert (stats.get("tap_free_prefills", 0) > 0) == bool(gap), stats
@@ -399,7 +398,7 @@ def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, mon
     refeed = eng.runner.refeed
     monkeypatch.setattr(eng.runner, "refeed",
                         lambda rows, taps: refed.append([n for *_, n in rows]) or refeed(rows, taps))
-    spec = auto.AdaptiveSpeculator(eng.runner, old.drafter, 4, True, 3, old.max_pages)  # buckets 1, 2, 3
+    spec = auto.AdaptiveSpeculator(eng.runner, old.drafter, eng.ar, 4, True, 3, old.max_pages)  # buckets 1, 2, 3
     assert spec.draft_graphs is not None and spec.policy.table.batch == [1, 2, 3]
     assert len(spec.policy.table.store) == 3  # a switch's store, timed at every bucket
     assert spec.policy.refeed_fixed_ms > 0  # and a refeed's cost (0 unless timed at start-up), per forward
@@ -450,9 +449,9 @@ def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out,
     assert eng.scheduler.decode_tokens == 1  # prompts are not starved by trees auto rarely verifies at scale
     plant_noisy_oracle(llm, continuation(prompts, longer))
     calls = {"bursts": 0, "steps": 0}
-    burst, read = eng._auto_ar_burst, eng._commit_decoded
-    monkeypatch.setattr(eng, "_auto_ar_burst", lambda *a: calls.__setitem__("bursts", calls["bursts"] + 1) or burst(*a))
-    monkeypatch.setattr(eng, "_commit_decoded", lambda *a: calls.__setitem__("steps", calls["steps"] + 1) or read(*a))
+    burst, read = spec._ar_burst, eng.ar._commit_step
+    monkeypatch.setattr(spec, "_ar_burst", lambda *a: calls.__setitem__("bursts", calls["bursts"] + 1) or burst(*a))
+    monkeypatch.setattr(eng.ar, "_commit_step", lambda *a: calls.__setitem__("steps", calls["steps"] + 1) or read(*a))
     monkeypatch.setattr(spec, "_eager_step", lambda *a: pytest.fail("an eager step: greedy steps run graphed, "
                                                                      "a new prompt's context stored first"))
     finished = []
@@ -502,12 +501,12 @@ def test_graphed_auto_skips_the_drafter_context_where_speculation_is_hopeless(pa
     cost = table(lambda n, bs: 1.0 if n == 1 or bs <= 2 else 100.0 * n)
     llm, ref = graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, cost)
     spec, eng = llm.engine.speculator, llm.engine
-    assert eng.untapped_decode_graphs is not eng.decode_graphs
+    assert eng.ar.untapped_decode_graphs is not eng.ar.decode_graphs
     spec.policy.observe_time = spec.policy.observe_burst = lambda *a: None
     pools = []
-    graphed = eng._decode_graphed
-    monkeypatch.setattr(eng, "_decode_graphed", lambda seqs, most=None, pool=None: pools.append(
-        (len(seqs), pool is eng.untapped_decode_graphs)) or graphed(seqs, most, pool))
+    graphed = eng.ar.burst
+    monkeypatch.setattr(eng.ar, "burst", lambda seqs, most=None, taps=False: pools.append(
+        (len(seqs), not taps)) or graphed(seqs, most, taps))
     outs, hist = check_lossless(llm, prompts, ref)
     bursts = llm.last_stats["bursts"]  # (the last generate call: the four requests batched)
     assert bursts["tap_free_bursts"] > 0 and bursts["refeeds"] > 0 and bursts["spec_bursts"] > 0, bursts
@@ -534,11 +533,11 @@ def plant_by_position(llm: LLM, choose) -> None:
     root's position), so it stays right inside a burst, where steps after the first are prepared
     on the device without the host's help."""
     spec, current = llm.engine.speculator, []
-    real_step, real_logits = spec.step, spec.drafter.logits
+    real_step, real_logits = spec.decode, spec.drafter.logits
 
-    def step(seqs, commit):
+    def step(seqs):
         current[:] = seqs
-        return real_step(seqs, commit)
+        return real_step(seqs)
 
     def logits(inp):
         out = torch.zeros_like(real_logits(inp))
@@ -548,7 +547,7 @@ def plant_by_position(llm: LLM, choose) -> None:
                     out[i, j, tok] = value
         return out
 
-    spec.step, spec.drafter.logits = step, logits
+    spec.decode, spec.drafter.logits = step, logits
 
 
 @pytest.mark.parametrize("budget,topk,min_tau,admitting,sampled",
@@ -573,9 +572,9 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
     monkeypatch.setattr(spec, "_eager_step", lambda *a: pytest.fail("an eager step: every step runs graphed, "
                                                                      "a new prompt's context stored first"))
     prefills = []  # prefills replay graphs that also store the drafter's context
-    real = llm.engine._prefill_graphed
-    monkeypatch.setattr(llm.engine, "_prefill_graphed",
-                        lambda chunks, taps=None: (lambda r: prefills.append(r is not None) or r)(real(chunks, taps)))
+    real = llm.engine.ar._prefill_graphed
+    monkeypatch.setattr(llm.engine.ar, "_prefill_graphed",
+                        lambda chunks, taps=False: (lambda r: prefills.append(r is not None) or r)(real(chunks, taps)))
     plant_by_position(llm, noisy_oracle(continuation(prompts, longer)))
     calls = {"bursts": 0, "steps": 0}
     burst, read = spec._burst, spec._commit_burst_step
@@ -584,7 +583,7 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
                         lambda *a: calls.__setitem__("steps", calls["steps"] + 1) or read(*a))
     # steps per burst: at most SPEC_BURST, or SHORT_BURST while a request waits for a slot
     if admitting:
-        monkeypatch.setattr(llm.engine, "_admitting", lambda: True)
+        monkeypatch.setattr(llm.engine.scheduler, "admitting", lambda: True)
     outs, hist = check_lossless(llm, prompts, ref, sampled=sampled)
     assert calls["steps"] > (1 if admitting else 2) * calls["bursts"] > 0, calls
     assert calls["steps"] <= (decode.SHORT_BURST if admitting else decode.SPEC_BURST) * calls["bursts"], calls

@@ -81,7 +81,7 @@ def check_pages_after_each_step(llm: LLM, monkeypatch) -> None:
 
 def test_the_batch_size_headed_for_counts_waiting_prompts_only_while_pages_let_them_in(make_llm, corpus_ids,
                                                                                        monkeypatch):
-    # (auto judges the chance for speculation at `_joined`: in a run bound by the KV cache the waiting
+    # (auto judges the chance for speculation at `Scheduler.headed_for`: in a run bound by the KV cache the waiting
     # prompts are not about to join)
     llm = make_llm(page_size=4, num_pages=24, max_num_batched_tokens=8)  # (prompts also wait for the budget)
     engine, seen = llm.engine, []
@@ -90,7 +90,7 @@ def test_the_batch_size_headed_for_counts_waiting_prompts_only_while_pages_let_t
     def recorded():
         step = schedule()
         sched = engine.scheduler
-        seen.append((sched.out_of_pages, engine._joined(), len(sched.running), len(sched.waiting)))
+        seen.append((sched.out_of_pages, engine.scheduler.headed_for(), len(sched.running), len(sched.waiting)))
         return step
 
     monkeypatch.setattr(engine.scheduler, "schedule", recorded)
@@ -385,14 +385,14 @@ def test_graphed_ar_decode_bursts_emulated_on_cpu_give_the_alone_outputs(tiny_qw
     fake_gpu_graphs(monkeypatch)
     llm = LLM(tiny_qwen2, device="cpu", dtype="float32", page_size=4, spec="none", **limits)
     eng = llm.engine
-    assert eng.decode_graphs is not None and eng.burst == engine_mod.DECODE_BURST > 1
-    assert set(eng.decode_graphs.graphs) == set(eng.decode_graphs.buckets)  # all captured at start-up
+    assert eng.ar.decode_graphs is not None and eng.ar.burst_steps == engine_mod.DECODE_BURST > 1
+    assert set(eng.ar.decode_graphs.graphs) == set(eng.ar.decode_graphs.buckets)  # all captured at start-up
     prompts = prompts_of(corpus_ids, LENGTHS[:8])
     params = [greedy(n) for n in (1, 2, 9, 24, 7, 16)] + [sampled(5, 13), sampled(6, 20)]
     params[3] = greedy(24, stop=["e"])  # a stop string ends it mid-burst
     bursts = []
-    run = eng._decode_graphed
-    monkeypatch.setattr(eng, "_decode_graphed", lambda seqs: bursts.append(eng._burst_length(seqs)) or run(seqs))
+    run = eng.ar.burst
+    monkeypatch.setattr(eng.ar, "burst", lambda seqs: bursts.append(eng.ar.burst_length(seqs)) or run(seqs))
     check_pages_after_each_step(llm, monkeypatch)
     outs = llm.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, outs):
@@ -412,10 +412,10 @@ def test_single_prompt_prefills_replay_graphs_and_give_the_eager_outputs(tiny_qw
     llm = LLM(tiny_qwen2, device="cpu", dtype="float32", page_size=4, spec="none", num_pages=96, max_num_seqs=1,
               max_num_batched_tokens=32)
     eng = llm.engine
-    assert list(eng.prefill_graphs) == [16, 32]  # up to the step's token limit
+    assert list(eng.ar.prefill_graphs) == [16, 32]  # up to the step's token limit
     widths = []
-    real = eng._prefill_graphed
-    monkeypatch.setattr(eng, "_prefill_graphed", lambda chunks, taps=None: (widths.append(chunks[0][1]),
+    real = eng.ar._prefill_graphed
+    monkeypatch.setattr(eng.ar, "_prefill_graphed", lambda chunks, taps=False: (widths.append(chunks[0][1]),
                                                                              real(chunks, taps))[1])
     prompts = prompts_of(corpus_ids, [3, 16, 17, 45])  # 45 tokens: chunks of 32 and 13
     params = [greedy(6), greedy(5), sampled(7, 4), greedy(3)]
@@ -432,19 +432,19 @@ def test_multi_prompt_prefills_replay_graphs_by_width_and_give_the_eager_outputs
     # A step's prompt chunks are grouped by graph width, at most a graph's rows per replay (here 2 of
     # width 16, 1 of width 32: 32 graph tokens), padding rows and padding tokens included. Every
     # output is the request's alone.
-    import ddtree.engine.engine as engine_mod
+    import ddtree.engine.ar as ar_mod
     from emulated import fake_gpu_graphs
     fake_gpu_graphs(monkeypatch)
-    monkeypatch.setattr(engine_mod, "PREFILL_GRAPH_TOKENS", 32)
+    monkeypatch.setattr(ar_mod, "PREFILL_GRAPH_TOKENS", 32)
     llm = LLM(tiny_qwen2, device="cpu", dtype="float32", page_size=4, spec="none", num_pages=256, max_num_seqs=4,
               max_num_batched_tokens=64)
     eng = llm.engine
-    assert {T: g.max_batch for T, g in eng.prefill_graphs.items()} == {16: 2, 32: 1, 64: 1}
+    assert {T: g.max_batch for T, g in eng.ar.prefill_graphs.items()} == {16: 2, 32: 1, 64: 1}
     replays, steps = [], []
-    real_replay, real = eng._prefill_replay, eng._prefill_graphed
-    monkeypatch.setattr(eng, "_prefill_replay", lambda T, chunks, pools: replays.append((T, [n for _, n in chunks]))
+    real_replay, real = eng.ar._prefill_replay, eng.ar._prefill_graphed
+    monkeypatch.setattr(eng.ar, "_prefill_replay", lambda T, chunks, pools: replays.append((T, [n for _, n in chunks]))
                         or real_replay(T, chunks, pools))
-    monkeypatch.setattr(eng, "_prefill_graphed", lambda chunks, taps=None: (lambda r: steps.append(
+    monkeypatch.setattr(eng.ar, "_prefill_graphed", lambda chunks, taps=False: (lambda r: steps.append(
         (len(chunks), r is not None)) or r)(real(chunks, taps)))
     prompts = prompts_of(corpus_ids, [3, 20, 9, 14])  # one step: widths 16, 32, 16, 16
     params = [greedy(5), greedy(4), sampled(3, 4), greedy(6)]

@@ -522,7 +522,7 @@ def test_graphed_ar_bursts_behind_the_server_stream_the_same_text(tiny_qwen2, mo
         with ThreadPoolExecutor(len(bodies)) as pool:  # all at once: they share bursts
             got = list(pool.map(stream, bodies))
         engine = loaded[0].engine
-        assert engine.decode_graphs is not None and engine.burst > 1
+        assert engine.ar.decode_graphs is not None and engine.ar.burst_steps > 1
         deadline = time.monotonic() + 10
         while engine.allocator.num_free != engine.allocator.num_pages:
             assert time.monotonic() < deadline, "KV pages still held"

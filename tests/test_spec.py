@@ -118,13 +118,13 @@ def hook_draft_logits(llm: LLM, replace) -> None:
     spec = llm.engine.speculator
     assert spec.graphs is None  # eager steps: the drafter is called with this step's requests in order
     current: list = []
-    real_step, real_logits = spec.step, spec.drafter.logits
+    real_step, real_logits = spec.decode, spec.drafter.logits
 
-    def step(seqs, commit):
+    def step(seqs):
         current[:] = seqs
-        return real_step(seqs, commit)
+        return real_step(seqs)
 
-    spec.step = step
+    spec.decode = step
     spec.drafter.logits = lambda inp: replace(current, real_logits(inp))
 
 

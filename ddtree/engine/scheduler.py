@@ -51,6 +51,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def admitting(self) -> bool:
+        """A request waits and a slot is free: decoders keep bursts short, so its prefill is not held back."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+
+    def headed_for(self) -> int:
+        """The batch size once the prompts waiting for a slot are in (auto judges the chance for
+        speculation where the running batch is headed: at the start of a run at C=128 it is let in a few
+        prompts at a time); the running one where the KV cache holds no more."""
+        if self.out_of_pages:
+            return len(self.running)
+        return min(self.max_num_seqs, len(self.running) + len(self.waiting))
+
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         alloc, width = self.allocator, self.decode_width

@@ -36,10 +36,11 @@ import math
 import os
 from collections.abc import Callable
 
+from ddtree.engine.ar import DECODE_BURST
 from ddtree.spec.costs import CostTable
 
 BUDGETS = (4, 8, 16, 32)  # speculative candidates; 0 (AR) is always one too
-AR_BURST_STEPS = 16  # the most steps of one of the engine's AR bursts (its DECODE_BURST is this)
+AR_BURST_STEPS = DECODE_BURST  # the most steps of one of the AR decoder's bursts
 SWITCH_MARGIN = 1.05  # the rate another mode (AR or speculation) must beat the current one by
 PROBE_EVERY = 16  # AR steps at least between probes (a burst of the budget that looks best) ...
 MAX_PROBE_EVERY = 1024  # ... and at most, within which as many as keep what losing probes cost

@@ -8,18 +8,20 @@ from functools import partial
 
 import torch
 
+from ddtree.engine.ar import ARDecoder
 from ddtree.engine.graphs import GraphPool, buckets_up_to
 from ddtree.engine.runner import ModelRunner
+from ddtree.engine.sampler import COLUMNS, sampling_columns
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import pack_rows, page_slots
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import AdaptivePolicy, candidate_budgets
 from ddtree.spec.costs import STORE_ENTRY_ROWS, STORE_ROWS, CostTable, measure_costs, wall_ms
-from ddtree.engine.sampler import COLUMNS, sampling_columns
 from ddtree.spec.decode import SPEC_BURST, Speculator, StepOutputs
-from ddtree.spec.draft import DraftRunner, StepInputs, gap_rows, gaps
+from ddtree.spec.draft import DraftRunner, StepInputs, close_gap, gap_rows, gaps, has_gap, open_gaps
 from ddtree.spec.tree import Candidates, candidates, cut_tree, expected_accepts
 
+PENDING_ROWS = 128  # drafter context rows a request may hold pending (7 KB each) before an AR burst stores them
 EXPECTED_SCALE = 1024  # auto's burst steps read E(b) back as integers: E * this, rounded
 TIMED_BURST = 4  # auto learns an AR step's host time from AR bursts of at least this many steps
 
@@ -55,8 +57,8 @@ class AdaptiveSpeculator(Speculator):
     """`budget auto`: the budget in `budgets` (0 = AR) for the whole batch, chosen per burst on the GPU
     and per step without graphs (spec/adaptive.py).
 
-    Before each decode step the engine asks `ar_steps`, which plans the next budget on run-long
-    figures (spec/adaptive.py `request_rate`). AR runs as the engine's own graphed AR bursts, whose
+    Before each decode step `step` asks `ar_steps`, which plans the next budget on run-long
+    figures (spec/adaptive.py `request_rate`). AR runs as the AR decoder's graphed bursts, whose
     steps also read out their target features: each request keeps them as pending drafter context,
     stored in one go before the next draft (or by an AR burst, once a request holds `PENDING_ROWS` of
     them). A budget b > 0 runs as a pipelined burst (`_burst`) of one whole-step graph per budget:
@@ -71,10 +73,10 @@ class AdaptiveSpeculator(Speculator):
     (`choose`: 0 throws the draft away), then that tree verified; `ar_step` runs one AR step that
     stores its own drafter context row."""
 
-    def __init__(self, runner: ModelRunner, drafter: DraftRunner, topk: int, use_graphs: bool = False,
+    def __init__(self, runner: ModelRunner, drafter: DraftRunner, ar: ARDecoder, topk: int, use_graphs: bool = False,
                  max_batch: int = 64, max_pages: int = 0, table: CostTable | None = None, coupled: bool = False):
         self.budgets = candidate_budgets(drafter.block_size - 1, topk)
-        super().__init__(runner, drafter, self.budgets[-1], topk, False, max_batch, max_pages, coupled)
+        super().__init__(runner, drafter, ar, self.budgets[-1], topk, False, max_batch, max_pages, coupled)
         self.ctx_rows = drafter.block_size  # a burst's context width: the last accepted path (more: stored first)
         self.max_pages, self.planned, self.tap_free = max_pages, 0, False  # (`ar_steps`)
         self.draft_graphs, self.ar_graphs, self.step_graphs = None, None, {}
@@ -190,8 +192,8 @@ class AdaptiveSpeculator(Speculator):
         return sum(map(gap_rows, seqs))
 
     def ar_steps(self, seqs: list[Sequence], joined: int = 0) -> int:
-        """Asked by the engine before each decode step: 0 to speculate now (`step`, with the planned
-        budget), else how many AR steps to take first (the engine runs them as a graphed AR burst,
+        """Asked before each decode step: 0 to speculate now (`decode`, with the planned budget), else
+        how many AR steps to take first (run as a graphed burst of the AR decoder's,
         `ar_step` on the CPU). `joined`: the batch size once the prompts waiting for a slot are in.
         A graphed AR burst is `tap_free` as the plan says (it skips reading out the target features: the
         requests' context gets a gap, refed at a switch); the CPU's `ar_step` always reads them out."""
@@ -200,7 +202,7 @@ class AdaptiveSpeculator(Speculator):
         return 0 if self.planned else 1 + self.policy.ar_steps_ahead()
 
     def after_ar_burst(self, batch: int, steps: int, request_steps: int, elapsed_ms: float) -> None:
-        """The engine ran `steps` AR steps for `batch` requests (`request_steps` tokens committed) in
+        """An AR burst ran `steps` AR steps for `batch` requests (`request_steps` tokens committed) in
         `elapsed_ms`."""
         self.policy.skip_ar(steps - 1)
         self.stats.budget_hist[0] += request_steps
@@ -219,7 +221,72 @@ class AdaptiveSpeculator(Speculator):
                 self.policy.tally(0, batch, request_steps, elapsed_ms)
 
     @torch.inference_mode()
-    def ar_step(self, seqs: list[Sequence], commit) -> None:
+    def step(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence]) -> list[Sequence]:
+        """The engine's step: prompt chunks (`prefill`), then the plan for the decode requests: AR steps
+        (a graphed burst of the AR decoder's, or one eager step that stores its context) or speculation."""
+        touched = self.prefill(prefill) if prefill else []
+        if decode:
+            self.timed = not prefill  # (a prefill chunk still running on the device would count in the times)
+            self.short_bursts = self.ar.scheduler.admitting()
+            ar = self.ar_steps(decode, self.ar.scheduler.headed_for())
+            if ar and self.ar.can_burst(len(decode)):
+                self._ar_burst(decode, ar)
+            elif ar:
+                self.ar_step(decode)
+            else:
+                self.decode(decode)
+        return touched + decode
+
+    def prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """Prompt chunks that also store the drafter's context; with graphed AR bursts, not where the
+        policy sees no chance for speculation at the batch they join, or a chunk's request already has a
+        gap (a switch refeeds first anyway): their context is left with one, as tap-free AR bursts leave
+        it (fed again at a switch, should one come). All the step's chunks go one way, in one forward:
+        split in two, at C=64 on the H200 a run's prefills took 19 forwards to plain AR's 15."""
+        if self.ar.decode_graphs is None or not (any(has_gap(seq) for seq, _ in chunks) or
+                                                 self.tap_free_prefill(self.ar.scheduler.headed_for())):
+            return self.ar.prefill(chunks, taps=True)
+        open_gaps([seq for seq, _ in chunks])
+        self.stats.bursts["tap_free_prefills"] += 1
+        return self.ar.prefill(chunks)
+
+    def _ar_burst(self, seqs: list[Sequence], most: int) -> None:
+        """AR steps chosen by the plan (at most `most`): a graphed AR burst whose steps also read out their
+        target features, kept as each request's pending drafter context; or, where the policy sees no
+        chance for speculation at this batch size or the one it is headed for, or a switch would refeed
+        gaps first anyway (`tap_free`), plain AR's burst, the requests' context left with a gap."""
+        tap_free = self.tap_free
+        # The context rows wait (a verified path's, earlier AR steps'), to be stored in one go before
+        # the next draft: an AR step that stored its own row spent ~7 small kernels, 4-5% of an AR
+        # step on the H200. Only rows piling up are stored now (not a time to learn from: device work
+        # not waited for), and not a request's with a gap (refed only at a switch).
+        full = [] if tap_free else [s for s in seqs if s.num_cached - s.draft_len > PENDING_ROWS and not has_gap(s)]
+        if full:
+            t0 = time.perf_counter()
+            self.drafter.store_pending(full)
+            self.timed = False
+            self.stats.bursts["store_ms"] += (time.perf_counter() - t0) * 1e3
+        if tap_free:  # the gap opens, or goes on
+            open_gaps(seqs)
+        else:  # rows join the context after it
+            for seq in seqs:
+                if seq.gap_from is not None:
+                    close_gap(seq)
+        t0 = time.perf_counter()
+        burst = self.ar.burst(seqs, most, taps=not tap_free)
+        if burst.feats is not None:
+            # One pending block per request and burst (not a row per step: a store then concatenates
+            # thousands of tiny tensors at a large batch, ~10 ms of host time at 128 requests), and not
+            # cut out as a view here (spec/draft.py `pending_rows`). (Not to a request that finished in
+            # the burst: its cache is dropped, and the entry would keep the whole buffer alive as long
+            # as the request object.)
+            for i, (seq, n) in enumerate(zip(seqs, burst.kept)):
+                if n and not seq.is_finished:
+                    seq.pending_features.append((burst.feats, i, n))
+        self.after_ar_burst(len(seqs), burst.steps, sum(burst.kept), (time.perf_counter() - t0) * 1e3)
+
+    @torch.inference_mode()
+    def ar_step(self, seqs: list[Sequence]) -> None:
         """One eager AR step that stores its drafter context row itself (no CUDA graphs: the CPU)."""
         self._refeed_gaps(seqs)
         self.drafter.store_pending(seqs)  # AR steps append to the drafter cache: no gap before them
@@ -228,22 +295,21 @@ class AdaptiveSpeculator(Speculator):
                          self.runner.scratch_page, self.runner.device)
         t0 = time.perf_counter()
         out = self._budget_step(0, RootInputs(rows[:, 0], rows[:, 1], rows[:, 2 + COLUMNS:], rows[:, 2:2 + COLUMNS]))
-        self._commit(seqs, out, commit, 0)
+        self._commit(seqs, out, 0)
         if self.timed and self.draft_graphs is None:  # timed as the table was (eager)
             self.policy.observe_time("ar", len(seqs), (time.perf_counter() - t0) * 1e3,
                                      self.policy.table.ar_ms(len(seqs)))
 
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence], commit) -> None:
-        """Speculation (the engine asked `ar_steps` first): a graphed burst of the planned budget, or
-        without graphs one step that drafts, chooses the budget on that draft, and verifies."""
-        R = len(seqs)
-        if self.draft_graphs is not None and R <= self.draft_graphs.max_batch:
-            self._auto_burst(seqs, commit)
+    def decode(self, seqs: list[Sequence]) -> None:
+        """Speculation (the plan chose it): a graphed burst of the planned budget, or without graphs
+        one step that drafts, chooses the budget on that draft, and verifies."""
+        if self.draft_graphs is not None and len(seqs) <= self.draft_graphs.max_batch:
+            self._auto_burst(seqs)
         else:
-            self._eager_step(seqs, commit)
+            self._eager_step(seqs)
 
-    def _eager_step(self, seqs: list[Sequence], commit) -> None:
+    def _eager_step(self, seqs: list[Sequence]) -> None:
         """One step without graphs: draft, the budget chosen on this draft, verify."""
         R = len(seqs)
         self._refeed_gaps(seqs)
@@ -258,7 +324,7 @@ class AdaptiveSpeculator(Speculator):
         else:
             out = self._budget_step(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, c.score,
                                                        c.parent, c.rank, c.order, c.tokens))
-        accepted = self._commit(seqs, out, commit, budget)
+        accepted = self._commit(seqs, out, budget)
         if budget:
             self.policy.observe(budget, R, expected[budget], accepted)
             # Timed as the table was (eager, without graphs), and not a one-off: a draft over a new
@@ -268,7 +334,7 @@ class AdaptiveSpeculator(Speculator):
                 self.policy.observe_time("spec", R, (time.perf_counter() - t0) * 1e3,
                                          t.draft_ms(R) + t.verify_ms(budget, R))
 
-    def _auto_burst(self, seqs: list[Sequence], commit) -> None:
+    def _auto_burst(self, seqs: list[Sequence]) -> None:
         """A pipelined burst of the planned budget's whole-step graph (a probe's too; the first draft,
         with nothing known yet, is one step)."""
         budget, R = self.planned or self.budgets[1], len(seqs)
@@ -292,7 +358,7 @@ class AdaptiveSpeculator(Speculator):
         probing = self.policy.probing
         committed = self.stats.committed
         blind = self.policy.expected is None  # no draft seen yet: one step to learn from
-        steps = self._burst(seqs, commit, graphs, budget, most=1 if blind else SPEC_BURST)
+        steps = self._burst(seqs, graphs, budget, most=1 if blind else SPEC_BURST)
         t2 = time.perf_counter()
         self.stats.bursts.update({"spec_bursts": 1, "spec_steps": steps, "probes": int(probing),
                                   "spec_ms": (t2 - t1) * 1e3})

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddtree.engine.ar import SHORT_BURST, ARDecoder
 from ddtree.engine.graphs import GraphPool
 from ddtree.engine.readback import TokenReadback
 from ddtree.engine.runner import ModelRunner
@@ -27,7 +28,6 @@ from ddtree.spec.verify import walk
 # Graphed speculative steps per engine step at most, pipelined: each burst pays one drain and one
 # unhidden graph launch, so longer is faster; 8 steps take about as long as 16 AR steps.
 SPEC_BURST = BURST_STEPS
-SHORT_BURST = 2  # while a request waits for a free slot (`short_bursts`), as the engine's AR bursts
 
 
 @dataclass(slots=True)
@@ -64,10 +64,14 @@ class StepOutputs:
 
 
 class Speculator:
-    def __init__(self, runner: ModelRunner, drafter: DraftRunner, budget: int, topk: int, use_graphs: bool = False,
-                 max_batch: int = 64, max_pages: int = 0, coupled: bool = False):
+    """The decoder of DFlash and DDTree at a fixed budget: prompt chunks go through the AR decoder
+    (which also stores them as the drafter's context), decode requests speculate."""
+
+    def __init__(self, runner: ModelRunner, drafter: DraftRunner, ar: ARDecoder, budget: int, topk: int,
+                 use_graphs: bool = False, max_batch: int = 64, max_pages: int = 0, coupled: bool = False):
         """`coupled`: coupled drafts (`draft_logits`)."""
-        self.runner, self.drafter, self.budget, self.topk, self.coupled = runner, drafter, budget, topk, coupled
+        self.runner, self.drafter, self.ar, self.budget, self.topk = runner, drafter, ar, budget, topk
+        self.commit, self.coupled = ar.commit, coupled
         self.stats = SpecStats()
         self.depth = drafter.block_size - 1
         self.graphs = None
@@ -76,8 +80,8 @@ class Speculator:
                                     pad={"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot},
                                     widths={"block_tables": max_pages})
             drafter.warm_stores(max_batch, runner.max_num_batched_tokens)
-        # Set by the engine before each step: short bursts while a request waits for a free slot, and
-        # whether the step's time is worth learning from (auto: not with a prefill chunk in flight).
+        # Set before each decode: short bursts while a request waits for a free slot, and whether the
+        # step's time is worth learning from (auto: not with a prefill chunk in flight).
         self.short_bursts, self.timed = False, True
         # bursts read packed rows back: [R, depth + 3] (auto: and E(b) of each budget)
         self.readback = TokenReadback(max_batch * self.packed_width, runner.device)
@@ -163,23 +167,33 @@ class Speculator:
         return self.device_step(inp)
 
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence], commit) -> None:
-        """`commit(seq, tokens) -> kept` appends tokens to a request, stopping at a stop condition."""
+    def step(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence]) -> list[Sequence]:
+        """The engine's step: prompt chunks (their context stored), then the decode requests'
+        speculation. Returns the requests that got tokens."""
+        touched = self.ar.prefill(prefill, taps=True) if prefill else []
+        if decode:
+            self.timed = not prefill  # (a prefill chunk still running on the device would count in the times)
+            self.short_bursts = self.ar.scheduler.admitting()
+            self.decode(decode)
+        return touched + decode
+
+    def decode(self, seqs: list[Sequence]) -> None:
+        """Speculative steps for the batch: a graphed burst, or one eager step."""
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             if any(s.num_cached - s.draft_len > self.drafter.block_size for s in seqs):
                 # context wider than the graph's (prefills store a prompt's themselves): the cache first
                 self.drafter.store_pending(seqs)
-            self._burst(seqs, commit)
+            self._burst(seqs)
         else:
-            self._eager_step(seqs, commit)
+            self._eager_step(seqs)
 
-    def _eager_step(self, seqs: list[Sequence], commit) -> None:
+    def _eager_step(self, seqs: list[Sequence]) -> None:
         """One step without graphs (the CPU), or for a batch larger than the graphs'."""
         inp = self.drafter.prepare(seqs)
         out = self.device_step(inp)
-        self._commit(seqs, out, commit, self.budget)
+        self._commit(seqs, out, self.budget)
 
-    def _burst(self, seqs: list[Sequence], commit, graphs: GraphPool | None = None, budget: int | None = None,
+    def _burst(self, seqs: list[Sequence], graphs: GraphPool | None = None, budget: int | None = None,
                most: int | None = None) -> int:
         """Graphed speculative steps (`graphs`, default the fixed budget's), pipelined like the engine's
         AR bursts: step i+1's inputs (root = bonus token, positions past the accepted path, drafter
@@ -200,12 +214,12 @@ class Speculator:
             if i + 1 < steps:  # (past the last step the positions may lie beyond the reserved pages)
                 inp = self._next_inputs(inp, packed, feats)
             launched = (self.readback.start(packed.flatten()), feats, packed.shape[1])
-            ended = pending is not None and self._commit_burst_step(seqs, pending, commit, budget)
+            ended = pending is not None and self._commit_burst_step(seqs, pending, budget)
             pending = launched
             if ended:
                 steps = i + 1
                 break
-        self._commit_burst_step(seqs, pending, commit, budget)
+        self._commit_burst_step(seqs, pending, budget)
         return steps
 
     def _next_inputs(self, inp: StepInputs, packed: torch.Tensor, feats: torch.Tensor) -> StepInputs:
@@ -219,7 +233,7 @@ class Speculator:
         return StepInputs(bonus, inp.starts + length + 1, inp.block_tables, feats, torch.where(valid, pos, 0), slots,
                           inp.draw)
 
-    def _commit_burst_step(self, seqs: list[Sequence], pending, commit, budget: int) -> bool:
+    def _commit_burst_step(self, seqs: list[Sequence], pending, budget: int) -> bool:
         """Commits one step of a burst to the requests still running; True if one finished. Each
         keeps only this step's path features pending: the next step (if launched) fed the ones before."""
         handle, feats, W = pending
@@ -231,7 +245,7 @@ class Speculator:
             L, bonus = row[0], row[1]
             seq.num_cached += L + 1
             seq.draft_len, seq.pending_features = seq.num_cached - L - 1, [feats[i, :L + 1]]
-            kept = commit(seq, row[3:3 + L] + [bonus])
+            kept = self.commit(seq, row[3:3 + L] + [bonus])
             seq.accept_lengths.append(kept)
             self.stats.add(L, kept)
         self.stats.drafted += budget * len(live)
@@ -242,7 +256,7 @@ class Speculator:
     def _burst_step_done(self, budget: int, rows: list[list[int]]) -> None:
         """Hook: a burst step's read-back rows (of the requests it committed to)."""
 
-    def _commit(self, seqs: list[Sequence], out: StepOutputs, commit, budget: int) -> int:
+    def _commit(self, seqs: list[Sequence], out: StepOutputs, budget: int) -> int:
         """Host side of a step: commits each request's accepted tokens and bonus; returns the accepted
         draft tokens of the batch. `budget` 0 is an AR step (no acceptance statistics)."""
         rows = out.packed.tolist()  # the one read-back of the step
@@ -261,7 +275,7 @@ class Speculator:
             else:  # an AR step of auto: it stored its row in the drafter cache itself
                 assert not seq.pending_features, "drafter context rows left behind an AR step"
                 seq.draft_len = seq.num_cached
-            kept = commit(seq, path_tokens[1:L + 1] + [bonus])
+            kept = self.commit(seq, path_tokens[1:L + 1] + [bonus])
             accepted += L
             if budget:
                 seq.accept_lengths.append(kept)

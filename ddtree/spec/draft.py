@@ -176,6 +176,18 @@ class DraftRunner:
         return StepInputs(req[:, 0], req[:, 1], req[:, 2 + COLUMNS:], feats.view(R, C, -1), pos_slots[0], pos_slots[1],
                           req[:, 2:2 + COLUMNS])
 
+    def store_chunks(self, chunks: list[tuple[Sequence, int]], feats: torch.Tensor) -> None:
+        """Prompt chunks' target features [sum of n, K*D] (an eager prefill's), into the drafter cache."""
+        for (seq, _), f in zip(chunks, feats.split([n for _, n in chunks])):
+            seq.pending_features.append(f)
+        self.store_pending([seq for seq, _ in chunks])
+
+    def mark_stored(self, seqs: list[Sequence]) -> None:
+        """The requests' context is in the drafter cache up to their cached tokens (a prefill graph
+        stored it)."""
+        for seq in seqs:
+            seq.draft_len = seq.num_cached
+
     def store_pending(self, seqs: list[Sequence]) -> None:
         """Moves every request's pending target features into the drafter cache now, outside a draft
         (an AR stretch's, or a prompt's after an eager prefill: more rows than a draft's context).
