@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from ddtree.engine.sequence import Sequence  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
+from ddtree.spec.context import context_of  # noqa: E402
 from ddtree.spec.draft import gap_rows  # noqa: E402
 from test_adaptive import late_61b7355_policy  # noqa: E402
 
@@ -29,7 +30,7 @@ def main() -> int:
     plans = int(sys.argv[2]) if len(sys.argv) > 2 else 3000
     seqs = [Sequence([1] * 200, SamplingParams(), None, block_table=[0] * 16, num_cached=300) for _ in range(batch)]
     for s in seqs:
-        s.gap_from = 10  # (tap-free since early in the prompt: 290 rows to feed again each)
+        context_of(s).open_gap(10)  # (tap-free since early in the prompt: 290 rows to feed again each)
     policy = late_61b7355_policy()  # hopeless from batch 16 up
     policy.plan(batch)
     policy.ar_streak = 2 * policy.max_probe_every  # a probe long due

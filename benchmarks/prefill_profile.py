@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_profile import default_shaped_model, emit, profiled_generate  # noqa: E402
 
 from ddtree import LLM, SamplingParams  # noqa: E402
+from ddtree.spec.context import context_of  # noqa: E402
 from ddtree.models.hub import DEFAULT_DRAFT_DIR  # noqa: E402
 
 
@@ -73,10 +74,11 @@ def store_cost(llm: LLM) -> None:
             for i in range(128):
                 s = Sequence(list(range(100, 260)), SamplingParams(), None)
                 s.block_table = list(range(i * 16, i * 16 + 16))
-                s.num_cached, s.draft_len = 190, 0
+                s.num_cached = 190
                 prompt = torch.randn(160, feat, device="cuda", dtype=torch.bfloat16)
                 steps = torch.randn(30, feat, device="cuda", dtype=torch.bfloat16)
-                s.pending_features = [prompt] + ([steps[j:j + 1] for j in range(30)] if layout == "rows" else [steps])
+                context_of(s).replace(0, [prompt] + ([steps[j:j + 1] for j in range(30)] if layout == "rows"
+                                                     else [steps]))
                 seqs.append(s)
             torch.cuda.synchronize()
             t0 = time.perf_counter()

@@ -19,6 +19,7 @@ import torch
 
 from ddtree import LLM, SamplingParams
 from ddtree.bench.datasets import sample_prompts
+from ddtree.spec.context import context_of
 from ddtree.spec.draft import DraftRunner
 
 
@@ -34,8 +35,8 @@ def main() -> None:
     original, rows, profiler = DraftRunner.store_pending, [], cProfile.Profile()
 
     def store_pending(self, seqs):
-        entries = sum(len(s.pending_features) for s in seqs)
-        pending = sum(s.num_cached - s.draft_len for s in seqs)
+        entries = sum(len(context_of(s).pending) for s in seqs)
+        pending = sum(s.num_cached - context_of(s).stored for s in seqs)
         tw = time.perf_counter()
         sync()  # (device work queued before the store: what a timer without this sync would charge it)
         t0 = time.perf_counter()

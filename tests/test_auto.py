@@ -14,6 +14,7 @@ from ddtree.llm import LLM
 from ddtree.models.dflash import random_drafter, save_drafter
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import candidate_budgets
+from ddtree.spec.context import context_of
 from ddtree.spec.costs import CostTable
 from ddtree.spec.draft import has_gap, store_shape
 from emulated import emulated_pool, fake_gpu_graphs
@@ -291,20 +292,20 @@ def test_pending_rows_gathers_burst_entries_and_tensors_in_order():
     F = 5
     a, b, t, u = torch.randn(3, 4, F), torch.randn(2, 6, F), torch.randn(2, F), torch.randn(1, F)
     seqs = [Sequence([0], SamplingParams(), None) for _ in range(4)]
-    seqs[0].pending_features = [t, (a, 0, 4), (b, 1, 2)]
-    seqs[1].pending_features = [(a, 2, 1)]
-    seqs[3].pending_features = [(b, 0, 6), u, (a, 1, 3)]  # (seqs[2]: nothing pending)
+    context_of(seqs[0]).replace(0, [t, (a, 0, 4), (b, 1, 2)])
+    context_of(seqs[1]).replace(0, [(a, 2, 1)])
+    context_of(seqs[3]).replace(0, [(b, 0, 6), u, (a, 1, 3)])  # (seqs[2]: nothing pending)
     want = torch.cat([t, a[0, :4], b[1, :2], a[2, :1], b[0], u, a[1, :3]])
     assert torch.equal(pending_rows(seqs), want)
-    seqs[1].pending_features = [t, u]
+    context_of(seqs[1]).replace(0, [t, u])
     assert torch.equal(pending_rows(seqs[1:3]), torch.cat([t, u]))  # tensors only
     assert pending_rows(seqs[2:3]) is None
-    seqs[1].pending_features = [(b, 1, 6)]
+    context_of(seqs[1]).replace(0, [(b, 1, 6)])
     assert torch.equal(pending_rows(seqs[1:2]), b[1])  # one buffer (no cat)
-    seqs[1].pending_features = [(b, 1, 6), (b, 0, 6)]
+    context_of(seqs[1]).replace(0, [(b, 1, 6), (b, 0, 6)])
     assert torch.equal(pending_rows(seqs[1:2]), torch.cat([b[1], b[0]]))  # every row, out of order
     c = torch.randn(64, 4, F)  # a few rows of a large buffer: views, not a copy of the whole buffer
-    seqs[1].pending_features = [(c, 5, 3), t]
+    context_of(seqs[1]).replace(0, [(c, 5, 3), t])
     assert torch.equal(pending_rows(seqs[1:2]), torch.cat([c[5, :3], t]))
 
 
@@ -321,10 +322,10 @@ def test_store_pending_puts_each_row_at_its_position_and_slot(pairs):
     for cached, drafted, first in [(2 * ps + 5, 3, 7), (5, 5, 4), (ps + 4, 0, 1)]:
         pages = [(first + 5 * j) % 23 for j in range(-(-cached // ps))]  # scattered pages
         seq = Sequence(list(range(cached)), SamplingParams(), None)
-        seq.block_table, seq.num_cached, seq.draft_len = pages, cached, drafted
+        seq.block_table, seq.num_cached = pages, cached
         n = cached - drafted
         f = torch.randn(n, dr.feat_dim)
-        seq.pending_features = [f[:n // 2], f[n // 2:]] if n else []
+        context_of(seq).replace(drafted, [f[:n // 2], f[n // 2:]] if n else [])
         want_pos += range(drafted, cached)
         want_slots += [pages[q // ps] * ps + q % ps for q in range(drafted, cached)]
         want_feats.append(f)
@@ -334,7 +335,7 @@ def test_store_pending_puts_each_row_at_its_position_and_slot(pairs):
     pad = store_shape(n) - n
     assert pad and got["pos"] == want_pos + [0] * pad and got["slots"] == want_slots + [dr.scratch_slot] * pad
     assert torch.equal(got["f"], torch.cat(want_feats + [torch.zeros(pad, dr.feat_dim)]))
-    assert all(s.draft_len == s.num_cached and not s.pending_features for s in seqs)
+    assert all(context_of(s).stored == s.num_cached and not context_of(s).pending for s in seqs)
     shapes = []  # every shape once, up to the most rows a store can have
     dr.store_context = lambda f, pos, slots: shapes.append((f.shape[0], pos.shape[0], set(slots.tolist())))
     dr.warm_stores(2, 300)
@@ -462,7 +463,7 @@ def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out,
     assert len(set(hist)) > 1, hist  # ... with probes
     assert calls["steps"] > 3 * calls["bursts"] > 0, calls  # AR steps ran in pipelined bursts
     # a request that finished in a burst keeps no feature rows (a view would hold the burst's buffer)
-    assert finished and not any(seq.pending_features for seq in finished)
+    assert finished and not any(context_of(seq).pending for seq in finished)
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])

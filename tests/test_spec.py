@@ -114,7 +114,7 @@ def assert_idle(llm: LLM) -> None:
 
 def hook_draft_logits(llm: LLM, replace) -> None:
     """Replaces the drafter's logits [R, B-1, V] by `replace(seqs, logits)`. The real drafter still
-    runs first, so its context bookkeeping (draft_len, pending features, its K/V) is exercised."""
+    runs first, so its context bookkeeping (spec/context.py, its K/V) is exercised."""
     spec = llm.engine.speculator
     assert spec.graphs is None  # eager steps: the drafter is called with this step's requests in order
     current: list = []

@@ -5,7 +5,6 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
 
 from ddtree.engine.detokenizer import IncrementalDetokenizer
 from ddtree.sampling_params import SamplingParams
@@ -34,27 +33,15 @@ class Sequence:
     accept_lengths: list[int] = field(default_factory=list)
     seed: int = 0  # keys every draw with the token's position (engine/sampler.py)
     text: str = ""  # detokenized output, cut at a stop string
-    # Speculative decoding: the drafter's context K/V cover positions [0, draft_len); target features
-    # of positions [draft_len, num_cached) wait in pending_features until the next draft step: tensors
-    # [n, K*D], or (buffer, i, n), the first n of row i of an AR burst's buffer [R, steps, K*D]
-    # (spec/draft.py `pending_rows`).
-    # A pending entry (None, start, n) is a gap: AR steps or a prefill that did not read out their
-    # features; gap_rows counts its rows. While such steps go on the gap is open, from gap_from to
-    # num_cached (spec/draft.py `open_gaps`: nothing to do per step), closed into an entry before
-    # anything else joins the context.
-    draft_len: int = 0
-    pending_features: list[torch.Tensor | tuple[torch.Tensor | None, int, int]] = field(default_factory=list)
-    gap_rows: int = 0
-    gap_from: int | None = None
+    # Speculative decoding: the drafter's context for this request (spec/context.py `DraftContext`,
+    # owned by the speculative side; dropped with the cache).
+    draft_context: object | None = None
 
     def drop_cache(self) -> None:
         """Forget all cached state (pages were released): everything is recomputed on readmission."""
         self.block_table = []
         self.num_cached = 0
-        self.draft_len = 0
-        self.pending_features = []
-        self.gap_rows = 0
-        self.gap_from = None
+        self.draft_context = None
 
     @property
     def token_ids(self) -> list[int]:

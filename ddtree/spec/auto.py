@@ -18,6 +18,7 @@ from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import AdaptivePolicy, candidate_budgets
 from ddtree.spec.costs import STORE_ENTRY_ROWS, STORE_ROWS, CostTable, measure_costs, wall_ms
 from ddtree.spec.decode import SPEC_BURST, Speculator, StepOutputs
+from ddtree.spec.context import context_of
 from ddtree.spec.draft import DraftRunner, StepInputs, close_gap, gap_rows, gaps, has_gap, open_gaps
 from ddtree.spec.tree import Candidates, candidates, cut_tree, expected_accepts
 
@@ -177,9 +178,11 @@ class AdaptiveSpeculator(Speculator):
             return 0.0
         t0 = time.perf_counter()
         feats = self.runner.refeed([(s, start, n) for s, _, start, n in found], self.drafter.layer_ids)
-        for (s, j, _, _), f in zip(found, feats.split([n for *_, n in found])):
-            s.pending_features[j] = f
-            s.gap_rows = 0
+        refed: dict[int, tuple[Sequence, list]] = {}
+        for (s, _, _, _), f in zip(found, feats.split([n for *_, n in found])):
+            refed.setdefault(id(s), (s, []))[1].append(f)
+        for s, fs in refed.values():
+            context_of(s).fill_gaps(fs)
         _sync(self.runner.device)
         rows, ms = sum(n for *_, n in found), (time.perf_counter() - t0) * 1e3
         if self.timed:  # (not behind a prefill chunk still running on the device)
@@ -260,7 +263,8 @@ class AdaptiveSpeculator(Speculator):
         # the next draft: an AR step that stored its own row spent ~7 small kernels, 4-5% of an AR
         # step on the H200. Only rows piling up are stored now (not a time to learn from: device work
         # not waited for), and not a request's with a gap (refed only at a switch).
-        full = [] if tap_free else [s for s in seqs if s.num_cached - s.draft_len > PENDING_ROWS and not has_gap(s)]
+        full = [] if tap_free else [s for s in seqs if s.num_cached - context_of(s).stored > PENDING_ROWS
+                                    and not has_gap(s)]
         if full:
             t0 = time.perf_counter()
             self.drafter.store_pending(full)
@@ -270,7 +274,7 @@ class AdaptiveSpeculator(Speculator):
             open_gaps(seqs)
         else:  # rows join the context after it
             for seq in seqs:
-                if seq.gap_from is not None:
+                if has_gap(seq):
                     close_gap(seq)
         t0 = time.perf_counter()
         burst = self.ar.burst(seqs, most, taps=not tap_free)
@@ -282,7 +286,7 @@ class AdaptiveSpeculator(Speculator):
             # as the request object.)
             for i, (seq, n) in enumerate(zip(seqs, burst.kept)):
                 if n and not seq.is_finished:
-                    seq.pending_features.append((burst.feats, i, n))
+                    context_of(seq).add((burst.feats, i, n))
         self.after_ar_burst(len(seqs), burst.steps, sum(burst.kept), (time.perf_counter() - t0) * 1e3)
 
     @torch.inference_mode()
@@ -313,7 +317,7 @@ class AdaptiveSpeculator(Speculator):
         """One step without graphs: draft, the budget chosen on this draft, verify."""
         R = len(seqs)
         self._refeed_gaps(seqs)
-        short = all(s.num_cached - s.draft_len <= self.ctx_rows for s in seqs)
+        short = all(s.num_cached - context_of(s).stored <= self.ctx_rows for s in seqs)
         t0 = time.perf_counter()
         inp = self.drafter.prepare(seqs)
         c, expected = self._draft(inp)
@@ -343,7 +347,7 @@ class AdaptiveSpeculator(Speculator):
         stored, store_ms = False, 0.0
         t0 = time.perf_counter()
         refeed_ms = self._refeed_gaps(seqs)  # (priced apart, on the rows it feeds again)
-        if refeed_ms or any(s.num_cached - s.draft_len > self.ctx_rows for s in seqs):
+        if refeed_ms or any(s.num_cached - context_of(s).stored > self.ctx_rows for s in seqs):
             # an AR stretch's context (fed again where its steps did not read it out), wider than the
             # graph's: a cost of switching from AR, which the plan adds to a switch (not to the burst's
             # rate: a store comes only after AR steps; waited for, so that the burst's time is its own)
@@ -418,7 +422,7 @@ class AdaptiveSpeculator(Speculator):
 
         def store():
             for i, s in enumerate(seqs):
-                s.draft_len, s.pending_features = context - per * bursts, [(buf, i, per) for buf in bufs]
+                context_of(s).replace(context - per * bursts, [(buf, i, per) for buf in bufs])
             self.drafter.store_pending(seqs)
         steps["store"] = store
         return steps

@@ -21,6 +21,7 @@ from ddtree.engine.sampler import COLUMNS, perturb, sample
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import page_slots
 from ddtree.spec.adaptive import BURST_STEPS
+from ddtree.spec.context import context_of
 from ddtree.spec.draft import DraftRunner, StepInputs
 from ddtree.spec.tree import Tree, build_tree
 from ddtree.spec.verify import walk
@@ -180,7 +181,7 @@ class Speculator:
     def decode(self, seqs: list[Sequence]) -> None:
         """Speculative steps for the batch: a graphed burst, or one eager step."""
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            if any(s.num_cached - s.draft_len > self.drafter.block_size for s in seqs):
+            if any(s.num_cached - context_of(s).stored > self.drafter.block_size for s in seqs):
                 # context wider than the graph's (prefills store a prompt's themselves): the cache first
                 self.drafter.store_pending(seqs)
             self._burst(seqs)
@@ -244,7 +245,7 @@ class Speculator:
             seq = seqs[i]
             L, bonus = row[0], row[1]
             seq.num_cached += L + 1
-            seq.draft_len, seq.pending_features = seq.num_cached - L - 1, [feats[i, :L + 1]]
+            context_of(seq).replace(seq.num_cached - L - 1, [feats[i, :L + 1]])
             kept = self.commit(seq, row[3:3 + L] + [bonus])
             seq.accept_lengths.append(kept)
             self.stats.add(L, kept)
@@ -271,10 +272,10 @@ class Speculator:
             L, bonus, path_tokens = rows[i][0], rows[i][1], rows[i][2:]
             seq.num_cached += L + 1
             if budget:
-                seq.pending_features.append(feats[2 * i])
+                context_of(seq).add(feats[2 * i])
             else:  # an AR step of auto: it stored its row in the drafter cache itself
-                assert not seq.pending_features, "drafter context rows left behind an AR step"
-                seq.draft_len = seq.num_cached
+                assert not context_of(seq).pending, "drafter context rows left behind an AR step"
+                context_of(seq).stored = seq.num_cached
             kept = self.commit(seq, path_tokens[1:L + 1] + [bonus])
             accepted += L
             if budget:

@@ -12,6 +12,7 @@ import torch
 
 from ddtree.engine.sampler import COLUMNS, sampling_columns
 from ddtree.engine.sequence import Sequence
+from ddtree.spec.context import context_of
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
 from ddtree.ops.attention import pack_rows, uniform_batch
@@ -31,7 +32,7 @@ class StepInputs:
 
 def pending_count(seq: Sequence) -> int:
     """Rows of target features the request holds pending."""
-    return sum(f[2] if isinstance(f, tuple) else f.shape[0] for f in seq.pending_features)
+    return context_of(seq).pending_count()
 
 
 def pending_rows(seqs: list[Sequence]) -> torch.Tensor | None:
@@ -44,7 +45,7 @@ def pending_rows(seqs: list[Sequence]) -> torch.Tensor | None:
     rows wanted are a small share of their buffers' (the engine storing the few requests whose context
     piled up), the views again: the cat would copy whole buffers for a few rows."""
     assert not any(has_gap(s) for s in seqs), "a gap in the drafter context: refeed it first"
-    entries = [f for s in seqs for f in s.pending_features]
+    entries = [f for s in seqs for f in context_of(s).pending]
     if not entries:
         return None
     sources, base = [], {}  # the distinct sources, and where each one's rows start in their cat
@@ -89,40 +90,28 @@ def open_gaps(seqs: list[Sequence]) -> None:
     host time in a grid row at batch 128 on the H200). One call a burst, not one a request: auto's host
     time between AR bursts is GPU idle time."""
     for seq in seqs:
-        if seq.gap_from is None:
-            seq.gap_from = seq.num_cached
+        context_of(seq).open_gap(seq.num_cached)
 
 
 def close_gap(seq: Sequence) -> None:
-    """Ends an open gap at num_cached: a (None, start, n) pending entry (refed before the next draft,
-    `gaps`), merged with one just before it."""
-    start, seq.gap_from = seq.gap_from, None
-    if start is None or start == seq.num_cached:
-        return
-    n = seq.num_cached - start
-    last = seq.pending_features[-1] if seq.pending_features else None
-    if isinstance(last, tuple) and last[0] is None and last[1] + last[2] == start:
-        seq.pending_features[-1] = (None, last[1], last[2] + n)
-    else:
-        seq.pending_features.append((None, start, n))
-    seq.gap_rows += n
+    """Ends an open gap at num_cached (refed before the next draft, `gaps`)."""
+    context_of(seq).close_gap(seq.num_cached)
 
 
 def has_gap(seq: Sequence) -> bool:
-    return seq.gap_rows > 0 or seq.gap_from is not None
+    return seq.draft_context is not None and seq.draft_context.has_gap
 
 
 def gap_rows(seq: Sequence) -> int:
     """Rows of the request's context a switch would feed again, an open gap's included."""
-    return seq.gap_rows + (seq.num_cached - seq.gap_from if seq.gap_from is not None else 0)
+    return context_of(seq).open_gap_rows(seq.num_cached)
 
 
 def gaps(seqs: list[Sequence]) -> list[tuple[Sequence, int, int, int]]:
-    """Every (request, index in its pending_features, start, n) of a gap, in order (open ones closed)."""
+    """Every (request, index in its pending entries, start, n) of a gap, in order (open ones closed)."""
     for s in seqs:
         close_gap(s)
-    return [(s, j, f[1], f[2]) for s in seqs if s.gap_rows for j, f in enumerate(s.pending_features)
-            if isinstance(f, tuple) and f[0] is None]
+    return [(s, j, start, n) for s in seqs for j, start, n in context_of(s).gaps()]
 
 
 class DraftRunner:
@@ -153,7 +142,7 @@ class DraftRunner:
         them after the step). `ctx_rows` pads the context to a fixed width (CUDA graphs)."""
         counts = []
         for seq in seqs:
-            n = seq.num_cached - seq.draft_len
+            n = seq.num_cached - context_of(seq).stored
             assert n == pending_count(seq), "drafter context out of sync"
             counts.append(n)
         R, C, ps = len(seqs), max(ctx_rows or 0, max(counts), 1), self.page_size
@@ -161,11 +150,11 @@ class DraftRunner:
         # ops per step instead of a dozen per request (the host cost of a large batch).
         pos, slots, pending, rows = [], [], pending_rows(seqs), []
         for i, (seq, n) in enumerate(zip(seqs, counts)):
-            table, new = seq.block_table, range(seq.draft_len, seq.num_cached)
+            table, new = seq.block_table, range(context_of(seq).stored, seq.num_cached)
             pos += [*new] + [0] * (C - n)
             slots += [table[q // ps] * ps + q % ps for q in new] + [self.scratch_slot] * (C - n)
             rows += range(i * C, i * C + n)
-            seq.draft_len, seq.pending_features = seq.num_cached, []
+            context_of(seq).take(seq.num_cached)
         feats = torch.zeros(R * C, self.feat_dim, dtype=self.dtype, device=self.device)
         if pending is not None:
             feats[torch.tensor(rows, device=self.device)] = pending
@@ -179,26 +168,26 @@ class DraftRunner:
     def store_chunks(self, chunks: list[tuple[Sequence, int]], feats: torch.Tensor) -> None:
         """Prompt chunks' target features [sum of n, K*D] (an eager prefill's), into the drafter cache."""
         for (seq, _), f in zip(chunks, feats.split([n for _, n in chunks])):
-            seq.pending_features.append(f)
+            context_of(seq).add(f)
         self.store_pending([seq for seq, _ in chunks])
 
     def mark_stored(self, seqs: list[Sequence]) -> None:
         """The requests' context is in the drafter cache up to their cached tokens (a prefill graph
         stored it)."""
         for seq in seqs:
-            seq.draft_len = seq.num_cached
+            context_of(seq).stored = seq.num_cached
 
     def store_pending(self, seqs: list[Sequence]) -> None:
         """Moves every request's pending target features into the drafter cache now, outside a draft
         (an AR stretch's, or a prompt's after an eager prefill: more rows than a draft's context).
         Positions and slots are computed on the device: a prompt may have thousands of rows."""
-        counts = [s.num_cached - s.draft_len for s in seqs]
+        counts = [s.num_cached - context_of(s).stored for s in seqs]
         total = sum(counts)
         assert total == sum(pending_count(s) for s in seqs), "drafter context out of sync"
         if not total:
             return
         dev = self.device
-        req = pack_rows([s.block_table for s in seqs], [[s.draft_len for s in seqs], counts],
+        req = pack_rows([s.block_table for s in seqs], [[context_of(s).stored for s in seqs], counts],
                         self.scratch_slot // self.page_size, dev)
         firsts, n = req[:, 0], req[:, 1]
         row = torch.repeat_interleave(torch.arange(len(seqs), device=dev), n, output_size=total)
@@ -212,7 +201,7 @@ class DraftRunner:
             slots = torch.cat([slots, slots.new_full((pad,), self.scratch_slot)])
         self.drafter.store_context(feats, pos, slots, self.use_triton)
         for seq in seqs:
-            seq.draft_len, seq.pending_features = seq.num_cached, []
+            context_of(seq).take(seq.num_cached)
 
     @torch.inference_mode()
     def warm_stores(self, max_batch: int, max_chunk: int) -> None:
