@@ -15,8 +15,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=None, help="DDTree per-depth top-k cap")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--coupled-drafts", action="store_true",
-                   help="sampled requests: the drafter ranks candidates with the noise of the target's draw (same output)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -26,14 +24,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="sampled runs: request j of a batch draws with seed SEED + j, the same tokens in every mode and "
                         "run (-1: unseeded, random)")
-    p.add_argument("--coupled-drafts", action="store_true",
-                   help="sampled requests: the drafter ranks candidates with the noise of the target's draw (same output)")
 
 
 def llm_from_args(args):
     from ddtree import LLM
     return LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
-               device=args.device, dtype=args.dtype, coupled_drafts=args.coupled_drafts)
+               device=args.device, dtype=args.dtype)
 
 
 def cmd_generate(args) -> int:

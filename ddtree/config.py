@@ -105,6 +105,3 @@ class EngineConfig:
     kv_cache_gb: float = 2.0  # CPU: memory for the KV cache when num_pages is None
     gpu_memory_utilization: float = 0.85
     cuda_graphs: bool = True  # decode steps replay CUDA graphs on GPU (eager is for debugging only)
-    # Sampled requests: the drafter ranks its candidates with the noise the target's draw at the same
-    # position will use (engine/sampler.py `perturb`); the output is the same either way.
-    coupled_drafts: bool = False

@@ -42,8 +42,7 @@ class LLM:
                  budget: int | None = None, topk: int | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, page_size: int = 16, num_pages: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 kv_cache_gb: float = 1.0, cuda_graphs: bool = True, coupled_drafts: bool = False, tokenizer=None,
-                 cost_table=None):
+                 kv_cache_gb: float = 1.0, cuda_graphs: bool = True, tokenizer=None, cost_table=None):
         from ddtree.models.hub import default_draft, is_default_model, resolve_model
         from ddtree.models.loader import load_model
 
@@ -54,7 +53,7 @@ class LLM:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
         self.engine_cfg = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                       kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs, coupled_drafts=coupled_drafts)
+                                       kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs)
         self.drafter = None
         if draft is None and spec != "none" and is_default_model(model):
             draft = default_draft()  # the default pair: our drafter for the default model (DDTree)

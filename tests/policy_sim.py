@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ddtree.spec.adaptive import BURST_STEPS as SPEC_BURST, AdaptivePolicy
 from ddtree.spec.costs import CostTable
 
-AR_BURST = 16  # (ddtree/engine/engine.py DECODE_BURST)
+AR_BURST = 16  # (ddtree/engine/ar.py DECODE_BURST)
 SHARE = {4: 0.6, 8: 0.8, 16: 0.92, 32: 1.0}  # a budget's accepted length, as a share of budget 32's
 
 

@@ -5,8 +5,7 @@ import os
 import pytest
 import torch
 
-from ddtree.engine.sampler import (SamplingRows, draw_tensor, keep_threshold, perturb, row_keys, sample,
-                                   target_probs)
+from ddtree.engine.sampler import SamplingRows, draw_tensor, keep_threshold, row_keys, sample, target_probs
 from ddtree.sampling_params import SamplingParams
 
 # Probabilities 0.5, 0.3, 0.15, 0.05, stored out of order so the scatter back to vocab order is exercised.
@@ -174,13 +173,31 @@ def test_triton_draws_equal_the_torch_reference(dtype):
         want = sample(logits.to(device), rows, positions, use_triton=False)
         got = sample(logits.to(device), rows, positions, use_triton=True)
         assert got.tolist() == want.tolist()
-        coupled = [logits.to(device).clone() for _ in range(2)]
-        perturb(coupled[0], rows, positions, use_triton=False)
-        perturb(coupled[1], rows, positions, use_triton=True)
-        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)  # (a bf16 ulp)
-        torch.testing.assert_close(coupled[1], coupled[0], **tol)  # (log: not bit-exact across)
-        assert torch.equal(coupled[1][0], logits[0].to(device))  # greedy rows stay as they are
 
+
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton needs a GPU or its interpreter")
+def test_triton_draws_equal_the_reference_with_ties_a_vanishing_top_p_and_nan_logits():
+    # Coarse logits tie at the k-th largest (the top-k mass counts every tie, both ways); a top-p that
+    # rounds to 0 in float32 keeps the largest logit only; a row with a NaN still returns a token.
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(2)
+    V, device = 700, "cuda" if torch.cuda.is_available() else "cpu"
+    params = [sp(top_k=5, top_p=0.5), sp(top_k=40, top_p=0.9), sp(top_k=3), sp(top_p=1e-50),
+              sp(temperature=0.3, top_p=1e-50)] * 4
+    logits = (torch.randn(len(params), V, generator=g) * 2).round()
+    rows = draw_tensor(params, list(range(len(params))), device)
+    positions = torch.arange(len(params), device=device)
+    want = sample(logits.to(device), rows, positions, use_triton=False)
+    got = sample(logits.to(device), rows, positions, use_triton=True)
+    assert got.tolist() == want.tolist()
+    nan = torch.randn(2, V, generator=g)
+    nan[:, 10] = float("nan")
+    drawn = sample(nan.to(device), draw_tensor([sp(top_p=0.9), sp(top_k=5, top_p=0.9)], [1, 2], device),
+                   positions[:2], use_triton=True)
+    assert ((drawn >= 0) & (drawn < V)).all()
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-0.1), "temperature"),

@@ -180,7 +180,7 @@ def inputs_rows(inp) -> int:
 def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int = 512) -> list[dict]:
     """Device time of one AR decode step, one draft step and one verify step of each width, for
     requests with `context` cached tokens (fake requests; their pages are returned afterwards)."""
-    from ddtree.engine.engine import DecodeInputs
+    from ddtree.engine.ar import DecodeInputs
     from ddtree.engine.sampler import COLUMNS
     from ddtree.engine.sequence import Sequence
     from ddtree.spec.auto import AdaptiveSpeculator
@@ -218,7 +218,7 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
                 depth = torch.arange(n, device=dev).expand(bs, n).contiguous()
                 mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)).expand(bs, n, n).contiguous()
                 toks = torch.full((bs, n), 7, device=dev)
-                vin = DecodeInputs(toks, starts, tables)
+                vin = DecodeInputs(toks, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev))
                 row[f"verify_{n}_ms"] = time_graph(
                     lambda i, d=depth, m=mask: runner.verify(i.block_tables, i.starts, i.ids, d, m, taps)[0], vin)
         for s in seqs:
@@ -288,7 +288,6 @@ def main(args) -> int:
     if args.draft is None and is_default_model(args.model):
         args.draft = default_draft()  # the default pair
     llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
-              coupled_drafts=args.coupled_drafts,
               max_num_seqs=max(args.concurrency), num_pages=args.num_pages)
     env = environment(llm)
     rows_in = load_prompts(args.dataset, args.num_prompts)
@@ -309,8 +308,7 @@ def main(args) -> int:
             r = run_mode(llm, batches, params, args.repeats)
             row = {**env, "mode": name, "budget": llm.budget, "topk": llm.topk, "concurrency": c,
                    "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
-                   "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-                   "coupled_drafts": args.coupled_drafts, **r}
+                   "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, **r}
             if name == "auto":  # the step costs measured at start-up that `auto` chose from
                 row["cost_table"] = llm.engine.speculator.policy.table.as_dict()
             results.append(row)

@@ -55,7 +55,6 @@ def main(args) -> int:
         # CPU each would take kv_cache_gb)
         raise ValueError("--interleave keeps a KV cache per mode: give --num-pages (e.g. 16384 on the H200)")
     llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
-              coupled_drafts=args.coupled_drafts,
               max_num_seqs=max(args.concurrency), num_pages=args.num_pages)
     rows_in = sample_prompts(args.dataset, args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
@@ -94,7 +93,7 @@ def main(args) -> int:
                "concurrency": c, "batching": "continuous" if args.continuous else "to completion",
                "interleaved": args.interleave, "dataset": args.dataset, "num_prompts": len(prompts),
                "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
-               "top_p": args.top_p, "seed": args.seed, "coupled_drafts": args.coupled_drafts, **r}
+               "top_p": args.top_p, "seed": args.seed, **r}
         results.append(row)
         with open(args.out, "a") as f:  # row by row: a long grid that dies keeps what it measured
             f.write(json.dumps(row) + "\n")

@@ -32,8 +32,8 @@ from ddtree.ops.attention import pack_rows, page_slots
 DECODE_BURST = 16  # graphed AR decode steps per engine step, pipelined (`burst`)
 SHORT_BURST = 2  # while a request waits for a free slot (Scheduler.admitting), so its prefill is not held back
 # A prompt chunk of at most the last of these tokens is prefilled by replaying the CUDA graph of the
-# next width up, with the step's other chunks of that width (an eager prefill is host-bound: ~24
-# layers x ~10 launches; on the H200 a 2-prompt one took 14 ms of host time for 1.8 ms of kernels).
+# next width up, with the step's other chunks of that width (an eager prefill is host-bound: about ten
+# launches per layer for a few milliseconds of kernels).
 PREFILL_WIDTHS = (16, 32, 64, 128, 256, 512)
 PREFILL_GRAPH_TOKENS = 4096  # a width's graphs hold up to this many tokens (padding included) per replay
 PREFILL_GRAPHS = os.environ.get("DDTREE_PREFILL_GRAPHS", "1") != "0"  # =0: eager prefill (to compare)
@@ -189,6 +189,8 @@ class ARDecoder:
         no graph (a long one, or positions past the graphs' page-table width)."""
         if not self.prefill_graphs:
             return None
+        assert taps or self.taps is None or self.untapped_prefill_graphs is not self.prefill_graphs, \
+            "no prefill graphs without taps were captured: they would store the drafter's context unasked"
         pools = self.prefill_graphs if taps else self.untapped_prefill_graphs
         room = min(self.max_pages * self.runner.page_size, self.cfg.max_position)
         widths = []

@@ -85,11 +85,10 @@ class LLMEngine:
         if speculative:
             if auto:
                 self.speculator = AdaptiveSpeculator(self.runner, draft_runner, self.ar, topk, use_graphs,
-                                                     engine_cfg.max_num_seqs, max_pages, cost_table,
-                                                     engine_cfg.coupled_drafts)
+                                                     engine_cfg.max_num_seqs, max_pages, cost_table)
             else:
                 self.speculator = Speculator(self.runner, draft_runner, self.ar, budget, topk, use_graphs,
-                                             engine_cfg.max_num_seqs, max_pages, engine_cfg.coupled_drafts)
+                                             engine_cfg.max_num_seqs, max_pages)
                 if use_graphs:
                     with torch.inference_mode():
                         self.speculator.graphs.capture_all(self.speculator.padding_inputs)

@@ -15,9 +15,11 @@ under AR, DFlash and DDTree (verification draws at each tree node's next positio
 alone or in any batch, and after preemption and recompute. Unseeded requests get a random seed at
 admission (`request_seed`).
 
-On the GPU the threshold and the noisy argmax are Triton kernels (ops/triton_sample.py) that never
-hold a [rows, vocab] noise tensor; the torch functions here are the reference (CPU, tests), which
-work through the vocabulary in column blocks for the same reason.
+On the GPU two Triton kernels (ops/triton_sample.py) draw without ever holding a [rows, vocab] noise
+tensor: the noisy argmax over all tokens, then, for rows with top-k or top-p, a check that the drawn
+token is kept and a draw again above it where it is not (the same tokens as the threshold here). The
+torch functions here are the reference (CPU, tests); they work through the vocabulary in column
+blocks for the same reason.
 """
 from __future__ import annotations
 
@@ -49,8 +51,9 @@ def _float_bits(x: float) -> int:
 
 
 def sampling_columns(params: list[SamplingParams], seeds: list[int]) -> list[list[int]]:
-    """The batch's settings as `COLUMNS` host int columns (`SamplingRows.unpack` reads them on the
-    device), to travel in the same host->device copy as the step's other per-request integers."""
+    """The batch's settings as `COLUMNS` host int columns, to travel in the same host->device copy as
+    the step's other per-request integers; on the device they are the [R, COLUMNS] `draw` rows that
+    `sample` reads (`SamplingRows.unpack` splits them for the reference)."""
     temps = [0.0 if p.greedy else p.temperature for p in params]
     return [list(seeds), [_float_bits(t) for t in temps], [_float_bits(p.top_p) for p in params],
             [p.top_k for p in params]]
@@ -130,9 +133,10 @@ def gumbel(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 def keep_threshold(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """The smallest logit each row keeps [M] (float32; -inf where nothing is cut: greedy rows and
-    rows without top-k or top-p). Top-k keeps the k largest logits; top-p then keeps the smallest
-    prefix, in descending order, of the top-k distribution at temperature T whose mass reaches p.
-    Ties at the threshold are all kept."""
+    rows without top-k or top-p). Top-k keeps the logits at least as large as the k-th largest (ties
+    with it included, and in the top-k mass); top-p then keeps the smallest prefix, in descending
+    order, of that distribution at temperature T whose mass reaches p. Ties at the threshold are all
+    kept."""
     M, V = logits.shape
     thresh = torch.full((M,), float("-inf"), device=logits.device)
     T, k, p = rows.temperature, rows.top_k, rows.top_p
@@ -141,9 +145,9 @@ def keep_threshold(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     if not idx.numel():
         return thresh
     sorted_logits = logits[idx].float().sort(dim=-1, descending=True).values
-    ranks = torch.arange(V, device=logits.device)[None, :]
     k_cut = torch.where((k[idx] > 0) & (k[idx] < V), k[idx], V)
-    top = sorted_logits.masked_fill(ranks >= k_cut[:, None], float("-inf"))
+    kth = sorted_logits.gather(1, (k_cut - 1)[:, None])
+    top = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))  # (ties with the k-th count in its mass)
     probs = ((top - top[:, :1]) / T[idx, None]).exp()
     cum = probs.cumsum(-1)
     reach = cum >= p[idx, None] * cum[:, -1:]  # (cum[-1]: the top-k mass)
@@ -188,24 +192,3 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     greedy = rows.temperature == 0
     onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], onehot, probs)
-
-
-def perturb(logits: torch.Tensor, draw: torch.Tensor, positions: torch.Tensor, use_triton: bool = False) -> None:
-    """Coupled drafts: each sampled row of drafter logits [M, V] becomes logits / T + gumbel(seed,
-    position) in place, the noise the target's draw at that position will use (greedy rows are left
-    as they are). Ranking a depth's candidates by it puts first the token the target draws there
-    whenever the drafter's distribution is close to the target's; what is committed does not change
-    (verification draws with the same keys whatever was drafted)."""
-    if use_triton:
-        from ddtree.ops.triton_sample import triton_perturb
-        triton_perturb(logits, draw, positions)
-        return
-    rows = SamplingRows.unpack(draw).repeat(logits.shape[0] // draw.shape[0])
-    noisy = (rows.temperature > 0).nonzero().flatten()
-    if not noisy.numel():
-        return
-    T, keys = rows.temperature[noisy, None], row_keys(rows.seed[noisy], positions[noisy])
-    for c0 in range(0, logits.shape[1], BLOCK_COLUMNS):
-        cols = torch.arange(c0, min(logits.shape[1], c0 + BLOCK_COLUMNS), device=logits.device)
-        part = logits[noisy, c0:c0 + len(cols)].float()
-        logits[noisy, c0:c0 + len(cols)] = (part / T + gumbel(keys, cols)).to(logits.dtype)

@@ -137,7 +137,9 @@ def _row_kernel(X, stride_x, V, Draw, nodes, Pos, BestVal, BestIdx, TileMax, Til
                 above = x > ly
                 count += tl.sum(above.to(tl.int32), 0)
                 mass += tl.sum(tl.where(above, tl.exp((x - m) / T), 0.0), 0)
-            kept = (((count < k) | (use_k == 0)) & ((mass < p * total) | (use_p == 0))).to(tl.int32)
+            # (the largest logit is always kept, as the reference keeps rank 0: a top-p that rounds to
+            # 0, or a NaN mass, cannot reject every token)
+            kept = ((((count < k) | (use_k == 0)) & ((mass < p * total) | (use_p == 0))) | (count == 0)).to(tl.int32)
             if kept == 0:  # the draw again, over the logits above y's
                 lower = ly
                 best = float("-inf")
@@ -151,6 +153,7 @@ def _row_kernel(X, stride_x, V, Draw, nodes, Pos, BestVal, BestIdx, TileMax, Til
                     y = tl.where(better, bat, y)
                     best = tl.where(better, bmax, best)
                 ly = tl.load(base + y).to(tl.float32)
+                kept = (best == float("-inf")).to(tl.int32)  # (nothing above: NaN logits; keep the draw)
     tl.store(Token + row, y.to(tl.int64))
 
 
@@ -172,23 +175,3 @@ def triton_sample(logits: torch.Tensor, draw: torch.Tensor, positions: torch.Ten
     _row_kernel[(M,)](logits, logits.stride(0), V, draw, nodes, pos, best_val, best_idx, tile_max, tile_sum, tiles,
                       token, TILES=max(16, triton.next_power_of_2(tiles)), BLOCK=BLOCK)
     return token
-
-
-@triton.jit
-def _perturb_kernel(X, stride_x, V, Draw, nodes, Pos, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    seed, T, p, k = _settings(Draw, row, nodes)
-    if T > 0:
-        ptr = X + row.to(tl.int64) * stride_x + cols
-        x = tl.load(ptr, mask=cols < V, other=0.0).to(tl.float32)
-        y = _noisy(x / T, _row_key(seed, tl.load(Pos + row)), cols, 1.0)
-        tl.store(ptr, y.to(X.dtype.element_ty), mask=cols < V)
-
-
-def triton_perturb(logits: torch.Tensor, draw: torch.Tensor, positions: torch.Tensor) -> None:
-    """`sampler.perturb` on the GPU, in place."""
-    M, V = logits.shape
-    assert logits.stride(1) == 1 and draw.dtype == torch.long
-    _perturb_kernel[(M, triton.cdiv(V, TILE))](logits, logits.stride(0), V, draw.contiguous(), M // draw.shape[0],
-                                               positions.long().contiguous(), BLOCK=TILE)

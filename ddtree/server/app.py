@@ -270,7 +270,7 @@ def serve(args) -> int:
     def load():
         llm = LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
                   device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages,
-                  max_model_len=args.max_model_len, coupled_drafts=args.coupled_drafts)
+                  max_model_len=args.max_model_len)
         # The server keeps this one engine for its life: what exists now is never garbage, and frozen it
         # is not walked by every full collection (137 ms for 344k objects with the default pair, CPU),
         # which would stall the engine loop mid-stream.

@@ -198,7 +198,7 @@ class AdaptivePolicy:
         draft and verify) took `measured_ms` where the table says `table_ms`. One sample counts at most
         4x the table (a stray stall, a first-time compile). Steps may also come out cheaper than the
         table, which times each replay to a synchronize where bursts pipeline: an AR step down to half
-        (the table's is auto's own AR graph; the engine's bursts run their own), a speculative one down
+        (the table's is auto's own AR graph; the AR decoder's bursts run their own), a speculative one down
         to three quarters (the extra is added to every budget's cost, small ones included)."""
         key = (kind, _bucket(batch))
         self._learnt()  # (`fit` weighs by the step's cost, which the extra is part of)

@@ -75,9 +75,9 @@ class AdaptiveSpeculator(Speculator):
     stores its own drafter context row."""
 
     def __init__(self, runner: ModelRunner, drafter: DraftRunner, ar: ARDecoder, topk: int, use_graphs: bool = False,
-                 max_batch: int = 64, max_pages: int = 0, table: CostTable | None = None, coupled: bool = False):
+                 max_batch: int = 64, max_pages: int = 0, table: CostTable | None = None):
         self.budgets = candidate_budgets(drafter.block_size - 1, topk)
-        super().__init__(runner, drafter, ar, self.budgets[-1], topk, False, max_batch, max_pages, coupled)
+        super().__init__(runner, drafter, ar, self.budgets[-1], topk, False, max_batch, max_pages)
         self.ctx_rows = drafter.block_size  # a burst's context width: the last accepted path (more: stored first)
         self.max_pages, self.planned, self.tap_free = max_pages, 0, False  # (`ar_steps`)
         self.draft_graphs, self.ar_graphs, self.step_graphs = None, None, {}
@@ -133,7 +133,7 @@ class AdaptiveSpeculator(Speculator):
 
     def _draft(self, inp: StepInputs) -> tuple[Candidates, torch.Tensor]:
         """Drafter block -> candidates for the largest budget and E(b) [R, budgets] for each b > 0."""
-        c = candidates(self.draft_logits(inp), self.budget, self.topk)
+        c = candidates(self.drafter.logits(inp), self.budget, self.topk)
         return c, expected_accepts(c, self.budgets[1:])
 
     @property
@@ -244,8 +244,8 @@ class AdaptiveSpeculator(Speculator):
         """Prompt chunks that also store the drafter's context; with graphed AR bursts, not where the
         policy sees no chance for speculation at the batch they join, or a chunk's request already has a
         gap (a switch refeeds first anyway): their context is left with one, as tap-free AR bursts leave
-        it (fed again at a switch, should one come). All the step's chunks go one way, in one forward:
-        split in two, at C=64 on the H200 a run's prefills took 19 forwards to plain AR's 15."""
+        it (fed again at a switch, should one come). All the step's chunks go one way, in one forward
+        (split in two, a run's prefills take more forwards than plain AR's)."""
         if self.ar.decode_graphs is None or not (any(has_gap(seq) for seq, _ in chunks) or
                                                  self.tap_free_prefill(self.ar.scheduler.headed_for())):
             return self.ar.prefill(chunks, taps=True)
@@ -411,7 +411,7 @@ class AdaptiveSpeculator(Speculator):
         else:
             steps = {"draft": partial(self._draft, inp), 0: partial(self._budget_step, 0, root)}
             steps.update({b: partial(self._whole_step, b, inp) for b in self.budgets[1:]})
-        # (an entry per request and AR burst, as the engine's bursts leave them; rebuilding the lists is
+        # (an entry per request and AR burst, as the AR decoder's bursts leave them; rebuilding the lists is
         # timed too, ~0.3 ms at 512 requests on the CPU, against table stores of ~1 ms)
         per = min(STORE_ENTRY_ROWS, context)
         bursts = max(1, min(STORE_ROWS, context) // per)

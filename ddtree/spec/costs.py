@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 AR_TIMING_BURST = 8  # AR steps timed back to back, as the engine's pipelined bursts run them
-STORE_ROWS = 64  # pending context rows per request in the timed store (engine.PENDING_ROWS caps a stretch's)
+STORE_ROWS = 64  # pending context rows per request in the timed store (spec/auto.py PENDING_ROWS caps a stretch's)
 STORE_ENTRY_ROWS = 8  # ... in entries of this many (AR bursts run 16 steps, 2 while requests wait for a slot)
 
 

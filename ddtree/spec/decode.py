@@ -17,7 +17,7 @@ from ddtree.engine.ar import SHORT_BURST, ARDecoder
 from ddtree.engine.graphs import GraphPool
 from ddtree.engine.readback import TokenReadback
 from ddtree.engine.runner import ModelRunner
-from ddtree.engine.sampler import COLUMNS, perturb, sample
+from ddtree.engine.sampler import COLUMNS, sample
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import page_slots
 from ddtree.spec.adaptive import BURST_STEPS
@@ -69,10 +69,9 @@ class Speculator:
     (which also stores them as the drafter's context), decode requests speculate."""
 
     def __init__(self, runner: ModelRunner, drafter: DraftRunner, ar: ARDecoder, budget: int, topk: int,
-                 use_graphs: bool = False, max_batch: int = 64, max_pages: int = 0, coupled: bool = False):
-        """`coupled`: coupled drafts (`draft_logits`)."""
+                 use_graphs: bool = False, max_batch: int = 64, max_pages: int = 0):
         self.runner, self.drafter, self.ar, self.budget, self.topk = runner, drafter, ar, budget, topk
-        self.commit, self.coupled = ar.commit, coupled
+        self.commit = ar.commit
         self.stats = SpecStats()
         self.depth = drafter.block_size - 1
         self.graphs = None
@@ -120,19 +119,8 @@ class Speculator:
 
     def device_step(self, inp: StepInputs) -> StepOutputs:
         """Draft, build the tree, verify it, accept, and compact the accepted K/V; device ops only."""
-        tree = build_tree(self.draft_logits(inp), inp.roots, self.budget, self.topk)
+        tree = build_tree(self.drafter.logits(inp), inp.roots, self.budget, self.topk)
         return self._verify(inp, tree)
-
-    def draft_logits(self, inp: StepInputs) -> torch.Tensor:
-        """The drafter's logits [R, D, V] for depths 1..D; with coupled drafts a sampled request's are
-        perturbed by the noise of the target's draw at each depth's position (engine/sampler.py
-        `perturb`), so its candidates are ranked by how likely the target is to draw them there."""
-        logits = self.drafter.logits(inp)
-        if self.coupled:
-            R, D, V = logits.shape
-            positions = (inp.starts[:, None] + torch.arange(1, D + 1, device=logits.device)).flatten()
-            perturb(logits.view(R * D, V), inp.draw, positions, self.runner.use_triton)
-        return logits
 
     def target_draws(self, logits: torch.Tensor, inp, depth: torch.Tensor) -> torch.Tensor:
         """The target's token at every node [R, N] from its logits [R, N, V]: the draw (or argmax) for

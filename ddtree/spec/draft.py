@@ -70,7 +70,7 @@ def pending_rows(seqs: list[Sequence]) -> torch.Tensor | None:
     return flat[shift + torch.arange(total, device=flat.device)]
 
 
-STORE_WARM_ROWS = 160  # pending rows a request may hold at a store: engine.PENDING_ROWS (128) and a burst's
+STORE_WARM_ROWS = 160  # pending rows a request may hold at a store: auto.PENDING_ROWS (128) and a burst's
 
 
 def store_shape(rows: int) -> int:
@@ -206,7 +206,7 @@ class DraftRunner:
     @torch.inference_mode()
     def warm_stores(self, max_batch: int, max_chunk: int) -> None:
         """Every store shape run once, on the scratch slot (`store_shape`), up to the most rows a store
-        can have: `max_batch` requests' pending rows at a switch (engine.PENDING_ROWS and a burst's,
+        can have: `max_batch` requests' pending rows at a switch (auto.PENDING_ROWS and a burst's,
         STORE_WARM_ROWS), or a prompt chunk of `max_chunk` rows after an eager prefill."""
         most_rows, shapes, n = max(max_batch * STORE_WARM_ROWS, max_chunk), [], 1
         while not shapes or shapes[-1] < most_rows:

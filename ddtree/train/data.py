@@ -121,8 +121,9 @@ def generate_dataset(target: str, prompts: Iterable[str], out: str | None = None
 
     Greedy by default: the drafter learns to predict the target's own greedy continuation, which is
     exactly what greedy verification accepts (and what sampled verification accepts most often, since
-    the drafts are the drafter's argmax). `temperature` > 0 samples instead, prompt i with the seed
-    `seed` * 2^32 + i (the same answers again from the same seed): other answers to prompts already answered greedily, new contexts where the prompts run out
+    the drafts are the drafter's argmax). `temperature` > 0 samples instead, the i-th prompt kept (not
+    over `max_prompt_tokens`) with the seed `seed` * 2^32 + i (the same answers again from the same
+    seed): other answers to prompts already answered greedily, new contexts where the prompts run out
     (the default drafter had used every ShareGPT prompt it may by run 6); training labels them with
     the target's argmax (`train-drafter --labels target`), not the draws. An `out` ending in .npz is
     written packed (`pack_dataset`, no metadata)."""
