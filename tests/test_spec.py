@@ -238,12 +238,15 @@ def test_greedy_output_equals_ar_token_for_token_alone_and_batched(case, drafter
             assert moved[0] > 0, "no side branch was ever accepted: compaction untested"
 
 
-def test_preempted_speculative_requests_recompute_and_stay_lossless(tiny, drafter, ar, prompts):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_preempted_speculative_requests_recompute_and_stay_lossless(sampled, tiny, drafter, ar, prompts):
     # 20 pages of 4 slots hold the longest request (43 tokens + a 16-slot verify width) but not all four.
-    params = greedy_params()
+    # Sampled: the draws after a recompute are keyed by the same (seed, position), so seeded AR's tokens.
+    make = sampled_params if sampled else greedy_params
+    params = make()
     ref = ar("qwen3", prompts, params)
     llm = spec_llm(tiny("qwen3"), drafter("qwen3", 8), "ddtree", 15, 4, num_pages=20)
-    plant(llm, noisy_oracle(continuation(prompts, ar("qwen3", prompts, greedy_params([LONGEST] * 4)))))
+    plant(llm, noisy_oracle(continuation(prompts, ar("qwen3", prompts, make([LONGEST] * 4)))))
     out = llm.generate(prompts, params)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
