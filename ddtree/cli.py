@@ -97,8 +97,10 @@ def cmd_bench_report(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    if args.spec not in (None, "none") and args.draft is None:
-        raise ValueError(f"--spec {args.spec} needs --draft (a DFlash drafter checkpoint dir)")
+    from ddtree.models.hub import is_default_model
+    if args.spec not in (None, "none") and args.draft is None and not is_default_model(args.model):
+        raise ValueError(f"--spec {args.spec} needs --draft (a DFlash drafter checkpoint dir; the default model "
+                         "has its own)")
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     from ddtree.server.app import serve

@@ -358,9 +358,13 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_frees_its_pages(spe
 # ---- API key and queue limit
 
 def test_api_key_is_required_on_v1_but_not_on_health(keyed):
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {keyed.key}"},
+                    {"Authorization": keyed.key}):
         r = httpx.post(keyed.url + CHAT, json={"messages": MSG}, headers=headers, timeout=REQUEST_S)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(keyed.url + CHAT, json={"messages": MSG, "max_tokens": 2}, timeout=REQUEST_S,
+                   headers={"Authorization": f"bearer {keyed.key}"})  # (the scheme is case-insensitive)
+    assert r.status_code == 200
     assert httpx.get(keyed.url + "/v1/models", timeout=REQUEST_S).status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="wrong", max_retries=0).models.list()
@@ -379,6 +383,7 @@ def test_requests_beyond_the_queue_limit_get_429(keyed):
         next(line for line in lines if line.startswith("data: "))
         busy = keyed.post(CHAT, {"messages": MSG, "max_tokens": 2})
         assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full"
+        assert busy.headers["retry-after"] == "1"
         with pytest.raises(openai.RateLimitError):
             keyed.client().chat.completions.create(model="keyed", messages=MSG, max_tokens=2)
     keyed.wait_until(lambda m: m["ddtree_kv_pages_used"] == 0)
@@ -387,6 +392,23 @@ def test_requests_beyond_the_queue_limit_get_429(keyed):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert r.status_code == 200
+
+
+@pytest.mark.parametrize("path, field, value", [
+    (CHAT, "logprobs", True), (CHAT, "top_logprobs", 3), (CHAT, "tools", [{"type": "function"}]),
+    (CHAT, "response_format", {"type": "json_object"}), (COMP, "echo", True), (COMP, "best_of", 2),
+    (COMP, "logprobs", 2), (CHAT, "logit_bias", {"5": 10})])
+def test_unsupported_openai_fields_are_refused_naming_them(ar, path, field, value):
+    body = {"messages": MSG} if path == CHAT else {"prompt": "Hello"}
+    r = ar.post(path, {**body, "max_tokens": 2, field: value})
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_unsupported_fields_at_their_defaults_are_accepted(ar):
+    r = ar.post(CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": False, "tool_choice": "none", "tools": [],
+                       "response_format": {"type": "text"}, "logit_bias": {}})
+    assert r.status_code == 200, r.text
+    assert ar.post(COMP, {"prompt": "Hello", "max_tokens": 2, "best_of": 1, "echo": False, "logprobs": 0}).status_code == 200
 
 
 # ---- metrics
@@ -473,9 +495,10 @@ def test_app_answers_503_until_loaded_and_reports_a_failed_load(tiny_qwen2):
         assert isinstance(fatal[0], FileNotFoundError)
 
 
-def test_serve_rejects_a_speculative_mode_without_a_drafter():
-    r = subprocess.run([sys.executable, "-m", "ddtree.cli", "serve", "--spec", "ddtree"], capture_output=True,
-                       text=True, timeout=120)
+def test_serve_rejects_a_speculative_mode_without_a_drafter_for_other_models_than_the_default(tiny_qwen2):
+    # (the default model has its own drafter: `--spec ddtree` alone serves it)
+    r = subprocess.run([sys.executable, "-m", "ddtree.cli", "serve", "--model", tiny_qwen2, "--spec", "ddtree"],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--draft" in r.stderr
 
 

@@ -50,12 +50,13 @@ class BearerAuth:
     """ASGI middleware: 401 on /v1/* without the key (before the body is read, so even bad JSON gets 401)."""
 
     def __init__(self, app, key: str):
-        self.app, self.key = app, f"Bearer {key}".encode()
+        self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.key):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            # (the scheme is case-insensitive, RFC 9110; the key is compared in constant time)
+            if not (secrets.compare_digest(given.strip(), self.key) and scheme.lower() == b"bearer"):
                 err = APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                                code="invalid_api_key")
                 return await JSONResponse(err.body(), 401)(scope, receive, send)
@@ -227,7 +228,7 @@ async def sse(stream: RequestStream, events: AsyncIterator) -> AsyncIterator[str
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), e.status)
+        return JSONResponse(e.body(), e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:

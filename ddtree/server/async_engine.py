@@ -115,7 +115,7 @@ class AsyncEngine:
         limit = None if self.max_queue is None else self.llm.engine.scheduler.max_num_seqs + self.max_queue
         if limit is not None and self.num_active >= limit:
             raise APIError(429, f"server busy: {self.num_active} requests in flight (limit {limit}); retry later",
-                           "rate_limit_exceeded", code="queue_full")
+                           "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"})
         stream = RequestStream(self, prompt, params, max_tokens)
         self.num_active += 1
         self.post(("add", stream))

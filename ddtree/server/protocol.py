@@ -2,8 +2,10 @@
 
 Ranges the engine cannot take are declared here, so they appear in the OpenAPI schema and come back
 as HTTP 400 before a request reaches the engine. Unknown request fields are ignored, as OpenAI
-clients send many optional ones. `top_k` and `ignore_eos` are extensions (as in vLLM); responses
-carry a `ddtree` extension with the request's speculative decoding stats.
+clients send many optional ones; fields of the OpenAI API that this server does not implement get a
+400 naming them when they ask for something (`UNSUPPORTED`), rather than a silent default. `top_k` and
+`ignore_eos` are extensions (as in vLLM); responses carry a `ddtree` extension with the request's
+speculative decoding stats.
 """
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ class APIError(Exception):
     """An error answered in the OpenAI shape with HTTP `status`."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -45,6 +48,23 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI request fields without an implementation here: a request that sets one to anything but what
+# the default does (`_unset`) gets a 400.
+UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",
+               "echo", "best_of", "suffix", "logit_bias")
+
+
+def _unset(name: str, value) -> bool:
+    """Whether `value` asks for nothing beyond the default (e.g. logprobs false, best_of 1, tool_choice none)."""
+    if value is None or value is False:
+        return True
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value == (1 if name == "best_of" else 0)
+    return value in ([], {}, "", "none", "auto", {"type": "text"})
+
+
 class SamplingRequest(BaseModel):
     """Fields shared by both completion endpoints."""
     model: str | None = Field(None, description="must be the served model name when given")
@@ -63,7 +83,12 @@ class SamplingRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data):  # as in the OpenAI API: clients send "temperature": null for the default
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        for name in UNSUPPORTED:
+            if not _unset(name, data.get(name)):
+                raise ValueError(f"{name} is not supported by this server")
+        return {k: v for k, v in data.items() if v is not None}
 
     @property
     def include_usage(self) -> bool:
