@@ -404,6 +404,16 @@ def test_unsupported_openai_fields_are_refused_naming_them(ar, path, field, valu
     assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
 
 
+def test_a_body_over_the_size_limit_gets_413_and_long_stop_lists_get_400(ar):
+    # (the default limit, 8 MiB: refused from its Content-Length, before the body is read or tokenized)
+    big = ar.post(COMP, {"prompt": "hello world " * 800_000, "max_tokens": 2})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    for stop in (["x"] * 65, "y" * 1025, ["z" * 1025]):
+        r = ar.post(COMP, {"prompt": "Hello", "max_tokens": 2, "stop": stop})
+        assert r.status_code == 400 and "stop" in r.json()["error"]["message"], r.text
+    assert ar.post(COMP, {"prompt": "Hello", "max_tokens": 2, "stop": ["x"] * 64}).status_code == 200
+
+
 def test_unsupported_fields_at_their_defaults_are_accepted(ar):
     r = ar.post(CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": False, "tool_choice": "none", "tools": [],
                        "response_format": {"type": "text"}, "logit_bias": {}})

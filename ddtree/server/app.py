@@ -29,7 +29,7 @@ from ddtree.server.async_engine import AsyncEngine, Delta, RequestStream
 from ddtree.server.metrics import Metrics
 from ddtree.server.protocol import APIError
 
-ERRORS = {s: {"model": P.ErrorResponse} for s in (400, 401, 429, 503)}
+ERRORS = {s: {"model": P.ErrorResponse} for s in (400, 401, 413, 429, 503)}
 
 
 @dataclass(slots=True)
@@ -37,6 +37,7 @@ class ServerConfig:
     model_name: str
     api_key: str | None = None
     max_queue: int | None = None  # requests waiting beyond max_num_seqs; more get 429
+    max_request_bytes: int = 8 * 2**20  # larger request bodies get 413 before they are read
 
 
 @dataclass(slots=True)
@@ -61,6 +62,36 @@ class BearerAuth:
                                code="invalid_api_key")
                 return await JSONResponse(err.body(), 401)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over `limit` bytes, from its Content-Length before it is read,
+    or as soon as a body without one has sent that much (no large prompt reaches the tokenizer)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await JSONResponse(self._error(int(length)).body(), 413)(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise self._error(seen)
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _error(self, size: int) -> APIError:
+        return APIError(413, f"request body of {size} bytes is over the limit of {self.limit} "
+                             "(ddtree serve --max-request-bytes)", code="request_too_large")
 
 
 class SSEResponse(StreamingResponse):
@@ -91,6 +122,7 @@ def create_app(load: Callable[[], object], cfg: ServerConfig,
     app = FastAPI(title="ddtree", summary="OpenAI-compatible server with DFlash/DDTree speculative decoding",
                   version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
+    app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)
     if cfg.api_key:
         app.add_middleware(BearerAuth, key=cfg.api_key)
     _install_error_handlers(app)
@@ -287,7 +319,8 @@ def serve(args) -> int:
 
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # our log lines formatted like uvicorn's
     log_config["loggers"]["ddtree.server"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
-    cfg = ServerConfig(args.served_model_name or default_model_name(args.model), args.api_key, args.max_queue)
+    cfg = ServerConfig(args.served_model_name or default_model_name(args.model), args.api_key, args.max_queue,
+                       args.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(create_app(load, cfg, on_fatal), host=args.host, port=args.port,
                                            log_config=log_config, timeout_graceful_shutdown=5))
     server.run()

@@ -1,10 +1,12 @@
 """The engine on one background thread, bridged to asyncio.
 
-The engine is not thread-safe, so everything that touches it (loading, tokenizing, add, abort, step)
-runs on the engine thread. The event loop talks to it through an inbox of commands; the engine
-thread answers through each request's asyncio queue (via `call_soon_threadsafe`):
+The engine is not thread-safe, so everything that touches it (loading, add, abort, step) runs on the
+engine thread. Prompts are tokenized (chat template included) on one worker thread of their own, so a
+large prompt never stalls the running streams. The event loop talks to the engine thread through an
+inbox of commands; the engine thread answers through each request's asyncio queue (via
+`call_soon_threadsafe`):
 
-    submit() -> ("add", stream) -> tokenize, add_request -> stream.added resolves (prompt tokens or error)
+    submit() -> tokenize (worker) -> ("add", stream) -> add_request -> stream.added resolves (prompt tokens or error)
     loop: drain inbox -> engine.step() -> for each request with new tokens: Delta(text, ...) -> stream.queue
     stream.abort() (client gone) -> ("abort", stream) -> engine.abort(seq): its KV pages are freed
 
@@ -19,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ddtree.sampling_params import SamplingParams
@@ -48,6 +51,7 @@ class RequestStream:
         self.done = False
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.seq = None
+        self.ids: list[int] = []  # the prompt's tokens, from the tokenizing thread
         self.sent = self.seen_tokens = self.seen_accepts = 0
         self.last = self.arrival
         self.holdback = max(map(len, params.stop), default=1) - 1
@@ -86,6 +90,8 @@ class AsyncEngine:
         self.num_active = 0  # event loop only: submitted and not finished or aborted
         self.loop: asyncio.AbstractEventLoop | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # One thread: tokenizers are not safe to call from several threads at once.
+        self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="ddtree-tokenize")
         self._active: list[RequestStream] = []  # engine thread only
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -98,6 +104,7 @@ class AsyncEngine:
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stopping = True
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
         self.post(None)
         if self._thread is not None:
             self._thread.join(timeout)
@@ -118,6 +125,13 @@ class AsyncEngine:
                            "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"})
         stream = RequestStream(self, prompt, params, max_tokens)
         self.num_active += 1
+        try:
+            stream.ids = await self.loop.run_in_executor(self._tokenizer, self._encode, prompt)
+        except BaseException as e:  # (a client gone while its prompt is tokenized, too: released)
+            stream._release()
+            if isinstance(e, Exception):  # anything the input provokes here is the input's fault
+                raise APIError(400, str(e) or type(e).__name__, param=prompt.param) from None
+            raise
         self.post(("add", stream))
         try:
             stream.prompt_tokens = await stream.added
@@ -182,7 +196,7 @@ class AsyncEngine:
 
     def _add(self, engine, st: RequestStream) -> None:
         try:
-            ids = self._encode(st.prompt)
+            ids = st.ids
             limit = engine.max_model_len
             if st.max_tokens is not None and len(ids) < limit and len(ids) + st.max_tokens > limit:
                 raise APIError(400, f"max_tokens={st.max_tokens} plus the prompt's {len(ids)} tokens exceed the "

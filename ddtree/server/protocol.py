@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, StrictInt, model_serializer, model_validator
 
@@ -48,6 +48,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_STOPS, MAX_STOP_CHARS = 64, 1024  # stop strings a request may give, and the characters of each
+
 # OpenAI request fields without an implementation here: a request that sets one to anything but what
 # the default does (`_unset`) gets a 400.
 UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",
@@ -73,7 +75,9 @@ class SamplingRequest(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, description="extension; 0 or -1 = off")
     seed: int | None = Field(None, ge=-(2**63), le=MAX_SEED)
-    stop: str | list[str] | None = None
+    # (bounded: every stop string is searched for in each token's new text)
+    stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | \
+        Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOPS)] | None = None
     n: int = Field(1, ge=1, description="only 1 is supported")
     stream: bool = False
     stream_options: StreamOptions | None = None
