@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests that may wait beyond --max-num-seqs before new ones get HTTP 429")
     s.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                    help="request bodies over this many bytes get HTTP 413 before they are read (default 8 MiB)")
+    s.add_argument("--docs", action="store_true",
+                   help="serve the interactive /docs and /redoc pages (their scripts load from a CDN)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
     s.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized from memory)")
     s.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")

@@ -47,6 +47,9 @@ class LLM:
         from ddtree.models.loader import load_model
 
         self.device = torch.device(device or default_device())
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this torch build sees no CUDA GPU (torch {torch.__version__}); "
+                             "use device='cpu'")
         self.dtype = parse_dtype(dtype, self.device.type)
         self.model_path = resolve_model(model)
         self.net, self.config = load_model(self.model_path, self.device, self.dtype)

@@ -9,6 +9,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from ddtree.llm import LLM
 from ddtree.sampling_params import SamplingParams
@@ -173,6 +174,12 @@ def test_prompt_as_long_as_the_context_raises_and_withdraws_the_whole_call(make_
     edge = llm.generate([corpus_ids[:31]], greedy())[0]
     assert len(edge.token_ids) == 1 and edge.finish_reason == "length"
     assert_engine_idle(llm)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch build without CUDA")
+def test_a_cuda_device_without_cuda_is_a_clear_error(tiny_qwen2):
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        LLM(tiny_qwen2, device="cuda")
 
 
 def test_empty_prompt_and_out_of_vocab_ids_raise_value_error(make_llm):

@@ -414,6 +414,21 @@ def test_a_body_over_the_size_limit_gets_413_and_long_stop_lists_get_400(ar):
     assert ar.post(COMP, {"prompt": "Hello", "max_tokens": 2, "stop": ["x"] * 64}).status_code == 200
 
 
+def test_docs_pages_are_off_unless_asked_for_and_the_schema_is_always_served(ar):
+    # (the docs pages load their scripts from a CDN: offline they would not work)
+    from fastapi.testclient import TestClient
+
+    from ddtree.server.app import ServerConfig, create_app
+    assert httpx.get(ar.url + "/docs", timeout=REQUEST_S).status_code == 404
+    assert httpx.get(ar.url + "/openapi.json", timeout=REQUEST_S).status_code == 200
+
+    def never():
+        raise FileNotFoundError("no model")
+
+    with TestClient(create_app(never, ServerConfig("m", docs=True), on_fatal=lambda e: None)) as c:
+        assert c.get("/docs").status_code == 200 and c.get("/redoc").status_code == 200
+
+
 def test_unsupported_fields_at_their_defaults_are_accepted(ar):
     r = ar.post(CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": False, "tool_choice": "none", "tools": [],
                        "response_format": {"type": "text"}, "logit_bias": {}})

@@ -183,5 +183,5 @@ def resolve_model(model: str | None) -> str:
         if not (out / DONE_MARKER).is_file():
             convert_gguf(str(path), str(out))
         return str(out)
-    raise ValueError(f"model {model!r} is not usable: expected None or {DEFAULT_MODEL!r}, "
-                     "a directory containing config.json, or a .gguf file")
+    raise ValueError(f"model {model!r} is not usable: expected the default model ({DEFAULT_MODEL!r}, also "
+                     "when none is given), a directory containing config.json, or a .gguf file")

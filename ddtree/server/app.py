@@ -3,7 +3,9 @@
 The HTTP server starts at once and loads the model in the background: `/health` answers 503 until
 the engine can generate. Every error, bad input included, is answered in the OpenAI shape
 `{"error": {"message", "type", "param", "code"}}`; invalid input is a 400, never a 5xx. With an API
-key, `/v1/*` needs `Authorization: Bearer KEY`; `/health`, `/metrics` and the docs stay open.
+key, `/v1/*` needs `Authorization: Bearer KEY`; `/health`, `/metrics` and `/openapi.json` stay open. The
+interactive docs pages load their scripts from a CDN, which an offline deployment cannot reach: they
+are served only with `--docs`.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class ServerConfig:
     api_key: str | None = None
     max_queue: int | None = None  # requests waiting beyond max_num_seqs; more get 429
     max_request_bytes: int = 8 * 2**20  # larger request bodies get 413 before they are read
+    docs: bool = False  # serve /docs and /redoc (their scripts come from a CDN)
 
 
 @dataclass(slots=True)
@@ -119,8 +122,9 @@ def create_app(load: Callable[[], object], cfg: ServerConfig,
         finally:
             await asyncio.to_thread(engine.stop)
 
+    docs = {} if cfg.docs else {"docs_url": None, "redoc_url": None}
     app = FastAPI(title="ddtree", summary="OpenAI-compatible server with DFlash/DDTree speculative decoding",
-                  version="0.1.0", lifespan=lifespan)
+                  version="0.1.0", lifespan=lifespan, **docs)
     app.state.engine = engine
     app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)
     if cfg.api_key:
@@ -320,7 +324,7 @@ def serve(args) -> int:
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # our log lines formatted like uvicorn's
     log_config["loggers"]["ddtree.server"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
     cfg = ServerConfig(args.served_model_name or default_model_name(args.model), args.api_key, args.max_queue,
-                       args.max_request_bytes)
+                       args.max_request_bytes, args.docs)
     server = uvicorn.Server(uvicorn.Config(create_app(load, cfg, on_fatal), host=args.host, port=args.port,
                                            log_config=log_config, timeout_graceful_shutdown=5))
     server.run()
