@@ -141,7 +141,7 @@ class LLMEngine:
             return []
         touched = self.decoder.step(step.prefill, step.decode)
         self.timing["engine_ms"] += (time.perf_counter() - t0) * 1e3
-        return list(dict.fromkeys(touched + step.decode))
+        return touched
 
     def _unblock(self) -> None:
         # Nothing could be scheduled: the queue head needs more pages than the whole cache has

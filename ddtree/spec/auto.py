@@ -178,11 +178,8 @@ class AdaptiveSpeculator(Speculator):
             return 0.0
         t0 = time.perf_counter()
         feats = self.runner.refeed([(s, start, n) for s, _, start, n in found], self.drafter.layer_ids)
-        refed: dict[int, tuple[Sequence, list]] = {}
-        for (s, _, _, _), f in zip(found, feats.split([n for *_, n in found])):
-            refed.setdefault(id(s), (s, []))[1].append(f)
-        for s, fs in refed.values():
-            context_of(s).fill_gaps(fs)
+        for (s, j, _, _), f in zip(found, feats.split([n for *_, n in found])):
+            context_of(s).fill_gap(j, f)
         _sync(self.runner.device)
         rows, ms = sum(n for *_, n in found), (time.perf_counter() - t0) * 1e3
         if self.timed:  # (not behind a prefill chunk still running on the device)

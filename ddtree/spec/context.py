@@ -72,11 +72,10 @@ class DraftContext:
         """(index in pending, start, n) of every closed gap."""
         return [(j, f[1], f[2]) for j, f in enumerate(self.pending) if isinstance(f, tuple) and f[0] is None]
 
-    def fill_gaps(self, feats: list[torch.Tensor]) -> None:
-        """The features of every gap (`gaps`, in order), fed through the target again."""
-        for (j, _, _), f in zip(self.gaps(), feats):
-            self.pending[j] = f
-        self.gap_rows = 0
+    def fill_gap(self, j: int, feats: torch.Tensor) -> None:
+        """The features of the gap at pending index j (`gaps`), fed through the target again."""
+        self.gap_rows -= self.pending[j][2]
+        self.pending[j] = feats
 
 
 def context_of(seq) -> DraftContext:
