@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ddtree.server import protocol as P
@@ -32,6 +32,15 @@ from ddtree.server.metrics import Metrics
 from ddtree.server.protocol import APIError
 
 ERRORS = {s: {"model": P.ErrorResponse} for s in (400, 401, 413, 429, 503)}
+
+
+def answers(model: type, chunk: str) -> dict:
+    """The OpenAPI responses of a completion route: `model` as JSON, or with `stream` server-sent events
+    (the schema describes one event, as OpenAPI 3.1 has it): `chunk`s as JSON, then `[DONE]`."""
+    data = {"type": "string", "contentMediaType": "application/json",
+            "description": f"a {chunk} as JSON (an error object if the engine fails mid-stream), then [DONE]"}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return {**ERRORS, 200: {"model": model, "content": {"text/event-stream": {"schema": event}}}}
 
 
 @dataclass(slots=True)
@@ -131,13 +140,13 @@ def create_app(load: Callable[[], object], cfg: ServerConfig,
         app.add_middleware(BearerAuth, key=cfg.api_key)
     _install_error_handlers(app)
 
-    @app.get("/health")
+    @app.get("/health", response_model=P.Health, responses={503: {"model": P.Health}})
     async def health() -> JSONResponse:
         if engine.ready:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "failed" if engine.error else "loading", "error": engine.error}, 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"description": "Prometheus text format"}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
@@ -163,12 +172,12 @@ def create_app(load: Callable[[], object], cfg: ServerConfig,
                            param="model", code="model_not_found")
         return card()
 
-    @app.post("/v1/chat/completions", response_model=None, responses=ERRORS)
+    @app.post("/v1/chat/completions", response_model=None, responses=answers(P.ChatCompletionResponse, "ChatCompletionChunk"))
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return await respond(req, P.chat_prompt(req), max_tokens, request, chat=True)
 
-    @app.post("/v1/completions", response_model=None, responses=ERRORS)
+    @app.post("/v1/completions", response_model=None, responses=answers(P.CompletionResponse, "CompletionResponse"))
     async def completions(req: P.CompletionRequest, request: Request):
         return await respond(req, P.completion_prompt(req.prompt), req.max_tokens, request, chat=False)
 
@@ -268,8 +277,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";")[0].strip().lower() != "application/json":
+            msg = f"expected Content-Type application/json, got {ctype or 'none'}: the body must be a JSON object"
+            return JSONResponse(APIError(400, msg).body(), 400)
         errs = e.errors()
-        first = errs[0] if errs else {}
+        # (the deepest error: of a union's members, the one that matched furthest says what is wrong)
+        first = max(errs, key=lambda err: len(err.get("loc", ())), default={})
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             msg, param = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None

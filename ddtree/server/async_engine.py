@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ddtree.sampling_params import SamplingParams
 from ddtree.server.metrics import Metrics
-from ddtree.server.protocol import APIError, Prompt
+from ddtree.server.protocol import APIError, Prompt, valid_unicode
 
 log = logging.getLogger("ddtree.server")
 
@@ -213,8 +213,11 @@ class AsyncEngine:
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if prompt.messages is not None:
+            for i, m in enumerate(prompt.messages):
+                valid_unicode(m["content"], f"messages[{i}].content")
             return self.llm.encode_chat(prompt.messages)
         if prompt.text is not None:
+            valid_unicode(prompt.text, "prompt")
             if self.llm.tokenizer is None:
                 raise ValueError("this model has no tokenizer: send the prompt as token ids")
             return self.llm.tokenizer.encode(prompt.text)

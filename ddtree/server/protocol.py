@@ -1,9 +1,13 @@
 """Request and response bodies in the OpenAI shapes (chat completions, completions, models, errors).
 
-Ranges the engine cannot take are declared here, so they appear in the OpenAPI schema and come back
-as HTTP 400 before a request reaches the engine. Unknown request fields are ignored, as OpenAI
-clients send many optional ones; fields of the OpenAI API that this server does not implement get a
-400 naming them when they ask for something (`UNSUPPORTED`), rather than a silent default. `top_k` and
+The request models are strict and are the OpenAPI schema: numbers and booleans must be JSON numbers and
+booleans (no "5" or true for an integer), roles and content parts are enums, `null` is declared
+wherever it is taken (it means the default, as in the OpenAI API), and ranges the engine cannot take
+are declared, so bad input comes back as HTTP 400 before it reaches the engine. What the schema cannot
+say depends on the loaded model (the context length, the vocabulary) and is checked on the engine
+thread, also as a 400. Unknown request fields are ignored, as OpenAI clients send many optional ones;
+fields of the OpenAI API that this server does not implement get a 400 naming them when they ask for
+something (`UNSUPPORTED`), rather than a silent default. `top_k` and
 `ignore_eos` are extensions (as in vLLM); responses carry a `ddtree` extension with the request's
 speculative decoding stats.
 """
@@ -13,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, StrictInt, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WithJsonSchema, model_serializer, model_validator
 
 from ddtree.sampling_params import SamplingParams
 
@@ -44,8 +48,13 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class Strict(BaseModel):
+    """A request body: JSON types exactly (strict), unknown fields ignored."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(Strict):
+    include_usage: bool | None = False
 
 
 MAX_STOPS, MAX_STOP_CHARS = 64, 1024  # stop strings a request may give, and the characters of each
@@ -53,7 +62,7 @@ MAX_STOPS, MAX_STOP_CHARS = 64, 1024  # stop strings a request may give, and the
 # OpenAI request fields without an implementation here: a request that sets one to anything but what
 # the default does (`_unset`) gets a 400.
 UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",
-               "echo", "best_of", "suffix", "logit_bias")
+               "echo", "best_of", "suffix", "logit_bias", "presence_penalty", "frequency_penalty")
 
 
 def _unset(name: str, value) -> bool:
@@ -67,21 +76,21 @@ def _unset(name: str, value) -> bool:
     return value in ([], {}, "", "none", "auto", {"type": "text"})
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(Strict):
     """Fields shared by both completion endpoints."""
     model: str | None = Field(None, description="must be the served model name when given")
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
-    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    top_k: int = Field(0, ge=-1, description="extension; 0 or -1 = off")
+    temperature: float | None = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0 = greedy")
+    top_p: float | None = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(0, ge=-1, description="extension; 0 or -1 = off")
     seed: int | None = Field(None, ge=-(2**63), le=MAX_SEED)
     # (bounded: every stop string is searched for in each token's new text)
     stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | \
         Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOPS)] | None = None
-    n: int = Field(1, ge=1, description="only 1 is supported")
-    stream: bool = False
+    n: int | None = Field(1, ge=1, json_schema_extra={"maximum": 1}, description="only 1 is supported")
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence tokens")
+    ignore_eos: bool | None = Field(False, description="extension: keep generating past end-of-sequence tokens")
     user: str | None = None
 
     @model_validator(mode="before")
@@ -91,7 +100,7 @@ class SamplingRequest(BaseModel):
             return data
         for name in UNSUPPORTED:
             if not _unset(name, data.get(name)):
-                raise ValueError(f"{name} is not supported by this server")
+                raise APIError(400, f"{name} is not supported by this server", param=name)
         return {k: v for k, v in data.items() if v is not None}
 
     @property
@@ -99,13 +108,14 @@ class SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ContentPart(BaseModel):
-    type: str
-    text: str | None = None
+class ContentPart(Strict):
+    type: Literal["text"] = Field(description="only text parts are supported")
+    text: str
 
 
-class ChatMessage(BaseModel):
-    role: str
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="developer is the system role under its newer name")
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -113,23 +123,28 @@ class ChatMessage(BaseModel):
         """The message as the chat template expects it: content as one string."""
         content = self.content
         if isinstance(content, list):
-            if any(p.type != "text" or p.text is None for p in content):
-                raise ValueError("only text content parts are supported")
             content = "".join(p.text for p in content)
-        msg = {"role": self.role, "content": content or ""}
+        msg = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
         return msg
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+OnePrompt = Field(min_length=1, max_length=1)
+PromptForms = Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], OnePrompt] | \
+    TokenIds | Annotated[list[TokenIds], OnePrompt]  # what the schema declares for `prompt`
+
+
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
-        ..., description="a string or a list of token ids (one prompt per request)")
+    # (validated by completion_prompt, whose messages say what is wrong better than a union's errors can)
+    prompt: Annotated[str | list, WithJsonSchema(TypeAdapter(PromptForms).json_schema())] = Field(
+        description="a string or a list of token ids; one prompt per request (a list holds one)")
 
 
 class Usage(BaseModel):
@@ -213,6 +228,11 @@ class ServedSpec(BaseModel):
     device: str
 
 
+class Health(BaseModel):
+    status: Literal["ok", "loading", "failed"]
+    error: str | None = Field(None, description="why the model failed to load")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -248,20 +268,39 @@ def chat_prompt(req: ChatCompletionRequest) -> Prompt:
 
 
 def completion_prompt(prompt: str | list) -> Prompt:
+    """The prompt in one of `PromptForms`, or a 400 that says what is wrong with it."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return Prompt(text=prompt)
-    if prompt and all(isinstance(t, int) for t in prompt):
-        return Prompt(ids=list(prompt))
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt")
-    raise APIError(400, f"got {len(prompt)} prompts; send one prompt per request", param="prompt")
+    if isinstance(prompt, str):
+        return Prompt(text=prompt)
+    if all(type(t) is int for t in prompt):
+        if min(prompt) < 0:
+            raise APIError(400, f"token id {min(prompt)} is negative", param="prompt")
+        return Prompt(ids=list(prompt))
+    if len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise APIError(400, f"got {len(prompt)} prompts; send one prompt per request", param="prompt")
+    raise APIError(400, "prompt must be a string or a list of integer token ids", param="prompt")
+
+
+def valid_unicode(text: str, where: str) -> None:
+    """A ValueError for text that JSON can carry but Unicode cannot: an unpaired surrogate such as "\\ud800"."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where} holds an unpaired surrogate (\\u{ord(text[e.start]):04x} at character {e.start}), "
+                         "which is not valid Unicode") from None
 
 
 def sampling_params(req: SamplingRequest, vocab_size: int) -> SamplingParams:
     """The engine's params; max_tokens is set on the engine thread once the prompt length is known.
     Values the engine would take literally but that underflow in float32 are mapped to equivalents."""
+    try:
+        for s in [req.stop] if isinstance(req.stop, str) else req.stop or []:
+            valid_unicode(s, "stop")
+    except ValueError as e:
+        raise APIError(400, str(e), param="stop") from None
     try:
         return SamplingParams(
             max_tokens=1, temperature=req.temperature if req.temperature >= 1e-5 else 0.0,  # tiny = greedy
