@@ -25,6 +25,9 @@ class RequestOutput:
     token_ids: list[int]  # generated ids only
     finish_reason: str | None
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verify step; [] for AR
+    # With SamplingParams.logprobs: per generated token, (its log-probability under the model,
+    # [(token id, log-probability)] of the most likely tokens at that position)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 def load_tokenizer(path: str):
@@ -210,5 +213,5 @@ class LLM:
         bursts = {k: n - timing_before.get(k, 0) for k, n in sorted(self.engine.timing.items())}
         if any(bursts.values()):  # where the wall time went, and how steps were grouped into bursts
             self.last_stats["bursts"] = bursts
-        return [RequestOutput(s.prompt_ids, s.text, list(s.output_ids), s.finish_reason, list(s.accept_lengths))
-                for s in seqs]
+        return [RequestOutput(s.prompt_ids, s.text, list(s.output_ids), s.finish_reason, list(s.accept_lengths),
+                              None if s.logprobs is None else list(s.logprobs)) for s in seqs]

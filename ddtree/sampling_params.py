@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # the most likely tokens a request may ask to see at each position
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -14,6 +16,9 @@ class SamplingParams:
     stop: list[str] | str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    # The log-probability of each generated token under the model (its own distribution: before
+    # temperature, top-k and top-p), with this many of the most likely tokens; None = none.
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -31,6 +36,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be a non-negative integer (0 or -1 disables it), got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             raise ValueError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the top tokens reported), "
+                             f"got {self.logprobs!r}")
         if 0 < self.temperature < 1e-5:  # logits / temperature would overflow: this is greedy anyway
             self.temperature = 0.0
 

@@ -18,6 +18,8 @@ class EmulatedGraph:
 
 
 def copy_into(dst, src):
+    if dst is None:  # (an output a graphed step does not produce)
+        return
     if isinstance(dst, torch.Tensor):
         dst.copy_(src)
     elif isinstance(dst, tuple):

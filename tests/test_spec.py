@@ -118,13 +118,13 @@ def hook_draft_logits(llm: LLM, replace) -> None:
     spec = llm.engine.speculator
     assert spec.graphs is None  # eager steps: the drafter is called with this step's requests in order
     current: list = []
-    real_step, real_logits = spec.decode, spec.drafter.logits
+    real_prepare, real_logits = spec.drafter.prepare, spec.drafter.logits
 
-    def step(seqs):
+    def prepare(seqs, *args, **kw):  # (every eager step drafts for the requests it prepared, in order)
         current[:] = seqs
-        return real_step(seqs)
+        return real_prepare(seqs, *args, **kw)
 
-    spec.decode = step
+    spec.drafter.prepare = prepare
     spec.drafter.logits = lambda inp: replace(current, real_logits(inp))
 
 
@@ -469,6 +469,76 @@ def test_seeded_sampled_output_equals_seeded_ar_alone_and_batched(case, drafter_
     assert len({tuple(r.token_ids[:8]) for r in ref}) == len(ref)  # (the seeds really sample)
     accepts = [n for o in alone + batched for n in o.accept_lengths]
     assert sum(accepts) / len(accepts) >= (2.0 if drafter_kind == "oracle" else 1.2), accepts
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("spec, budget, topk", [("dflash", None, None), ("ddtree", 16, 4), ("ddtree", "auto", 4)])
+def test_logprobs_equal_transformers_and_ar_while_requests_without_them_share_the_batch(spec, budget, topk, tiny,
+                                                                                          drafter, ar, prompts):
+    # The model's own log-probabilities (log-softmax of its logits, before temperature, top-k and top-p)
+    # of each generated token, with its top-n: AR's equal transformers' over prompt + output; the
+    # speculative modes read them off the verified tree's accepted path and equal AR's for the same
+    # tokens (seeded sampled and greedy), while a request without logprobs shares the batch.
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+    params = [replace(p, logprobs=n) for p, n in zip(sampled_params(), (3, None, 0, 5))]
+    ref = ar("qwen3", prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(tiny("qwen3"), dtype=torch.float32).eval()
+    for prompt, r, p in zip(prompts, ref, params):
+        if p.logprobs is None:
+            assert r.logprobs is None
+            continue
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([prompt + r.token_ids])).logits[0], -1)[len(prompt) - 1:-1]
+        assert len(r.logprobs) == len(r.token_ids)
+        want = logp.gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([lp for lp, _ in r.logprobs]), want, atol=1e-4, rtol=0)
+        top = logp.topk(p.logprobs, dim=-1)
+        assert [[t for t, _ in alts] for _, alts in r.logprobs] == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor([[v for _, v in alts] for _, alts in r.logprobs]).view(top.values.shape),
+                                   top.values, atol=1e-4, rtol=0)
+    llm = spec_llm(tiny("qwen3"), drafter("qwen3", 8), spec, budget, topk)
+    plant(llm, noisy_oracle(continuation(prompts, ar("qwen3", prompts, sampled_params([LONGEST] * 4)))))
+    got = llm.generate(prompts, params)
+    for r, g in zip(ref, got):
+        assert g.token_ids == r.token_ids and (g.logprobs is None) == (r.logprobs is None)
+        if r.logprobs is not None:
+            torch.testing.assert_close(torch.tensor([lp for lp, _ in g.logprobs]),
+                                       torch.tensor([lp for lp, _ in r.logprobs]), atol=1e-4, rtol=0)
+            assert [[t for t, _ in alts] for _, alts in g.logprobs] == [[t for t, _ in alts] for _, alts in r.logprobs]
+    scored_accepts = [n for o, p in zip(got, params) if p.logprobs is not None for n in o.accept_lengths]
+    assert budget == "auto" or sum(scored_accepts) > len(scored_accepts)  # (multi-token accepts were scored)
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("spec, budget", [("none", None), ("ddtree", 16), ("ddtree", "auto")])
+def test_requests_with_logprobs_step_beside_graphed_bursts_with_ar_values(spec, budget, tiny, drafter, ar, prompts,
+                                                                           monkeypatch):
+    # With CUDA graphs (emulated on the CPU) the requests without logprobs run graphed bursts and the
+    # ones with logprobs eager steps beside them (their logits read by the host), in the same engine
+    # steps: every request gets AR's tokens, and the scored ones AR's log-probabilities.
+    from dataclasses import replace
+
+    from emulated import fake_gpu_graphs
+    params = [replace(p, logprobs=n) for p, n in zip(sampled_params(), (None, 2, None, 1))]
+    ref = ar("qwen3", prompts, params)
+    fake_gpu_graphs(monkeypatch)
+    llm = spec_llm(tiny("qwen3"), drafter("qwen3", 8), spec, budget, 4 if budget else None)
+    graphed = []  # per graphed burst: whether each of its requests asked for logprobs
+    for decoder, name in ((llm.engine.ar, "burst"), (llm.engine.speculator, "decode")):
+        if decoder is not None:
+            real = getattr(decoder, name)
+            monkeypatch.setattr(decoder, name, lambda seqs, *a, real=real, **kw:
+                                graphed.append([s.logprobs is not None for s in seqs]) or real(seqs, *a, **kw))
+    got = llm.generate(prompts, params)
+    assert graphed and not any(map(any, graphed))
+    for r, g in zip(ref, got):
+        assert g.token_ids == r.token_ids and (g.logprobs is None) == (r.logprobs is None)
+        if r.logprobs is not None:
+            torch.testing.assert_close(torch.tensor([lp for lp, _ in g.logprobs]),
+                                       torch.tensor([lp for lp, _ in r.logprobs]), atol=1e-4, rtol=0)
+            assert [[t for t, _ in alts] for _, alts in g.logprobs] == [[t for t, _ in alts] for _, alts in r.logprobs]
     assert_idle(llm)
 
 

@@ -7,7 +7,8 @@ prefill graphs store them in the drafter cache, and tapped decode bursts hand th
 
 On the GPU every forward replays a CUDA graph: decode steps by batch-size bucket, prompt chunks by
 width. Greedy and sampled rows share the graphs (engine/sampler.py): a step's tokens are drawn on the
-device and feed the next step there, so a burst of steps runs without waiting for the host.
+device and feed the next step there, so a burst of steps runs without waiting for the host. Requests
+that ask for logprobs take eager steps beside the burst: the host reads their logits.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from ddtree.config import EngineConfig, ModelConfig
 from ddtree.engine.graphs import GraphPool
 from ddtree.engine.readback import TokenReadback
 from ddtree.engine.runner import ModelRunner
-from ddtree.engine.sampler import COLUMNS, sample, sampling_columns
+from ddtree.engine.sampler import COLUMNS, logprob_records, sample, sampling_columns, wants_logprobs
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import pack_rows, page_slots
@@ -106,13 +107,17 @@ class ARDecoder:
 
     def step(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence]) -> list[Sequence]:
         """One engine step of plain AR: the prompt chunks, then a graphed burst of decode steps; without
-        graphs both kinds share one forward. Returns the requests that got tokens."""
+        graphs both kinds share one forward, as do the decode requests that ask for logprobs.
+        Returns the requests that got tokens."""
+        decode, scored = wants_logprobs(decode)
         if not self.can_burst(len(decode)):
+            decode += scored
+            scored = []
             t0 = time.perf_counter()
             touched = self._feed(prefill + [(seq, 1) for seq in decode])
             self.timing["prefill_ms"] += (time.perf_counter() - t0) * 1e3 if prefill else 0.0
             return touched
-        touched = self.prefill(prefill) if prefill else []
+        touched = self.prefill(prefill + [(seq, 1) for seq in scored]) if prefill or scored else []
         if decode:
             t0 = time.perf_counter()
             burst = self.burst(decode)
@@ -147,9 +152,11 @@ class ARDecoder:
             # each draw at the position its token takes (one host->device copy for settings and positions)
             cols = sampling_columns([s.params for s in seqs], [s.seed for s in seqs]) + [[len(s) for s in seqs]]
             draw = torch.tensor(cols, dtype=torch.long).T.contiguous().to(self.device)
-            tokens = sample(logits[done], draw[:, :COLUMNS], draw[:, COLUMNS], self.runner.use_triton).tolist()
-            for seq, tok in zip(seqs, tokens):
-                self.commit(seq, [tok])
+            rows = logits[done]
+            tokens = sample(rows, draw[:, :COLUMNS], draw[:, COLUMNS], self.runner.use_triton).tolist()
+            for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+                scores = None if seq.logprobs is None else logprob_records(rows[i:i + 1], [tok], seq.params.logprobs)
+                self.commit(seq, [tok], scores)
         return seqs
 
     def _prefill_pools(self, taps: list[int] | None, engine_cfg: EngineConfig, mempool):

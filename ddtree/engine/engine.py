@@ -121,6 +121,8 @@ class LLMEngine:
         seq = Sequence(list(prompt_ids), params,
                        IncrementalDetokenizer(self.tokenizer, prompt_ids) if incremental else None)
         seq.seed = request_seed(params)
+        if params.logprobs is not None:
+            seq.logprobs = []
         self.scheduler.add(seq)
         return seq
 
@@ -152,8 +154,16 @@ class LLMEngine:
                 seq.text = self._decode(seq.output_ids)
             self.scheduler.finish(seq, "length")
 
-    def commit(self, seq: Sequence, tokens: list[int]) -> int:
-        """Appends tokens one at a time until a stop condition; returns how many were kept."""
+    def commit(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> int:
+        """Appends tokens one at a time until a stop condition; returns how many were kept. `logprobs`:
+        the tokens' records (engine/sampler.py `logprob_records`), for a request that asked for them."""
+        kept = self._append(seq, tokens)
+        if seq.logprobs is not None:
+            assert logprobs is not None, "a request that asked for logprobs got tokens without them"
+            seq.logprobs.extend(logprobs[:kept])
+        return kept
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> int:
         p, out, detok = seq.params, seq.output_ids, seq.detok
         eos = () if p.ignore_eos else self.eos_ids
         max_out = min(p.max_tokens, self.max_model_len - len(seq.prompt_ids))  # output length that ends it

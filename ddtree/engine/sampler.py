@@ -39,6 +39,24 @@ COLUMNS = 4  # a request's sampling settings as int64 columns: seed, temperature
 BLOCK_COLUMNS = 16384  # the torch reference's vocabulary block
 
 
+def logprob_records(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each row of logits [n, V] and the token drawn from it: the token's log-probability under the
+    model (log-softmax of the raw logits: before temperature, top-k and top-p, as vLLM reports by
+    default) and the `top` most likely tokens with theirs."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    if not top:
+        return [(c, []) for c in chosen]
+    values, ids = logp.topk(top, dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+
+
+def wants_logprobs(seqs) -> tuple[list, list]:
+    """The requests that do not ask for logprobs, and those that do (they run eager steps, whose
+    logits the host reads)."""
+    return [s for s in seqs if s.logprobs is None], [s for s in seqs if s.logprobs is not None]
+
+
 def request_seed(params: SamplingParams) -> int:
     """The request's seed as a signed 64-bit integer: its own, or a random one (unseeded requests)."""
     seed = params.seed if params.seed is not None else random.getrandbits(64)

@@ -32,6 +32,9 @@ class Sequence:
     finish_reason: str | None = None
     accept_lengths: list[int] = field(default_factory=list)
     seed: int = 0  # keys every draw with the token's position (engine/sampler.py)
+    # With params.logprobs: per output token (its log-probability, [(token, log-probability)] of the
+    # params.logprobs most likely), engine/sampler.py `logprob_records`.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     text: str = ""  # detokenized output, cut at a stop string
     # Speculative decoding: the drafter's context for this request (spec/context.py `DraftContext`,
     # owned by the speculative side; dropped with the cache).

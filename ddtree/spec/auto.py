@@ -11,7 +11,7 @@ import torch
 from ddtree.engine.ar import ARDecoder
 from ddtree.engine.graphs import GraphPool, buckets_up_to
 from ddtree.engine.runner import ModelRunner
-from ddtree.engine.sampler import COLUMNS, sampling_columns
+from ddtree.engine.sampler import COLUMNS, sampling_columns, wants_logprobs
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import pack_rows, page_slots
 from ddtree.sampling_params import SamplingParams
@@ -148,11 +148,12 @@ class AdaptiveSpeculator(Speculator):
         fixed = (expected * EXPECTED_SCALE).round().long()
         return StepOutputs(torch.cat([out.packed, fixed], dim=1), out.feats)
 
-    def _budget_step(self, budget: int, inp: RootInputs | TreeInputs) -> StepOutputs:
+    def _budget_step(self, budget: int, inp: RootInputs | TreeInputs, scored: bool = False) -> StepOutputs:
         """Verify the tree of `budget` nodes; device ops only. Budget 0: one AR step that also stores
-        the root's target features in the drafter cache (its context)."""
+        the root's target features in the drafter cache (its context). `scored`: the outputs keep the
+        logits along the accepted path (for logprobs)."""
         if budget:
-            return self._verify(inp, cut_tree(inp.candidates, inp.roots, budget))
+            return self._verify(inp, cut_tree(inp.candidates, inp.roots, budget), scored)
         R = inp.roots.shape[0]
         ids = inp.roots[:, None]
         logits, feats = self.runner.verify(inp.block_tables, inp.starts, ids, torch.zeros_like(ids), None,
@@ -160,7 +161,7 @@ class AdaptiveSpeculator(Speculator):
         slots = page_slots(inp.block_tables, inp.starts[:, None], self.runner.page_size).flatten()
         self.drafter.store_context(feats[:, 0], inp.starts, slots)
         packed = torch.cat([torch.zeros_like(ids), self.target_draws(logits, inp, torch.zeros_like(ids)), ids], 1)
-        return StepOutputs(packed.view(R, 3), feats)
+        return StepOutputs(packed.view(R, 3), feats, logits if scored else None)
 
     def tap_free_prefill(self, batch: int) -> bool:
         """A prefill joining a decode batch of `batch` requests skips reading out the drafter's context
@@ -223,18 +224,22 @@ class AdaptiveSpeculator(Speculator):
     @torch.inference_mode()
     def step(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence]) -> list[Sequence]:
         """The engine's step: prompt chunks (`prefill`), then the plan for the decode requests: AR steps
-        (a graphed burst of the AR decoder's, or one eager step that stores its context) or speculation."""
+        (a graphed burst of the AR decoder's, or one eager step that stores its context) or speculation.
+        Requests that ask for logprobs take one eager step, its budget chosen on its draft."""
         touched = self.prefill(prefill) if prefill else []
-        if decode:
+        plain, scored = wants_logprobs(decode)
+        if plain:
             self.timed = not prefill  # (a prefill chunk still running on the device would count in the times)
             self.short_bursts = self.ar.scheduler.admitting()
-            ar = self.ar_steps(decode, self.ar.scheduler.headed_for())
-            if ar and self.ar.can_burst(len(decode)):
-                self._ar_burst(decode, ar)
+            ar = self.ar_steps(plain, self.ar.scheduler.headed_for())
+            if ar and self.ar.can_burst(len(plain)):
+                self._ar_burst(plain, ar)
             elif ar:
-                self.ar_step(decode)
+                self.ar_step(plain)
             else:
-                self.decode(decode)
+                self.decode(plain)
+        if scored:
+            self._eager_step(scored)
         return touched + decode
 
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
@@ -295,7 +300,8 @@ class AdaptiveSpeculator(Speculator):
         rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw,
                          self.runner.scratch_page, self.runner.device)
         t0 = time.perf_counter()
-        out = self._budget_step(0, RootInputs(rows[:, 0], rows[:, 1], rows[:, 2 + COLUMNS:], rows[:, 2:2 + COLUMNS]))
+        out = self._budget_step(0, RootInputs(rows[:, 0], rows[:, 1], rows[:, 2 + COLUMNS:], rows[:, 2:2 + COLUMNS]),
+                                any(s.logprobs is not None for s in seqs))
         self._commit(seqs, out, 0)
         if self.timed and self.draft_graphs is None:  # timed as the table was (eager)
             self.policy.observe_time("ar", len(seqs), (time.perf_counter() - t0) * 1e3,
@@ -320,11 +326,12 @@ class AdaptiveSpeculator(Speculator):
         c, expected = self._draft(inp)
         expected = dict(zip(self.budgets[1:], expected[:R].sum(0).tolist()))  # read back mid-step to choose
         budget = self.policy.choose(R, expected)
+        scored = any(s.logprobs is not None for s in seqs)
         if budget == 0:  # (the draft consumed the pending rows: the AR step's row follows them)
-            out = self._budget_step(0, RootInputs(inp.roots, inp.starts, inp.block_tables, inp.draw))
+            out = self._budget_step(0, RootInputs(inp.roots, inp.starts, inp.block_tables, inp.draw), scored)
         else:
             out = self._budget_step(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, c.score,
-                                                       c.parent, c.rank, c.order, c.tokens))
+                                                       c.parent, c.rank, c.order, c.tokens), scored)
         accepted = self._commit(seqs, out, budget)
         if budget:
             self.policy.observe(budget, R, expected[budget], accepted)

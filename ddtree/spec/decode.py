@@ -4,7 +4,8 @@ The device part (`device_step`) is shape-static and free of host reads, so on GP
 in a CUDA graph per batch-size bucket; the host reads back one small tensor per step. DFlash
 linear is the same step with topk = 1 and budget = block_size - 1 (the tree is a chain of the
 drafter's argmax tokens), so both modes share this code. `AdaptiveSpeculator` (spec/auto.py, budget
-"auto") picks the budget, 0 = AR included, per burst of these steps.
+"auto") picks the budget, 0 = AR included, per burst of these steps. Requests that ask for logprobs
+take eager steps beside the graphed ones: the host reads the logits along their accepted paths.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ddtree.engine.ar import SHORT_BURST, ARDecoder
 from ddtree.engine.graphs import GraphPool
 from ddtree.engine.readback import TokenReadback
 from ddtree.engine.runner import ModelRunner
-from ddtree.engine.sampler import COLUMNS, sample
+from ddtree.engine.sampler import COLUMNS, logprob_records, sample, wants_logprobs
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import page_slots
 from ddtree.spec.adaptive import BURST_STEPS
@@ -62,6 +63,9 @@ class SpecStats:
 class StepOutputs:
     packed: torch.Tensor  # [R, 2 + (D+1)]: accepted length, bonus, tokens along the path (root first)
     feats: torch.Tensor  # [R, D+1, K*D] target features along the path: the drafter's next context
+    # (eager steps for requests that ask for logprobs) [R, D+1, V] the target's logits along the path:
+    # the distributions the path's tokens after the root and the bonus were drawn from
+    path_logits: torch.Tensor | None = None
 
 
 class Speculator:
@@ -117,10 +121,11 @@ class Speculator:
         """Cache positions a step writes past num_cached: the verified tree or the drafter block."""
         return max(self.budget + 1, self.drafter.block_size)
 
-    def device_step(self, inp: StepInputs) -> StepOutputs:
-        """Draft, build the tree, verify it, accept, and compact the accepted K/V; device ops only."""
+    def device_step(self, inp: StepInputs, scored: bool = False) -> StepOutputs:
+        """Draft, build the tree, verify it, accept, and compact the accepted K/V; device ops only.
+        `scored`: the outputs keep the logits along the accepted path (for logprobs)."""
         tree = build_tree(self.drafter.logits(inp), inp.roots, self.budget, self.topk)
-        return self._verify(inp, tree)
+        return self._verify(inp, tree, scored)
 
     def target_draws(self, logits: torch.Tensor, inp, depth: torch.Tensor) -> torch.Tensor:
         """The target's token at every node [R, N] from its logits [R, N, V]: the draw (or argmax) for
@@ -129,9 +134,9 @@ class Speculator:
         positions = (inp.starts[:, None] + depth + 1).flatten()
         return sample(logits.reshape(R * N, V), inp.draw, positions, self.runner.use_triton).view(R, N)
 
-    def _verify(self, inp, tree: Tree) -> StepOutputs:
+    def _verify(self, inp, tree: Tree, scored: bool = False) -> StepOutputs:
         """Verify a tree, accept, compact; `inp` has the requests' roots, starts, block_tables and
-        sampling settings."""
+        sampling settings. `scored`: keep the logits along the accepted path."""
         logits, feats = self.runner.verify(inp.block_tables, inp.starts, tree.tokens, tree.depth, tree.mask,
                                            self.drafter.layer_ids)
         acc = walk(tree, self.target_draws(logits, inp, tree.depth))
@@ -139,7 +144,8 @@ class Speculator:
         tokens = tree.tokens.gather(1, acc.path)
         path_feats = feats.gather(1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))
         packed = torch.cat([acc.length[:, None], acc.bonus[:, None], tokens], dim=1)
-        return StepOutputs(packed, path_feats)
+        path_logits = logits.gather(1, acc.path[:, :, None].expand(-1, -1, logits.shape[-1])) if scored else None
+        return StepOutputs(packed, path_feats, path_logits)
 
     def _compact(self, inp: StepInputs, length: torch.Tensor, path: torch.Tensor) -> None:
         """Moves accepted nodes' K/V from cache position start + node to start + depth. Every source
@@ -160,10 +166,13 @@ class Speculator:
         """The engine's step: prompt chunks (their context stored), then the decode requests'
         speculation. Returns the requests that got tokens."""
         touched = self.ar.prefill(prefill, taps=True) if prefill else []
-        if decode:
+        plain, scored = wants_logprobs(decode)
+        if plain:
             self.timed = not prefill  # (a prefill chunk still running on the device would count in the times)
             self.short_bursts = self.ar.scheduler.admitting()
-            self.decode(decode)
+            self.decode(plain)
+        if scored:
+            self._eager_step(scored)
         return touched + decode
 
     def decode(self, seqs: list[Sequence]) -> None:
@@ -179,7 +188,7 @@ class Speculator:
     def _eager_step(self, seqs: list[Sequence]) -> None:
         """One step without graphs (the CPU), or for a batch larger than the graphs'."""
         inp = self.drafter.prepare(seqs)
-        out = self.device_step(inp)
+        out = self.device_step(inp, scored=any(s.logprobs is not None for s in seqs))
         self._commit(seqs, out, self.budget)
 
     def _burst(self, seqs: list[Sequence], graphs: GraphPool | None = None, budget: int | None = None,
@@ -264,7 +273,11 @@ class Speculator:
             else:  # an AR step of auto: it stored its row in the drafter cache itself
                 assert not context_of(seq).pending, "drafter context rows left behind an AR step"
                 context_of(seq).stored = seq.num_cached
-            kept = self.commit(seq, path_tokens[1:L + 1] + [bonus])
+            tokens = path_tokens[1:L + 1] + [bonus]
+            scores = None
+            if seq.logprobs is not None:  # (the token at depth d + 1 was drawn from node d's logits)
+                scores = logprob_records(out.path_logits[i, :L + 1], tokens, seq.params.logprobs)
+            kept = self.commit(seq, tokens, scores)
             accepted += L
             if budget:
                 seq.accept_lengths.append(kept)
