@@ -300,6 +300,10 @@ BAD = {
     "a boolean token": (COMP, {"prompt": [1, True]}, "prompt"),
     "a negative token": (COMP, {"prompt": [5, -1]}, "prompt"),
     "presence_penalty": (CHAT, {"messages": MSG, "presence_penalty": 0.5}, "presence_penalty"),
+    "top_logprobs without logprobs": (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    "top_logprobs above 20": (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    "completion logprobs above 5": (COMP, {"prompt": "hi", "logprobs": 6}, "logprobs"),
+    "logprobs a string": (CHAT, {"messages": MSG, "logprobs": "true"}, "logprobs"),
     "lone surrogate in a prompt": (COMP, '{"prompt": "x\\ud800y", "max_tokens": 2}', "prompt"),
     "lone surrogate in a message": (CHAT, '{"messages": [{"role": "user", "content": "\\udc00"}]}', "messages"),
     "lone surrogate in a stop string": (COMP, '{"prompt": "hi", "stop": ["a\\ud801"]}', "stop"),
@@ -430,9 +434,8 @@ def test_requests_beyond_the_queue_limit_get_429(keyed):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    (CHAT, "logprobs", True), (CHAT, "top_logprobs", 3), (CHAT, "tools", [{"type": "function"}]),
-    (CHAT, "response_format", {"type": "json_object"}), (COMP, "echo", True), (COMP, "best_of", 2),
-    (COMP, "logprobs", 2), (CHAT, "logit_bias", {"5": 10})])
+    (CHAT, "tools", [{"type": "function"}]), (CHAT, "response_format", {"type": "json_object"}), (COMP, "echo", True),
+    (COMP, "best_of", 2), (CHAT, "logit_bias", {"5": 10}), (CHAT, "frequency_penalty", -0.5)])
 def test_unsupported_openai_fields_are_refused_naming_them(ar, path, field, value):
     body = {"messages": MSG} if path == CHAT else {"prompt": "Hello"}
     r = ar.post(path, {**body, "max_tokens": 2, field: value})
@@ -466,9 +469,47 @@ def test_docs_pages_are_off_unless_asked_for_and_the_schema_is_always_served(ar)
 
 def test_unsupported_fields_at_their_defaults_are_accepted(ar):
     r = ar.post(CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": False, "tool_choice": "none", "tools": [],
-                       "response_format": {"type": "text"}, "logit_bias": {}})
+                       "response_format": {"type": "text"}, "logit_bias": {}, "presence_penalty": 0.0,
+                       "frequency_penalty": 0})
     assert r.status_code == 200, r.text
     assert ar.post(COMP, {"prompt": "Hello", "max_tokens": 2, "best_of": 1, "echo": False, "logprobs": 0}).status_code == 200
+
+
+# ---- logprobs
+
+def test_chat_logprobs_are_the_models_and_speculation_reports_ars(ar, spec):
+    # Greedy, so both servers generate the same tokens: the speculative server reads the values off the
+    # verified tree, the AR server off its steps. One entry per generated token, each with its top 3.
+    body = {"messages": MSG, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": True,
+            "top_logprobs": 3}
+    a, s = ar.post(CHAT, body).json(), spec.post(CHAT, body).json()
+    la, ls = a["choices"][0]["logprobs"]["content"], s["choices"][0]["logprobs"]["content"]
+    assert len(la) == a["usage"]["completion_tokens"] == 12 and [e["token"] for e in la] == [e["token"] for e in ls]
+    for ea, es in zip(la, ls):
+        assert ea["logprob"] == pytest.approx(es["logprob"], abs=1e-4) and ea["logprob"] <= 0
+        assert len(ea["top_logprobs"]) == 3 and ea["top_logprobs"][0]["logprob"] >= ea["logprob"] - 1e-6
+        assert [t["token"] for t in ea["top_logprobs"]] == [t["token"] for t in es["top_logprobs"]]
+        assert bytes(ea["bytes"]).decode("utf-8", "replace") == ea["token"] or ea["token"].startswith("bytes:")
+    streamed = []
+    with httpx.stream("POST", spec.url + CHAT, json={**body, "stream": True}, timeout=REQUEST_S) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                lp = json.loads(line[6:])["choices"][0].get("logprobs")
+                streamed += lp["content"] if lp else []
+    assert streamed == ls
+    plain = ar.post(CHAT, {**body, "logprobs": False, "top_logprobs": None}).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_columns_line_up_with_the_text(ar):
+    body = {"prompt": "def add(a, b):", "max_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    r = ar.post(COMP, body).json()
+    lp = r["choices"][0]["logprobs"]
+    n = r["usage"]["completion_tokens"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert all(len(top) <= 2 and max(top.values()) >= v - 1e-6 for top, v in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    assert ar.post(COMP, {**body, "logprobs": 0}).json()["choices"][0]["logprobs"]["top_logprobs"] == [{}] * n
 
 
 # ---- metrics

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 
 from ddtree.server import protocol as P
 from ddtree.server.async_engine import AsyncEngine, Delta, RequestStream
+from ddtree.server.logprobs import CompletionOffsets, TokenText, chat_logprobs, completion_logprobs
 from ddtree.server.metrics import Metrics
 from ddtree.server.protocol import APIError
 
@@ -57,6 +58,7 @@ class Result:
     text: str
     finish_reason: str | None
     accept_lengths: list[int]
+    logprobs: list | None  # the tokens' records, with logprobs (server/logprobs.py `Record`)
 
 
 class BearerAuth:
@@ -192,20 +194,30 @@ def create_app(load: Callable[[], object], cfg: ServerConfig,
         stream = await engine.submit(prompt, P.sampling_params(req, engine.llm.config.vocab_size), max_tokens)
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
                     model=cfg.model_name)
+        offsets = CompletionOffsets()
+
+        def logprobs(records: list | None):  # the records in the endpoint's shape
+            if records is None:
+                return None
+            text = token_text()
+            return chat_logprobs(text, records) if chat else completion_logprobs(text, records, offsets)
+
         if not req.stream:
             r = await collect(stream, request)
             tail = dict(usage=usage(stream), ddtree=spec_info(r.accept_lengths))
             if chat:
                 msg = P.ChatMessageOut(content=r.text)
-                return P.ChatCompletionResponse(**head, **tail, choices=[P.ChatChoice(message=msg,
-                                                                                      finish_reason=r.finish_reason)])
-            return P.CompletionResponse(**head, **tail, choices=[P.CompletionChoice(text=r.text,
-                                                                                    finish_reason=r.finish_reason)])
+                choice = P.ChatChoice(message=msg, finish_reason=r.finish_reason, logprobs=logprobs(r.logprobs))
+                return P.ChatCompletionResponse(**head, **tail, choices=[choice])
+            choice = P.CompletionChoice(text=r.text, finish_reason=r.finish_reason, logprobs=logprobs(r.logprobs))
+            return P.CompletionResponse(**head, **tail, choices=[choice])
         Chunk = P.ChatCompletionChunk if chat else P.CompletionResponse
 
-        def chunk(text: str | None, finish: str | None = None, accepts: list[int] | None = None):
-            choice = P.ChatChunkChoice(delta=P.ChatDelta(content=text), finish_reason=finish) if chat else \
-                P.CompletionChoice(text=text or "", finish_reason=finish)
+        def chunk(text: str | None, finish: str | None = None, accepts: list[int] | None = None,
+                  records: list | None = None):
+            choice = P.ChatChunkChoice(delta=P.ChatDelta(content=text), finish_reason=finish,
+                                       logprobs=logprobs(records)) if chat else \
+                P.CompletionChoice(text=text or "", finish_reason=finish, logprobs=logprobs(records))
             return Chunk(**head, choices=[choice], ddtree=spec_info(accepts))
 
         async def events():
@@ -215,13 +227,20 @@ def create_app(load: Callable[[], object], cfg: ServerConfig,
                 if d.error is not None:
                     yield P.ErrorResponse(error=P.ErrorInfo(message=d.error, type="server_error"))
                     return
-                if d.text:
-                    yield chunk(d.text)
+                if d.text or (d.logprobs and d.finish_reason is None):
+                    yield chunk(d.text, records=d.logprobs)
                 if d.finish_reason is not None:
-                    yield chunk(None, d.finish_reason, d.accept_lengths)
+                    yield chunk(None, d.finish_reason, d.accept_lengths, None if d.text else d.logprobs)
             if req.include_usage:
                 yield Chunk(**head, choices=[], usage=usage(stream))
         return SSEResponse(sse(stream, events()), media_type="text/event-stream")
+
+    texts: list[TokenText] = []
+
+    def token_text() -> TokenText:  # (built once the model has loaded: it needs the tokenizer)
+        if not texts:
+            texts.append(TokenText(engine.llm.tokenizer))
+        return texts[0]
 
     def spec_info(accepts: list[int] | None) -> P.SpecInfo | None:
         if accepts is None:
@@ -240,6 +259,7 @@ def usage(stream: RequestStream) -> P.Usage:
 async def collect(stream: RequestStream, request: Request) -> Result:
     """All of a request's deltas; aborts it if the client disconnects (or the server stops) first."""
     parts: list[str] = []
+    records: list | None = None
     nxt = asyncio.ensure_future(stream.__anext__())
     try:
         while True:
@@ -252,8 +272,11 @@ async def collect(stream: RequestStream, request: Request) -> Result:
             if d.error is not None:
                 raise APIError(500, d.error, "server_error")
             parts.append(d.text)
+            if d.logprobs is not None:
+                records = records or []
+                records.extend(d.logprobs)
             if d.finish_reason is not None:
-                return Result("".join(parts), d.finish_reason, d.accept_lengths or [])
+                return Result("".join(parts), d.finish_reason, d.accept_lengths or [], records)
             nxt = asyncio.ensure_future(stream.__anext__())
     finally:
         nxt.cancel()

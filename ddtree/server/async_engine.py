@@ -38,6 +38,9 @@ class Delta:
     finish_reason: str | None = None  # set on the last delta
     accept_lengths: list[int] | None = None  # on the last delta: tokens committed per verify step
     error: str | None = None  # the engine failed; also the last delta
+    # A request with logprobs: a record per token generated since the previous delta (token id,
+    # log-probability, the most likely tokens with theirs), server/logprobs.py `Record`
+    logprobs: list | None = None
 
 
 class RequestStream:
@@ -52,7 +55,7 @@ class RequestStream:
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.seq = None
         self.ids: list[int] = []  # the prompt's tokens, from the tokenizing thread
-        self.sent = self.seen_tokens = self.seen_accepts = 0
+        self.sent = self.seen_tokens = self.seen_accepts = self.sent_logprobs = 0
         self.last = self.arrival
         self.holdback = max(map(len, params.stop), default=1) - 1
 
@@ -239,12 +242,16 @@ class AsyncEngine:
             end = len(seq.text) if finished else len(seq.text) - st.holdback
             text = seq.text[st.sent:end] if end > st.sent else ""
             st.sent = max(st.sent, end)
+            records = None
+            if seq.logprobs is not None and (finished or text):  # (each token's record goes with a delta)
+                records = [(seq.output_ids[j], *seq.logprobs[j]) for j in range(st.sent_logprobs, n)]
+                st.sent_logprobs = n
             if finished:
                 self._active.remove(st)
                 self.metrics.requests.labels(seq.finish_reason).inc()
-                self._push(st, Delta(text, n, seq.finish_reason, list(seq.accept_lengths)))
+                self._push(st, Delta(text, n, seq.finish_reason, list(seq.accept_lengths), logprobs=records))
             elif text:
-                self._push(st, Delta(text, n))
+                self._push(st, Delta(text, n, logprobs=records))
 
     def _fail_all(self, engine, message: str) -> None:
         for st in self._active:

@@ -61,17 +61,19 @@ MAX_STOPS, MAX_STOP_CHARS = 64, 1024  # stop strings a request may give, and the
 
 # OpenAI request fields without an implementation here: a request that sets one to anything but what
 # the default does (`_unset`) gets a 400.
-UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",
-               "echo", "best_of", "suffix", "logit_bias", "presence_penalty", "frequency_penalty")
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "echo", "best_of", "suffix",
+               "logit_bias", "presence_penalty", "frequency_penalty")
+MAX_CHAT_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5  # top tokens a request may see per position, as in OpenAI
 
 
 def _unset(name: str, value) -> bool:
-    """Whether `value` asks for nothing beyond the default (e.g. logprobs false, best_of 1, tool_choice none)."""
+    """Whether `value` asks for nothing beyond the default (e.g. echo false, best_of 1, presence_penalty 0,
+    tool_choice none)."""
     if value is None or value is False:
         return True
     if isinstance(value, bool):
         return False
-    if isinstance(value, int):
+    if isinstance(value, int | float):
         return value == (1 if name == "best_of" else 0)
     return value in ([], {}, "", "none", "auto", {"type": "text"})
 
@@ -107,6 +109,11 @@ class SamplingRequest(Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """How many of the most likely tokens to report per position; None: no logprobs."""
+        return None
+
 
 class ContentPart(Strict):
     type: Literal["text"] = Field(description="only text parts are supported")
@@ -139,12 +146,34 @@ PromptForms = Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
+    logprobs: bool | None = Field(False, description="the model's log-probability of each generated token "
+                                                      "(before temperature, top-k and top-p)")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_LOGPROBS,
+                                     description="with logprobs: the most likely tokens per position, with theirs")
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingRequest):
     # (validated by completion_prompt, whose messages say what is wrong better than a union's errors can)
     prompt: Annotated[str | list, WithJsonSchema(TypeAdapter(PromptForms).json_schema())] = Field(
         description="a string or a list of token ids; one prompt per request (a list holds one)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
+                                 description="the log-probability of each generated token and of this many of "
+                                             "the most likely tokens per position (the model's own: before "
+                                             "temperature, top-k and top-p)")
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class Usage(BaseModel):
@@ -160,6 +189,27 @@ class SpecInfo(BaseModel):
     mean_accept_length: float | None
 
 
+class TopLogprob(BaseModel):
+    token: str = Field(description="the token's text; bytes:\\x.. where it is not whole UTF-8 characters")
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int] = Field(description="where each token starts in the completion's text (characters)")
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -169,7 +219,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatDelta(BaseModel):
@@ -185,14 +235,14 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class _Response(BaseModel):
@@ -305,6 +355,7 @@ def sampling_params(req: SamplingRequest, vocab_size: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=1, temperature=req.temperature if req.temperature >= 1e-5 else 0.0,  # tiny = greedy
             top_p=max(req.top_p, 1e-6),  # keeps just the top token, as any smaller top_p would
-            top_k=min(req.top_k, vocab_size), seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos)
+            top_k=min(req.top_k, vocab_size), seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
+            logprobs=req.top_logprobs_count)
     except ValueError as e:
         raise APIError(400, str(e)) from None
