@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -26,10 +27,23 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                         "run (-1: unseeded, random)")
 
 
+def check_mode_args(args) -> None:
+    """One-line errors for model options that contradict each other."""
+    if args.spec in ("dflash", "ddtree") and args.budget is not None and args.budget.strip() == "0":
+        raise ValueError(f"--budget 0 with --spec {args.spec} is plain AR: use --spec none, or a positive budget "
+                         "or auto")
+
+
 def llm_from_args(args):
     from ddtree import LLM
-    return LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
-               device=args.device, dtype=args.dtype)
+    check_mode_args(args)
+    t0 = time.perf_counter()
+    print(f"[loading {args.model or 'the default model'} ...]", file=sys.stderr, flush=True)
+    llm = LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
+              device=args.device, dtype=args.dtype)
+    mode = llm.spec if llm.spec == "none" else f"{llm.spec} budget {llm.budget} topk {llm.topk}"
+    print(f"[loaded in {time.perf_counter() - t0:.1f} s: {llm.device.type}, spec {mode}]", file=sys.stderr, flush=True)
+    return llm
 
 
 def cmd_generate(args) -> int:
@@ -42,20 +56,22 @@ def cmd_generate(args) -> int:
         return 2
     llm = llm_from_args(args)
     prompts = args.prompt or ["Write a Python function that checks whether a number is prime."]
-    if args.raw:
-        outs = llm.generate(prompts, params)
-    else:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-    for prompt, out in zip(prompts, outs):
-        if len(prompts) > 1:
+    convs = prompts if args.raw else [[{"role": "user", "content": p}] for p in prompts]
+    if len(prompts) == 1:  # streamed as it is generated
+        for piece in llm.stream(convs[0], params):
+            print(piece, end="", flush=True)
+        print("\n")
+    else:  # one batch, printed at the end
+        outs = llm.generate(prompts, params) if args.raw else llm.chat(convs, params)
+        for prompt, out in zip(prompts, outs):
             print(f"### {prompt}")
-        print(out.text)
-        print()
+            print(out.text)
+            print()
     s = llm.last_stats
     mode = llm.spec if llm.spec == "none" else f"{llm.spec} budget {llm.budget} topk {llm.topk}"
     print(f"[{s['generated_tokens']} tokens in {s['elapsed_s']:.2f} s: {s['tokens_per_s']:.1f} tok/s, "
           f"batch {len(prompts)}, {llm.device.type}, spec {mode}, "
-          f"finish: {', '.join(str(o.finish_reason) for o in outs)}]", file=sys.stderr)
+          f"finish: {', '.join(map(str, s['finish_reasons']))}]", file=sys.stderr)
     if s["mean_accept_length"] is not None:
         st = llm.engine.speculator.stats
         rates = ", ".join(f"{n / st.steps:.2f}" for n in st.depth_accepted[:16])
@@ -98,6 +114,7 @@ def cmd_bench_report(args) -> int:
 
 def cmd_serve(args) -> int:
     from ddtree.models.hub import is_default_model
+    check_mode_args(args)
     if args.spec not in (None, "none") and args.draft is None and not is_default_model(args.model):
         raise ValueError(f"--spec {args.spec} needs --draft (a DFlash drafter checkpoint dir; the default model "
                          "has its own)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +62,7 @@ class LLM:
                                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                        kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs)
         self.drafter = None
+        default_pair = draft is None and spec is None and is_default_model(model)
         if draft is None and spec != "none" and is_default_model(model):
             draft = default_draft()  # the default pair: our drafter for the default model (DDTree)
         if draft is not None:
@@ -69,6 +71,11 @@ class LLM:
                 if isinstance(draft, (str, os.PathLike)) else draft
         self.engine = None
         self.kept: dict[tuple, LLMEngine] = {}  # engines of other modes (`switch_mode`)
+        if default_pair and self.device.type == "cpu":
+            # On the CPU the default pair's speculation is slower than AR (every speculative mode in the
+            # README's CPU rows): AR from the start, without measuring a cost table first. The drafter
+            # stays loaded for set_mode; an explicit spec is honoured.
+            spec = "none"
         self.set_mode(spec or ("ddtree" if draft is not None else "none"), budget, topk, cost_table)
         self.last_stats: dict = {}
 
@@ -163,6 +170,40 @@ class LLM:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None) -> Iterator[str]:
+        """One request's text as the engine commits it, in pieces: `prompt` is a string, token ids, or a
+        conversation (chat messages). Text that could still turn out to be the start of a stop string is
+        held back until it cannot. `last_stats` describes the request once the iterator is exhausted;
+        closing it early aborts the request."""
+        params = SamplingParams() if params is None else params
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            ids = self.encode_chat(prompt)
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_path} has no tokenizer: pass the prompt as token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        seq = self.engine.add_request(ids, params, stream=True)
+        hold = max(map(len, params.stop), default=1) - 1
+        sent, before = 0, self._counters()
+        t0, steps = time.perf_counter(), 0
+        try:
+            while not seq.is_finished:
+                self.engine.step()
+                steps += 1
+                end = len(seq.text) if seq.is_finished else len(seq.text) - hold
+                if end > sent:
+                    yield seq.text[sent:end]
+                    sent = end
+        finally:
+            self.engine.abort(seq)  # (a no-op once finished)
+        self._record_stats([seq], before, time.perf_counter() - t0, steps)
+
+    def _counters(self) -> tuple[dict, dict]:
+        spec = self.engine.speculator
+        return (dict(spec.stats.budget_hist) if spec is not None else {}), dict(self.engine.timing)
+
     def _run(self, prompt_ids: list[list[int]], params, use_tqdm: bool) -> list[RequestOutput]:
         params = SamplingParams() if params is None else params
         plist = params if isinstance(params, list) else [params] * len(prompt_ids)
@@ -176,9 +217,7 @@ class LLM:
             for s in seqs:  # a bad prompt loses nothing: the ones already queued are withdrawn
                 self.engine.abort(s)
             raise
-        spec = self.engine.speculator
-        hist_before = dict(spec.stats.budget_hist) if spec is not None else {}
-        timing_before = dict(self.engine.timing)
+        before = self._counters()
         t0, steps = time.perf_counter(), 0
         bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate")
         unfinished = seqs
@@ -201,17 +240,24 @@ class LLM:
             if collecting:
                 gc.enable()
         bar.close()
-        elapsed = time.perf_counter() - t0
+        self._record_stats(seqs, before, time.perf_counter() - t0, steps)
+        return [RequestOutput(s.prompt_ids, s.text, list(s.output_ids), s.finish_reason, list(s.accept_lengths),
+                              None if s.logprobs is None else list(s.logprobs)) for s in seqs]
+
+    def _record_stats(self, seqs: list[Sequence], before: tuple[dict, dict], elapsed: float, steps: int) -> None:
+        """`last_stats`: the requests' tokens, time and acceptance, and the engine counters' growth since
+        `before` (`_counters`)."""
+        hist_before, timing_before = before
+        spec = self.engine.speculator
         generated = sum(len(s.output_ids) for s in seqs)
         accepts = [a for s in seqs for a in s.accept_lengths]
         self.last_stats = {"elapsed_s": elapsed, "generated_tokens": generated, "steps": steps,
                            "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
-                           "mean_accept_length": sum(accepts) / len(accepts) if accepts else None}
+                           "mean_accept_length": sum(accepts) / len(accepts) if accepts else None,
+                           "finish_reasons": [s.finish_reason for s in seqs]}
         if spec is not None:  # request-steps per budget (0: AR steps of budget "auto")
             hist = {b: n - hist_before.get(b, 0) for b, n in sorted(spec.stats.budget_hist.items())}
             self.last_stats["budget_hist"] = {b: n for b, n in hist.items() if n}
         bursts = {k: n - timing_before.get(k, 0) for k, n in sorted(self.engine.timing.items())}
         if any(bursts.values()):  # where the wall time went, and how steps were grouped into bursts
             self.last_stats["bursts"] = bursts
-        return [RequestOutput(s.prompt_ids, s.text, list(s.output_ids), s.finish_reason, list(s.accept_lengths),
-                              None if s.logprobs is None else list(s.logprobs)) for s in seqs]

@@ -11,7 +11,7 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(device="cpu", dtype="float32")
+    return LLM(device="cpu", dtype="float32", spec="ddtree")
 
 
 def test_default_model_greedy_chat_matches_transformers(llm):

@@ -326,6 +326,36 @@ def test_generate_accepts_a_string_token_ids_and_lists_of_either(make_llm, alone
     assert from_strs[1].token_ids == from_id_lists[1].token_ids == alone(llm.tokenizer.encode(other), params).token_ids
 
 
+def test_stream_yields_the_generated_text_in_pieces_never_a_stop_strings_start(make_llm, alone, corpus_ids):
+    prompt = corpus_ids[3:9]
+    ref = alone(prompt)
+    llm = make_llm()
+    pieces = list(llm.stream(prompt, greedy()))
+    assert "".join(pieces) == ref.text and len(pieces) > 1
+    assert llm.last_stats["generated_tokens"] == len(ref.token_ids)
+    assert llm.last_stats["finish_reasons"] == [ref.finish_reason]
+    stop = pick_stop_string(llm.tokenizer, ref.text, ref.token_ids)
+    pieces = list(llm.stream(prompt, greedy(stop=[stop])))
+    assert "".join(pieces) == ref.text[:ref.text.find(stop)]  # (nothing past it was streamed, then taken back)
+    conv = [{"role": "user", "content": "Hi"}]
+    assert "".join(llm.stream(conv, greedy())) == llm.chat(conv, greedy())[0].text
+    stream = llm.stream(prompt, greedy())
+    next(stream)
+    stream.close()  # the consumer leaves: the request is aborted and its pages freed
+    assert_engine_idle(llm)
+
+
+def test_generate_command_streams_one_prompt_and_refuses_budget_zero_with_a_speculative_mode(tiny_qwen2, capsys):
+    from ddtree.cli import main
+    rc = main(["generate", "--model", tiny_qwen2, "--device", "cpu", "--max-tokens", "5", "--ignore-eos", "--raw",
+               "def f(x):"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.strip() and "[loaded in" in err and "5 tokens in" in err and "finish: length" in err
+    rc = main(["generate", "--model", tiny_qwen2, "--device", "cpu", "--spec", "ddtree", "--budget", "0", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--budget 0 with --spec ddtree is plain AR" in err
+
+
 def test_generate_with_one_params_per_prompt_checks_the_count(make_llm):
     llm = make_llm()
     outs = llm.generate(["a", "b"], [greedy(2), greedy(5)])

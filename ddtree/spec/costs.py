@@ -10,6 +10,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 AR_TIMING_BURST = 8  # AR steps timed back to back, as the engine's pipelined bursts run them
 STORE_ROWS = 64  # pending context rows per request in the timed store (spec/auto.py PENDING_ROWS caps a stretch's)
@@ -88,7 +89,8 @@ def measure_costs(spec, batch_sizes: list[int], context: int, reps: int) -> Cost
         return statistics.median(wall_ms(fn, spec.runner.device, reps, repeat))
 
     ar, draft, verify, store = [], [], {b: [] for b in spec.budgets if b > 0}, []
-    for bs in batch_sizes:
+    # (progress on a terminal: on the CPU this takes about a minute)
+    for bs in tqdm(batch_sizes, desc="budget auto: measuring step costs", unit="batch size", disable=None):
         steps = spec.fake_steps(bs, context)
         ar.append(timed(steps[0], AR_TIMING_BURST))
         draft.append(timed(steps["draft"]))
