@@ -452,6 +452,42 @@ def test_a_body_over_the_size_limit_gets_413_and_long_stop_lists_get_400(ar):
     assert ar.post(COMP, {"prompt": "Hello", "max_tokens": 2, "stop": ["x"] * 64}).status_code == 200
 
 
+def test_huge_prompts_are_refused_while_running_streams_keep_flowing(ar):
+    # A 10 MB body is refused from its Content-Length; a 6 MB prompt (under the body limit) is tokenized
+    # off the engine thread and refused as too long for the context. Meanwhile streams run one after
+    # another: the gaps between a stream's chunks stay short (no stall while the big requests are handled).
+    streams, refused = [], {}
+    body = {"prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "temperature": 0, "stream": True}
+
+    def stream():
+        deadline = time.monotonic() + REQUEST_S
+        while len(refused) < 2 and time.monotonic() < deadline:
+            arrivals = []
+            with httpx.stream("POST", ar.url + COMP, json=body, timeout=REQUEST_S) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+            streams.append(arrivals)
+
+    def big(name, words):
+        time.sleep(0.3)  # (a stream is running by then)
+        t0 = time.monotonic()
+        r = ar.post(COMP, {"prompt": "hello world " * words, "max_tokens": 2})
+        refused[name] = (r.status_code, t0, time.monotonic())
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=big, args=("10MB", 873_813)),
+               threading.Thread(target=big, args=("6MB", 500_000))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(REQUEST_S)
+    (code10, start10, end10), (code6, start6, end6) = refused["10MB"], refused["6MB"]
+    assert code10 == 413 and end10 - start10 < 0.5 and code6 == 400, refused
+    assert streams[0][0] < min(start10, start6) and streams[-1][-1] > max(start10, start6)  # streams ran throughout
+    gaps = [b - a for arrivals in streams for a, b in zip(arrivals, arrivals[1:])]
+    assert max(gaps) < 0.5, max(gaps)
+
+
 def test_docs_pages_are_off_unless_asked_for_and_the_schema_is_always_served(ar):
     # (the docs pages load their scripts from a CDN: offline they would not work)
     from fastapi.testclient import TestClient
