@@ -472,6 +472,16 @@ def test_seeded_sampled_output_equals_seeded_ar_alone_and_batched(case, drafter_
     assert_idle(llm)
 
 
+def assert_same_tokens_and_logprobs(got, ref) -> None:
+    """The same tokens, logprobs where the reference has them, with the same values and top tokens."""
+    for r, g in zip(ref, got):
+        assert g.token_ids == r.token_ids and (g.logprobs is None) == (r.logprobs is None)
+        if r.logprobs is not None:
+            torch.testing.assert_close(torch.tensor([lp for lp, _ in g.logprobs]),
+                                       torch.tensor([lp for lp, _ in r.logprobs]), atol=1e-4, rtol=0)
+            assert [[t for t, _ in alts] for _, alts in g.logprobs] == [[t for t, _ in alts] for _, alts in r.logprobs]
+
+
 @pytest.mark.parametrize("spec, budget, topk", [("dflash", None, None), ("ddtree", 16, 4), ("ddtree", "auto", 4)])
 def test_logprobs_equal_transformers_and_ar_while_requests_without_them_share_the_batch(spec, budget, topk, tiny,
                                                                                           drafter, ar, prompts):
@@ -501,12 +511,7 @@ def test_logprobs_equal_transformers_and_ar_while_requests_without_them_share_th
     llm = spec_llm(tiny("qwen3"), drafter("qwen3", 8), spec, budget, topk)
     plant(llm, noisy_oracle(continuation(prompts, ar("qwen3", prompts, sampled_params([LONGEST] * 4)))))
     got = llm.generate(prompts, params)
-    for r, g in zip(ref, got):
-        assert g.token_ids == r.token_ids and (g.logprobs is None) == (r.logprobs is None)
-        if r.logprobs is not None:
-            torch.testing.assert_close(torch.tensor([lp for lp, _ in g.logprobs]),
-                                       torch.tensor([lp for lp, _ in r.logprobs]), atol=1e-4, rtol=0)
-            assert [[t for t, _ in alts] for _, alts in g.logprobs] == [[t for t, _ in alts] for _, alts in r.logprobs]
+    assert_same_tokens_and_logprobs(got, ref)
     scored_accepts = [n for o, p in zip(got, params) if p.logprobs is not None for n in o.accept_lengths]
     assert budget == "auto" or sum(scored_accepts) > len(scored_accepts)  # (multi-token accepts were scored)
     assert_idle(llm)
@@ -533,12 +538,7 @@ def test_requests_with_logprobs_step_beside_graphed_bursts_with_ar_values(spec, 
                                 graphed.append([s.logprobs is not None for s in seqs]) or real(seqs, *a, **kw))
     got = llm.generate(prompts, params)
     assert graphed and not any(map(any, graphed))
-    for r, g in zip(ref, got):
-        assert g.token_ids == r.token_ids and (g.logprobs is None) == (r.logprobs is None)
-        if r.logprobs is not None:
-            torch.testing.assert_close(torch.tensor([lp for lp, _ in g.logprobs]),
-                                       torch.tensor([lp for lp, _ in r.logprobs]), atol=1e-4, rtol=0)
-            assert [[t for t, _ in alts] for _, alts in g.logprobs] == [[t for t, _ in alts] for _, alts in r.logprobs]
+    assert_same_tokens_and_logprobs(got, ref)
     assert_idle(llm)
 
 
