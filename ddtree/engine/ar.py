@@ -23,7 +23,7 @@ import torch
 
 from ddtree.config import EngineConfig, ModelConfig
 from ddtree.engine.graphs import GraphPool
-from ddtree.engine.readback import TokenReadback
+from ddtree.engine.readback import TokenReadback, pipelined
 from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import COLUMNS, logprob_records, sample, sampling_columns, wants_logprobs
 from ddtree.engine.scheduler import Scheduler
@@ -263,8 +263,10 @@ class ARDecoder:
         draw = sampling_columns([s.params for s in seqs], [s.seed for s in seqs])
         rows = pack_rows(tables, [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw,
                          self.runner.scratch_page, self.device)
-        pending, kept, feats_buf = None, [0] * R, None
-        for i in range(steps):
+        kept, feats_buf = [0] * R, None
+
+        def launch(i: int) -> int:
+            nonlocal feats_buf
             if i == 0:
                 out = pool.run(DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2 + COLUMNS:], rows[:, 2:2 + COLUMNS]))
             else:  # the graph already wrote this step's inputs
@@ -274,14 +276,10 @@ class ARDecoder:
                 if feats_buf is None:
                     feats_buf = feats.new_empty(R, steps, feats.shape[-1])
                 feats_buf[:, i].copy_(feats[:R])
-            launched = self.readback.start(tokens[:R])
-            ended = pending is not None and self._commit_step(seqs, pending, kept)
-            pending = launched
-            if ended:
-                steps = i + 1
-                break
-        self._commit_step(seqs, pending, kept)
-        return Burst(steps, kept, feats_buf)
+            return self.readback.start(tokens[:R])
+
+        ran = pipelined(steps, launch, lambda handle: self._commit_step(seqs, handle, kept))
+        return Burst(ran, kept, feats_buf)
 
     def burst_length(self, seqs: list[Sequence]) -> int:
         n = min(self.burst_steps, SHORT_BURST) if self.scheduler.admitting() else self.burst_steps

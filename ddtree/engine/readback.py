@@ -1,7 +1,30 @@
 """Reading sampled tokens back to the host one step late, so the GPU never waits for the host."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
+
+Launched = TypeVar("Launched")
+
+
+def pipelined(steps: int, launch: Callable[[int], Launched], commit: Callable[[Launched], bool]) -> int:
+    """The loop of a decode burst: step i + 1 is launched (its inputs computed on the device from step
+    i's outputs) before step i is read back and committed, so the device never waits for the host's
+    launch, read-back and bookkeeping. `launch(i)` starts step i and its read-back; `commit(launched)`
+    commits a step, True when a request finished: the burst then ends after the step already launched
+    (wasted for that request). Returns the number of steps run."""
+    pending = None
+    for i in range(steps):
+        launched = launch(i)
+        ended = pending is not None and commit(pending)
+        pending = launched
+        if ended:
+            steps = i + 1
+            break
+    commit(pending)
+    return steps
 
 
 class TokenReadback:

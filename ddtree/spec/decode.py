@@ -16,7 +16,7 @@ import torch
 
 from ddtree.engine.ar import SHORT_BURST, ARDecoder
 from ddtree.engine.graphs import GraphPool
-from ddtree.engine.readback import TokenReadback
+from ddtree.engine.readback import TokenReadback, pipelined
 from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import COLUMNS, logprob_records, sample, wants_logprobs
 from ddtree.engine.sequence import Sequence
@@ -204,21 +204,18 @@ class Speculator:
         R = len(seqs)
         inp = self.drafter.prepare(seqs, ctx_rows=self.drafter.block_size)
         left = max(s.params.max_tokens - len(s.output_ids) for s in seqs)
-        pending, steps = None, max(1, min(SHORT_BURST if self.short_bursts else most, most, left))
-        for i in range(steps):
+        steps = max(1, min(SHORT_BURST if self.short_bursts else most, most, left))
+
+        def launch(i: int):
+            nonlocal inp
             out = graphs.run(inp)
             # graph outputs are static buffers: keep this step's before the next replay overwrites them
             packed, feats = out.packed[:R].clone(), out.feats[:R].clone()
             if i + 1 < steps:  # (past the last step the positions may lie beyond the reserved pages)
                 inp = self._next_inputs(inp, packed, feats)
-            launched = (self.readback.start(packed.flatten()), feats, packed.shape[1])
-            ended = pending is not None and self._commit_burst_step(seqs, pending, budget)
-            pending = launched
-            if ended:
-                steps = i + 1
-                break
-        self._commit_burst_step(seqs, pending, budget)
-        return steps
+            return self.readback.start(packed.flatten()), feats, packed.shape[1]
+
+        return pipelined(steps, launch, lambda launched: self._commit_burst_step(seqs, launched, budget))
 
     def _next_inputs(self, inp: StepInputs, packed: torch.Tensor, feats: torch.Tensor) -> StepInputs:
         """The next step's inputs from this step's outputs, on the device: what `prepare` would build
