@@ -13,8 +13,8 @@ request's tree nodes are consecutive rows.
    the draw is taken again over the larger logits only, until it is kept. The best noisy token among
    the kept ones is the draw of the filtered distribution, the set the reference's sort-based
    threshold keeps. A draw from outside the nucleus has probability about 1 - p, so most rows pass
-   the first check. With both top-k and top-p the top-k mass needs the k-th largest logit: found by a
-   16-way search on the logits' ordered bit patterns, 8 reads of the row.
+   the first check. With both top-k and top-p the top-k mass needs the k-th largest logit: found by
+   bisection on the logits' ordered bit patterns.
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import triton.language as tl
 
 TILE = 2048  # vocabulary entries per program of the tile kernel
 BLOCK = 1024  # entries per loop iteration of the row kernel
-WAYS, PASSES = 16, 8  # the k-th largest logit's search: 16^8 = 2^32 ordered bit patterns
 
 
 @triton.jit
@@ -90,7 +89,7 @@ def _key(x):
 
 @triton.jit
 def _row_kernel(X, stride_x, V, Draw, nodes, Pos, BestVal, BestIdx, TileMax, TileSum, tiles, Token,
-                TILES: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr, PASSES: tl.constexpr):
+                TILES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     t = tl.arange(0, TILES)
     alive = t < tiles
@@ -108,26 +107,19 @@ def _row_kernel(X, stride_x, V, Draw, nodes, Pos, BestVal, BestIdx, TileMax, Til
         m = tl.where(m == float("-inf"), 0.0, m)
         total = tl.sum(tl.load(TileSum + row * tiles + t, mask=alive, other=0.0) * tl.exp((tmax - m) / T), 0)
         offs = tl.arange(0, BLOCK)
-        if use_k & use_p:  # the top-k mass: the k-th largest logit, searched on ordered bit patterns
-            # The largest key t with at least k logits' keys >= t lies in [lo, hi]. Each pass counts the
-            # logits at or above WAYS - 1 evenly spaced thresholds in one read of the row and keeps the
-            # 1/WAYS of the range the answer lies in: 2^32 keys take 8 passes of 16 ways (bisection: 33).
+        if use_k & use_p:  # the top-k mass: the k-th largest logit by bisection on ordered bit patterns
             lo = _key(m).to(tl.int64) * 0 - 2147483648  # every logit's key is >= lo
             hi = _key(tl.max(tmax, 0)).to(tl.int64)
-            ways = tl.arange(0, WAYS) + 1
-            for _ in range(PASSES):
-                step = (hi - lo + WAYS) // WAYS  # ceil((hi - lo + 1) / WAYS) >= 1
-                at = lo + step * ways  # [WAYS]; those past hi are not used
-                thresholds = tl.minimum(at, 2147483647).to(tl.int32)
-                counts = tl.zeros([WAYS], dtype=tl.int32)
+            for _ in range(33):
+                mid = lo + (hi - lo + 1) // 2
+                count = 0
                 for c0 in range(0, V, BLOCK):
                     cols = c0 + offs
                     x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-                    above = (_key(x)[:, None] >= thresholds[None, :]) & (cols < V)[:, None]
-                    counts += tl.sum(above.to(tl.int32), 0)
-                j = tl.max(tl.where((counts >= k) & (at <= hi), ways, 0), 0)  # counts fall as thresholds rise
-                lo = lo + j * step
-                hi = tl.minimum(hi, lo + step - 1)
+                    count += tl.sum(((_key(x).to(tl.int64) >= mid) & (cols < V)).to(tl.int32), 0)
+                take = count >= k
+                lo = tl.where(take, mid, lo)
+                hi = tl.where(take, hi, mid - 1)
             total = 0.0
             for c0 in range(0, V, BLOCK):
                 cols = c0 + offs
@@ -181,5 +173,5 @@ def triton_sample(logits: torch.Tensor, draw: torch.Tensor, positions: torch.Ten
     _tile_kernel[(M, tiles)](logits, logits.stride(0), V, draw, nodes, pos, best_val, best_idx, tile_max, tile_sum,
                              BLOCK=TILE)
     _row_kernel[(M,)](logits, logits.stride(0), V, draw, nodes, pos, best_val, best_idx, tile_max, tile_sum, tiles,
-                      token, TILES=max(16, triton.next_power_of_2(tiles)), BLOCK=BLOCK, WAYS=WAYS, PASSES=PASSES)
+                      token, TILES=max(16, triton.next_power_of_2(tiles)), BLOCK=BLOCK)
     return token
