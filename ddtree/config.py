@@ -7,7 +7,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_5_text")
+HYBRID_MODEL_TYPES = ("qwen3_5_text",)  # Gated DeltaNet layers between full-attention ones (models/hybrid.py)
+
+
+@dataclass(slots=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model: query/key heads, value heads, and the causal
+    convolution's kernel over q|k|v."""
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
 
 @dataclass(slots=True)
@@ -29,6 +45,27 @@ class ModelConfig:
     o_bias: bool = False  # Llama with attention_bias also biases o_proj; Qwen2 does not
     rope_scaling: dict | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Hybrid models: each layer's kind ("linear_attention" or "full_attention"), the linear layers'
+    # shape, the rotated share of an attention head, and the attention output gate.
+    layer_types: list[str] | None = None
+    linear: LinearAttentionConfig | None = None
+    rotary_dim: int | None = None  # None: the whole head
+    attn_output_gate: bool = False
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.layer_types is not None
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers with a KV cache."""
+        return [i for i, t in enumerate(self.layer_types or ["full_attention"] * self.num_layers)
+                if t == "full_attention"]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """The layers with a recurrent state (hybrid models)."""
+        return [i for i, t in enumerate(self.layer_types or []) if t == "linear_attention"]
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
@@ -38,6 +75,20 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        hybrid = model_type in HYBRID_MODEL_TYPES
+        rope = cfg.get("rope_parameters") or {}
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        extra = {}
+        if hybrid:
+            every = cfg.get("full_attention_interval", 4)
+            extra = dict(
+                layer_types=cfg.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                                       for i in range(cfg["num_hidden_layers"])],
+                linear=LinearAttentionConfig(cfg["linear_num_key_heads"], cfg["linear_num_value_heads"],
+                                             cfg["linear_key_head_dim"], cfg["linear_value_head_dim"],
+                                             cfg["linear_conv_kernel_dim"]),
+                rotary_dim=int(head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
+                attn_output_gate=True)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -46,17 +97,18 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
             max_position=cfg.get("max_position_embeddings", 32768),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; Llama has them only with attention_bias; Qwen3 never.
             qkv_bias=model_type == "qwen2" or (model_type == "llama" and bool(cfg.get("attention_bias", False))),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_5_text"),
             o_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
             rope_scaling=cfg.get("rope_scaling"),
             eos_token_ids=eos,
+            **extra,
         )
 
     @classmethod

@@ -88,7 +88,7 @@ class LLM:
         if self.engine is not None or self.kept:  # free the old KV caches and graphs before sizing a new one
             self.engine = None
             self.kept.clear()
-            layers = [layer.self_attn for layer in self.net.model.layers]
+            layers = [layer.self_attn for layer in self.net.model.layers if hasattr(layer, "self_attn")]
             layers += [layer.self_attn for layer in self.drafter.layers] if self.drafter is not None else []
             for attn in layers:  # the layers hold views of the old cache
                 attn.k_cache = attn.v_cache = torch.empty(0)

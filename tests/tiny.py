@@ -42,6 +42,13 @@ def make_config(family: str, vocab_size: int, **overrides):
         return Qwen3Config(head_dim=16, rope_theta=10000.0, **common)
     if family == "llama":
         return LlamaConfig(rope_theta=10000.0, attention_bias=False, **common)
+    if family == "qwen3_5":  # hybrid: three Gated DeltaNet layers, then full attention (4 layers by default)
+        from transformers import Qwen3_5TextConfig
+        common["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
+        return Qwen3_5TextConfig(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                 linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.5}, **common)
     raise ValueError(family)
 
 
@@ -60,8 +67,10 @@ def make_tiny_model(path: str, family: str = "qwen2", seed: int = 0, with_tokeni
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
-            elif "bias" in name:
+            elif "bias" in name and family != "qwen3_5":
                 p.normal_(0, 0.02)
+            elif family == "qwen3_5" and "norm" in name:  # (zero-centred norms: their 1 + weight is tested)
+                p.normal_(0, 0.1)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     if tok is not None:

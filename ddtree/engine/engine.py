@@ -38,12 +38,16 @@ class LLMEngine:
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         auto = budget == "auto"
         speculative = drafter is not None and (auto or budget > 0)
+        if speculative and cfg.is_hybrid:
+            raise ValueError(f"speculative decoding of hybrid models ({cfg.model_type}: linear-attention layers with a "
+                             "recurrent state) is not supported yet; use spec='none'")
         if auto and speculative:
             budget = candidate_budgets(drafter.dcfg.block_size - 1, topk)[-1]
         # rows of logits one forward can produce: every request's tree (or its one token)
         logit_rows = engine_cfg.max_num_seqs * (budget + 1 if speculative else 1)
         self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype, logit_rows)
-        self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size)
+        self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
+                                       engine_cfg.max_num_seqs if cfg.is_hybrid else 0)
         capacity = self.runner.num_pages * engine_cfg.page_size
         use_graphs = engine_cfg.cuda_graphs and self._graphs_supported()
         # Host ms of prefills and whole steps in every mode, and how graphed AR steps were grouped into
@@ -103,8 +107,9 @@ class LLMEngine:
         return self.speculator or self.ar
 
     def _graphs_supported(self) -> bool:
-        # Graphs need the Triton kernels: the torch reference attention reads host values.
-        return self.device.type == "cuda" and self.runner.use_triton
+        # Graphs need the Triton kernels: the torch reference attention reads host values, as does
+        # the hybrid models' reference recurrence.
+        return self.device.type == "cuda" and self.runner.use_triton and not self.cfg.is_hybrid
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
         """Queues a request. `stream=False` (offline use) detokenizes once at the end instead of per

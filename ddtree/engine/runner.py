@@ -10,7 +10,7 @@ import os
 import torch
 
 from ddtree.config import EngineConfig, ModelConfig
-from ddtree.engine.kv_cache import allocate_kv_cache, pages_for_memory
+from ddtree.engine.kv_cache import allocate_kv_cache, allocate_state_cache, pages_for_memory
 from ddtree.engine.sequence import Sequence
 from ddtree.models.transformer import CausalLM
 from ddtree.ops.attention import make_batch, pack_rows, uniform_batch
@@ -30,18 +30,25 @@ class ModelRunner:
         self.num_pages = engine_cfg.num_pages or self._pages_from_memory(engine_cfg, logit_rows)
         # One page more than the allocator hands out: the scratch page, where padding rows of a
         # fixed-shape (CUDA graph) step write their K/V.
-        self.kv_cache = allocate_kv_cache(cfg.num_layers, self.num_pages + 1, self.page_size, cfg.num_kv_heads,
-                                          cfg.head_dim, dtype, device)
+        self.kv_cache = allocate_kv_cache(len(cfg.attention_layers), self.num_pages + 1, self.page_size,
+                                          cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.scratch_page = self.num_pages
         self.num_slots = (self.num_pages + 1) * self.page_size
+        # Hybrid models: a recurrent-state slot per request that may run (engine/kv_cache.py).
+        self.state_cache = allocate_state_cache(cfg, engine_cfg.max_num_seqs, dtype, device) if cfg.is_hybrid \
+            else None
         self.bind_cache()
 
     def bind_cache(self) -> None:
         """Points the model's attention layers at this runner's KV cache (again: `LLM.switch_mode` keeps
         engines of several modes over one model; CUDA graphs hold their own engine's cache anyway)."""
-        for i, layer in enumerate(self.model.model.layers):
-            layer.self_attn.k_cache = self.kv_cache[0, i]
-            layer.self_attn.v_cache = self.kv_cache[1, i]
+        layers = self.model.model.layers
+        for i, index in enumerate(self.cfg.attention_layers):
+            layers[index].self_attn.k_cache = self.kv_cache[0, i]
+            layers[index].self_attn.v_cache = self.kv_cache[1, i]
+        for i, index in enumerate(self.cfg.linear_layers):
+            layers[index].linear_attn.conv_state = self.state_cache[0][i]
+            layers[index].linear_attn.recurrent_state = self.state_cache[1][i]
 
     def _pages_from_memory(self, ec: EngineConfig, logit_rows: int) -> int:
         if self.device.type == "cuda":
@@ -54,7 +61,7 @@ class ModelRunner:
             budget = free - (1 - ec.gpu_memory_utilization) * total - activations
         else:
             budget = ec.kv_cache_gb * 2**30
-        return pages_for_memory(budget, self.cfg.num_layers, self.page_size, self.cfg.num_kv_heads,
+        return pages_for_memory(budget, len(self.cfg.attention_layers), self.page_size, self.cfg.num_kv_heads,
                                 self.cfg.head_dim, self.dtype)
 
     def prepare(self, chunks: list[tuple[Sequence, int]]):
@@ -71,7 +78,8 @@ class ModelRunner:
             pos.extend(range(start, start + n))
         batch = make_batch([s.block_table for s, _, _ in rows], [start for _, start, _ in rows],
                            [n for _, _, n in rows], None, self.page_size, self.device, self.use_triton,
-                           self.heads_per_kv, self.cfg.num_kv_heads)
+                           self.heads_per_kv, self.cfg.num_kv_heads,
+                           [s.state_slot for s, _, _ in rows] if self.cfg.is_hybrid else None)
         ids_pos = torch.tensor([ids, pos], dtype=torch.long).to(self.device)  # one host->device copy
         return ids_pos[0], ids_pos[1], batch
 

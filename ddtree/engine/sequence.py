@@ -32,6 +32,7 @@ class Sequence:
     finish_reason: str | None = None
     accept_lengths: list[int] = field(default_factory=list)
     seed: int = 0  # keys every draw with the token's position (engine/sampler.py)
+    state_slot: int = -1  # hybrid models: the recurrent-state slot held with the pages (engine/kv_cache.py)
     # With params.logprobs: per output token (its log-probability, [(token, log-probability)] of the
     # params.logprobs most likely), engine/sampler.py `logprob_records`.
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
@@ -43,6 +44,7 @@ class Sequence:
     def drop_cache(self) -> None:
         """Forget all cached state (pages were released): everything is recomputed on readmission."""
         self.block_table = []
+        self.state_slot = -1
         self.num_cached = 0
         self.draft_context = None
 

@@ -88,5 +88,8 @@ def load_model(path: str, device: str | torch.device = "cpu",
     load_weights(model, iter_tensors(path), CausalLM.packed, path,
                  skip=lambda n: "rotary_emb" in n or (tied and n == "lm_head.weight"))
     model.tie_weights()
+    if cfg.is_hybrid:
+        from ddtree.models.hybrid import fold_norm_offsets
+        fold_norm_offsets(model)
     model.model.rotary.build(device)
     return model.eval().requires_grad_(False), cfg

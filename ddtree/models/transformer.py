@@ -51,7 +51,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim or cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -204,12 +204,19 @@ class DecoderLayer(nn.Module):
         return out, residual, entering
 
 
+def decoder_layer(cfg: ModelConfig, index: int, rotary: Rotary) -> nn.Module:
+    if cfg.is_hybrid:
+        from ddtree.models.hybrid import HybridDecoderLayer
+        return HybridDecoderLayer(cfg, index, rotary)
+    return DecoderLayer(cfg, rotary)
+
+
 class TransformerModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.rotary = Rotary(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([decoder_layer(cfg, i, self.rotary) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -34,6 +34,7 @@ class AttentionBatch:
     block_m: int = 0
     splits: int = 1  # Triton: key slices per query block (flash-decoding), fixed per shape
     use_triton: bool = False
+    state_slots: torch.Tensor | None = None  # [R] hybrid models: each request's recurrent-state slot
 
 
 def slots_for(block_table: list[int] | torch.Tensor, start: int, end: int, page_size: int,
@@ -46,7 +47,8 @@ def slots_for(block_table: list[int] | torch.Tensor, start: int, end: int, page_
 
 def make_batch(block_tables: list[list[int]], prefix_lens: list[int], q_lens: list[int],
                mask: torch.Tensor | None, page_size: int, device: torch.device,
-               use_triton: bool = False, num_heads_per_kv: int = 1, num_kv_heads: int = 1) -> AttentionBatch:
+               use_triton: bool = False, num_heads_per_kv: int = 1, num_kv_heads: int = 1,
+               state_slots: list[int] | None = None) -> AttentionBatch:
     """Builds a step's metadata from host lists (eager path; CUDA graphs fill static copies)."""
     R = len(q_lens)
     width = max((len(t) for t in block_tables), default=1)
@@ -61,7 +63,8 @@ def make_batch(block_tables: list[list[int]], prefix_lens: list[int], q_lens: li
         starts.append(starts[-1] + n)
     i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     batch = AttentionBatch(torch.cat(slots).to(device), tables.to(device), i32(prefix_lens), i32(q_lens),
-                           i32(starts), mask, page_size, use_triton=use_triton)
+                           i32(starts), mask, page_size, use_triton=use_triton,
+                           state_slots=None if state_slots is None else i32(state_slots))
     if use_triton:
         from ddtree.ops.triton_attention import choose_block_m, choose_splits, plan_blocks
         batch.block_m = choose_block_m(max(q_lens), num_heads_per_kv)

@@ -1,0 +1,160 @@
+"""The layers of hybrid models (Qwen3.5 text, `qwen3_5_text`): Gated DeltaNet layers between gated
+full-attention layers, each followed by the dense MLP.
+
+A Gated DeltaNet layer is linear attention with a recurrent state: per value head a [Dk, Dv] matrix S,
+updated by each token t as
+
+    S = exp(g_t) * S + k_t (beta_t * (v_t - S^T k_t))^T,    o_t = S^T q_t / sqrt(Dk)
+
+(the gated delta rule), where q, k, v come out of a short causal depthwise convolution over the
+projected q|k|v stream, q and k are L2-normalised, and the output is RMS-normed, gated by
+SiLU(z) and projected back. Each request owns a state slot (engine/kv_cache.py): the convolution's
+last K - 1 inputs and S, for every linear layer; a request's first chunk starts both from zeros, and
+each chunk leaves them where its last token leaves them. Full-attention layers keep the paged KV
+cache; their query projection also yields a per-head output gate (sigmoid), only the first
+`rotary_dim` channels of a head are rotated, and the q/k norms, like every norm of these models
+except the gated one, scale by 1 + weight (`fold_norm_offsets` stores 1 + weight at load time).
+
+These are the torch reference (CPU, and the oracle in tests): requests are walked one by one and
+tokens one by one through the recurrence.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree.config import ModelConfig
+from ddtree.ops.attention import AttentionBatch, paged_attention, store_kv
+from ddtree.ops.fused import _rms_norm, rope
+from ddtree.models.transformer import MLP, PackedLinear, RMSNorm, Rotary
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate and partial rotary (Qwen3.5)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # the checkpoint's q_proj holds each head's query and then its gate: 2 * head_dim rows a head
+        self.qkv_proj = PackedLinear(cfg.hidden_size, {"q": 2 * self.q_size, "k": self.kv_size, "v": self.kv_size},
+                                     bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary, self.rotary_dim = [rotary], cfg.rotary_dim or cfg.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.k_cache = self.v_cache = torch.empty(0)  # [num_slots, Hkv, D], assigned by the runner
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        T, D, rd = x.shape[0], self.head_dim, self.rotary_dim
+        qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qg = qg.view(T, self.num_heads, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:]
+        q = _rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+        k = _rms_norm(k.view(T, self.num_kv_heads, D), self.k_norm.weight, self.k_norm.eps)
+        cos_sin = self.rotary[0].cos_sin
+        q = torch.cat([rope(q[..., :rd].contiguous(), positions, cos_sin), q[..., rd:]], dim=-1)
+        k = torch.cat([rope(k[..., :rd].contiguous(), positions, cos_sin), k[..., rd:]], dim=-1)
+        store_kv(k, v.view(T, self.num_kv_heads, D).contiguous(), self.k_cache, self.v_cache, batch.slot_mapping,
+                 batch.use_triton)
+        o = paged_attention(q.contiguous(), None, None, self.k_cache, self.v_cache, batch, self.scale)
+        return self.o_proj(o.flatten(1) * torch.sigmoid(gate.reshape(T, -1)))
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence over n tokens of one request, in float32: q, k [n, H, Dk] (already one per value
+    head), v [n, H, Dv], g and beta [n, H], state [H, Dk, Dv]. Returns the outputs [n, H, Dv] and the
+    state after the last token."""
+    q = F.normalize(q.float(), dim=-1, eps=1e-6) / q.shape[-1] ** 0.5
+    k = F.normalize(k.float(), dim=-1, eps=1e-6)
+    v, g, beta, state = v.float(), g.float(), beta.float(), state.float()
+    out = []
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out.append(torch.einsum("hkv,hk->hv", state, q[t]))
+    return torch.stack(out), state
+
+
+class GatedDeltaNet(nn.Module):
+    """A linear-attention layer (gated delta rule) with a causal convolution; state in per-request slots."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        lin = cfg.linear
+        self.cfg, self.eps = lin, cfg.rms_norm_eps
+        self.key_dim, self.value_dim = lin.num_k_heads * lin.k_head_dim, lin.num_v_heads * lin.v_head_dim
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, lin.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, lin.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, lin.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(lin.conv_dim, lin.conv_dim, lin.conv_kernel, groups=lin.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(lin.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(lin.num_v_heads))
+        self.norm = RMSNorm(lin.v_head_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        # [slots, conv_dim, K - 1] and [slots, Hv, Dk, Dv] (float32), assigned by the runner
+        self.conv_state = self.recurrent_state = torch.empty(0)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        lin = self.cfg
+        qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        out = x.new_empty(x.shape[0], lin.num_v_heads, lin.v_head_dim)
+        rows = zip(batch.q_starts.tolist(), batch.q_lens.tolist(), batch.prefix_lens.tolist(),
+                   batch.state_slots.tolist())
+        for start, n, prefix, slot in rows:
+            window, state = self.conv_state[slot], self.recurrent_state[slot]
+            if prefix == 0:  # a request's first tokens: nothing before them
+                window, state = torch.zeros_like(window), torch.zeros_like(state)
+            seq = torch.cat([window, qkv[start:start + n].T.to(window.dtype)], dim=-1)  # [conv_dim, K - 1 + n]
+            self.conv_state[slot] = seq[:, seq.shape[1] - window.shape[1]:]
+            mixed = F.silu(F.conv1d(seq[None], self.conv1d.weight.to(seq.dtype), groups=lin.conv_dim)[0]).T
+            q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            repeat = lin.num_v_heads // lin.num_k_heads  # each q/k head serves this many value heads
+            q = q.reshape(n, lin.num_k_heads, lin.k_head_dim).repeat_interleave(repeat, dim=1)
+            k = k.reshape(n, lin.num_k_heads, lin.k_head_dim).repeat_interleave(repeat, dim=1)
+            o, self.recurrent_state[slot] = gated_delta_rule(q, k, v.reshape(n, lin.num_v_heads, lin.v_head_dim),
+                                                             g[start:start + n], beta[start:start + n], state)
+            out[start:start + n] = o.to(out.dtype)
+        gated = _rms_norm(out, self.norm.weight, self.eps).float() * F.silu(z.float().view_as(out))
+        return self.out_proj(gated.to(x.dtype).flatten(1))
+
+
+class HybridDecoderLayer(nn.Module):
+    """A Gated DeltaNet or a gated full-attention layer, then the MLP (the dense layer's interface)."""
+
+    def __init__(self, cfg: ModelConfig, index: int, rotary: Rotary):
+        super().__init__()
+        if cfg.layer_types[index] == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it, this layer's input), as DecoderLayer."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        entering = residual
+        mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+        x, residual = self.post_attention_layernorm(mixer(x, positions, batch), residual)
+        return self.mlp(x), residual, entering
+
+
+def fold_norm_offsets(model: nn.Module) -> None:
+    """Qwen3.5's RMSNorms scale by 1 + weight (zero-centred weights); store 1 + weight, so they run as
+    plain RMSNorms. The gated norm inside a Gated DeltaNet layer scales by its weight and is left alone."""
+    for name, module in model.named_modules():
+        if isinstance(module, RMSNorm) and not name.endswith("linear_attn.norm"):
+            module.weight.data += 1.0
