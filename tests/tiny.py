@@ -70,7 +70,7 @@ def make_tiny_model(path: str, family: str = "qwen2", seed: int = 0, with_tokeni
             elif "bias" in name and family != "qwen3_5":
                 p.normal_(0, 0.02)
             elif family == "qwen3_5" and "norm" in name:  # (zero-centred norms: their 1 + weight is tested)
-                p.normal_(0, 0.1)
+                p.normal_(1.0 if "linear_attn.norm" in name else 0.0, 0.1)  # (the gated norm scales by its weight)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     if tok is not None:

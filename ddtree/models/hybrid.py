@@ -63,13 +63,18 @@ class GatedAttention(nn.Module):
         return self.o_proj(o.flatten(1) * torch.sigmoid(gate.reshape(T, -1)))
 
 
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps), as the Gated DeltaNet kernels normalise q and k."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence over n tokens of one request, in float32: q, k [n, H, Dk] (already one per value
     head), v [n, H, Dv], g and beta [n, H], state [H, Dk, Dv]. Returns the outputs [n, H, Dv] and the
     state after the last token."""
-    q = F.normalize(q.float(), dim=-1, eps=1e-6) / q.shape[-1] ** 0.5
-    k = F.normalize(k.float(), dim=-1, eps=1e-6)
+    q = l2_normalize(q.float()) / q.shape[-1] ** 0.5
+    k = l2_normalize(k.float())
     v, g, beta, state = v.float(), g.float(), beta.float(), state.float()
     out = []
     for t in range(q.shape[0]):
