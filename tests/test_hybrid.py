@@ -82,10 +82,73 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch_and_aborts_free_the_st
     assert_idle(llm)
 
 
-def test_speculative_modes_refuse_hybrid_targets_clearly(hybrid, tmp_path):
+@pytest.fixture(scope="module")
+def drafter(hybrid, tmp_path_factory) -> str:
     from ddtree.config import ModelConfig
     from ddtree.models.dflash import random_drafter, save_drafter
-    save_drafter(random_drafter(ModelConfig.from_dir(hybrid), num_layers=1, block_size=4, target_layer_ids=[0, 3]),
-                 str(tmp_path))
-    with pytest.raises(ValueError, match="hybrid models .* not supported yet"):
-        LLM(hybrid, draft=str(tmp_path), spec="ddtree", budget=4, topk=2, **ENGINE, num_pages=64)
+    d = str(tmp_path_factory.mktemp("hybrid_drafter"))
+    save_drafter(random_drafter(ModelConfig.from_dir(hybrid), num_layers=1, block_size=8, target_layer_ids=[0, 3]), d)
+    return d
+
+
+@pytest.mark.parametrize("drafter_kind", ["oracle", "noisy"])
+@pytest.mark.parametrize("spec, budget, topk", [("dflash", None, None), ("ddtree", 8, 2), ("ddtree", 16, 4)])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampled"])
+def test_speculative_output_equals_ar(sampled, spec, budget, topk, drafter_kind, hybrid, drafter, prompts):
+    # Every tree node sees its own ancestors' recurrent state and convolution window only, and the
+    # request's state becomes the accepted path's: DFlash (a chain) and DDTree commit AR's tokens, greedy
+    # and seeded sampled. The planted drafter proposes AR's continuation: always (oracle, whole blocks
+    # accepted) or at ranks 0-2 or not at all (noisy: accepts along side branches among siblings).
+    from test_spec import continuation, noisy_oracle, oracle, plant
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, **(dict(temperature=0.8, seed=i) if sampled else {}))
+              for i in range(len(prompts))]
+    ar = LLM(hybrid, **ENGINE, num_pages=256).generate(prompts, params)
+    llm = LLM(hybrid, draft=drafter, spec=spec, budget=budget, topk=topk, **ENGINE, num_pages=256)
+    full = continuation(prompts, ar)
+    plant(llm, (oracle if drafter_kind == "oracle" else noisy_oracle)(full, vocab=llm.config.vocab_size))
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ar]
+    accepts = [n for o in got for n in o.accept_lengths]
+    assert sum(accepts) / len(accepts) >= (4.0 if drafter_kind == "oracle" else 1.5), accepts
+    assert_idle(llm)
+
+
+def test_tree_verify_logits_equal_separate_forwards_of_each_root_to_node_path(hybrid, hf):
+    # A tree with siblings at every depth, verified in one forward over the cached prompt: each node's
+    # logits equal transformers' forward over the prompt and that node's root-to-node path alone.
+    llm = LLM(hybrid, **ENGINE, num_pages=64)
+    eng = llm.engine
+    prompt = list(range(40, 71))
+    seq = eng.add_request(prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()  # the prompt is cached; its first token is drawn (the tree's root)
+    parents = [-1, 0, 0, 0, 1, 1, 4, 2]
+    tokens = [seq.output_ids[0], 11, 12, 13, 21, 22, 31, 23]
+    depth = [0] + [0] * 7
+    for i, p in enumerate(parents[1:], 1):
+        depth[i] = depth[p] + 1
+    N = len(tokens)
+    mask = torch.zeros(1, N, N, dtype=torch.bool)
+    for i in range(N):
+        j = i
+        while j >= 0:
+            mask[0, i, j] = True
+            j = parents[j]
+    start = seq.num_cached
+    eng.allocator.grow(seq, start + N)
+    logits, _ = eng.runner.verify(eng.runner.tables([seq]), torch.tensor([start]), torch.tensor([tokens]),
+                                  torch.tensor([depth]), mask, None, torch.tensor([seq.state_slot]))
+    for i in range(N):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, tokens[j])
+            j = parents[j]
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt + path])).logits[0, -1]
+        torch.testing.assert_close(logits[0, i], want, atol=2e-4, rtol=0)
+    eng.abort(seq)
+    assert_idle(llm)
+
+
+def test_budget_auto_refuses_hybrid_targets_clearly(hybrid, drafter):
+    with pytest.raises(ValueError, match="budget='auto' does not support hybrid models"):
+        LLM(hybrid, draft=drafter, spec="ddtree", budget="auto", topk=2, **ENGINE, num_pages=64)

@@ -38,9 +38,9 @@ class LLMEngine:
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         auto = budget == "auto"
         speculative = drafter is not None and (auto or budget > 0)
-        if speculative and cfg.is_hybrid:
-            raise ValueError(f"speculative decoding of hybrid models ({cfg.model_type}: linear-attention layers with a "
-                             "recurrent state) is not supported yet; use spec='none'")
+        if speculative and auto and cfg.is_hybrid:
+            raise ValueError(f"budget='auto' does not support hybrid models ({cfg.model_type}) yet: give DDTree a fixed "
+                             "budget, or use spec='dflash'")
         if auto and speculative:
             budget = candidate_budgets(drafter.dcfg.block_size - 1, topk)[-1]
         # rows of logits one forward can produce: every request's tree (or its one token)

@@ -47,6 +47,8 @@ class GraphPool:
         self.static = {}
         for f in dataclasses.fields(inp):
             t = getattr(inp, f.name)
+            if t is None:  # (an input this kind of step does without)
+                continue
             shape = list(t.shape)
             shape[0] = self.max_batch
             if f.name in self.widths:

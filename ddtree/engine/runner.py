@@ -122,13 +122,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last]).float(), feats
 
     def verify(self, block_tables: torch.Tensor, starts: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor,
-               mask: torch.Tensor, taps: list[int] | None):
+               mask: torch.Tensor, taps: list[int] | None, state_slots: torch.Tensor | None = None):
         """One target forward over a tree of N nodes per request ([R, N] tokens and depths, [R, N, N]
         ancestor mask); device ops only. Node i's K/V go to cache position start + i; its rotary
-        position is start + depth. Returns logits [R, N, V] (model dtype) and features [R, N, len(taps) * D]."""
+        position is start + depth. Returns logits [R, N, V] (model dtype) and features [R, N, len(taps) * D].
+        Hybrid models (`state_slots`): each node's recurrent state is its ancestors' alone, kept until
+        `commit_states` picks the accepted path's."""
         R, N = tokens.shape
         batch = uniform_batch(block_tables, starts, N, mask, self.page_size, self.use_triton, self.heads_per_kv,
                               self.cfg.num_kv_heads)
+        batch.state_slots, batch.commit_states = state_slots, state_slots is None
         positions = (starts[:, None] + depth).flatten()
         hidden, tapped = self.model(tokens.flatten(), positions, batch, taps)
         # In the model dtype: greedy verification only needs the argmax (exact in bf16), and fp32
@@ -165,6 +168,12 @@ class ModelRunner:
                               self.cfg.num_kv_heads)
         hidden, tapped = self.model(ids, starts, batch, taps)
         return self.model.compute_logits(hidden), torch.cat(tapped, dim=-1) if taps else None
+
+    def commit_states(self, state_slots: torch.Tensor, nodes: torch.Tensor) -> None:
+        """Hybrid models, after a verify: each request's recurrent state becomes the one its tree left at
+        node nodes[r] (the last accepted one), in every linear layer."""
+        for index in self.cfg.linear_layers:
+            self.model.model.layers[index].linear_attn.commit(state_slots, nodes)
 
     def tables(self, seqs: list[Sequence]) -> torch.Tensor:
         """Page tables [R, P] on the device (unused entries: the scratch page)."""

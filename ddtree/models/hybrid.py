@@ -10,7 +10,11 @@ updated by each token t as
 projected q|k|v stream, q and k are L2-normalised, and the output is RMS-normed, gated by
 SiLU(z) and projected back. Each request owns a state slot (engine/kv_cache.py): the convolution's
 last K - 1 inputs and S, for every linear layer; a request's first chunk starts both from zeros, and
-each chunk leaves them where its last token leaves them. Full-attention layers keep the paged KV
+each chunk leaves them where its last token leaves them. A verified tree (DFlash's chain, DDTree's
+tree) is different: each node starts from its parent's window and state (the root from the slot's),
+so no node sees a sibling's or a cousin's tokens; the nodes' states are kept (`pending`) until the
+accept walk has chosen a path, whose last node's state the slot then takes (`commit`). Full-attention
+layers keep the paged KV
 cache; their query projection also yields a per-head output gate (sigmoid), only the first
 `rotary_dim` channels of a head are rotated, and the q/k norms, like every norm of these models
 except the gated one, scale by 1 + weight (`fold_norm_offsets` stores 1 + weight at load time).
@@ -104,6 +108,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
         # [slots, conv_dim, K - 1] and [slots, Hv, Dk, Dv] (float32), assigned by the runner
         self.conv_state = self.recurrent_state = torch.empty(0)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         lin = self.cfg
@@ -111,24 +116,67 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         out = x.new_empty(x.shape[0], lin.num_v_heads, lin.v_head_dim)
+        parents = None if batch.commit_states else tree_parents(batch, positions)
+        self.pending = []  # a verified tree's per-node (windows, states), for `commit`
         rows = zip(batch.q_starts.tolist(), batch.q_lens.tolist(), batch.prefix_lens.tolist(),
                    batch.state_slots.tolist())
-        for start, n, prefix, slot in rows:
+        for r, (start, n, prefix, slot) in enumerate(rows):
             window, state = self.conv_state[slot], self.recurrent_state[slot]
             if prefix == 0:  # a request's first tokens: nothing before them
                 window, state = torch.zeros_like(window), torch.zeros_like(state)
-            seq = torch.cat([window, qkv[start:start + n].T.to(window.dtype)], dim=-1)  # [conv_dim, K - 1 + n]
-            self.conv_state[slot] = seq[:, seq.shape[1] - window.shape[1]:]
-            mixed = F.silu(F.conv1d(seq[None], self.conv1d.weight.to(seq.dtype), groups=lin.conv_dim)[0]).T
-            q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            repeat = lin.num_v_heads // lin.num_k_heads  # each q/k head serves this many value heads
-            q = q.reshape(n, lin.num_k_heads, lin.k_head_dim).repeat_interleave(repeat, dim=1)
-            k = k.reshape(n, lin.num_k_heads, lin.k_head_dim).repeat_interleave(repeat, dim=1)
-            o, self.recurrent_state[slot] = gated_delta_rule(q, k, v.reshape(n, lin.num_v_heads, lin.v_head_dim),
-                                                             g[start:start + n], beta[start:start + n], state)
-            out[start:start + n] = o.to(out.dtype)
+            span = slice(start, start + n)
+            if parents is None:  # a chain of committed tokens: one pass, and the slot advances
+                o, self.conv_state[slot], self.recurrent_state[slot] = self._chain(qkv[span], g[span], beta[span],
+                                                                                    window, state)
+            else:  # a tree: each node from its parent's window and state (the root's: the slot's)
+                windows, states, o = [], [], []
+                for i, p in enumerate(parents[r]):
+                    w, s = (window, state) if p < 0 else (windows[p], states[p])
+                    oi, w, s = self._chain(qkv[start + i:start + i + 1], g[start + i:start + i + 1],
+                                           beta[start + i:start + i + 1], w, s)
+                    windows.append(w)
+                    states.append(s)
+                    o.append(oi)
+                o = torch.cat(o)
+                self.pending.append((torch.stack(windows), torch.stack(states)))
+            out[span] = o.to(out.dtype)
         gated = _rms_norm(out, self.norm.weight, self.eps).float() * F.silu(z.float().view_as(out))
         return self.out_proj(gated.to(x.dtype).flatten(1))
+
+    def _chain(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, window: torch.Tensor,
+               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """n tokens in a row after (window, state): their outputs [n, Hv, Dv] and the window and state
+        after the last."""
+        lin, n = self.cfg, qkv.shape[0]
+        seq = torch.cat([window, qkv.T.to(window.dtype)], dim=-1)  # [conv_dim, K - 1 + n]
+        mixed = F.silu(F.conv1d(seq[None], self.conv1d.weight.to(seq.dtype), groups=lin.conv_dim)[0]).T
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        repeat = lin.num_v_heads // lin.num_k_heads  # each q/k head serves this many value heads
+        q = q.reshape(n, lin.num_k_heads, lin.k_head_dim).repeat_interleave(repeat, dim=1)
+        k = k.reshape(n, lin.num_k_heads, lin.k_head_dim).repeat_interleave(repeat, dim=1)
+        o, state = gated_delta_rule(q, k, v.reshape(n, lin.num_v_heads, lin.v_head_dim), g, beta, state)
+        return o, seq[:, seq.shape[1] - window.shape[1]:], state
+
+    def commit(self, state_slots: torch.Tensor, nodes: torch.Tensor) -> None:
+        """After a verified tree: request r's slot takes the window and state its tree left at nodes[r]."""
+        for (windows, states), slot, node in zip(self.pending, state_slots.tolist(), nodes.tolist()):
+            self.conv_state[slot], self.recurrent_state[slot] = windows[node], states[node]
+        self.pending = []
+
+
+def tree_parents(batch: AttentionBatch, positions: torch.Tensor) -> list[list[int]]:
+    """Each request's tree nodes' parents (-1: the root), from the ancestor-or-self mask and the nodes'
+    depths (position - prefix); without a mask the nodes are a chain."""
+    n = batch.q_lens.tolist()
+    if batch.mask is None:
+        return [list(range(-1, k - 1)) for k in n]
+    depth = (positions.view(len(n), -1) - batch.prefix_lens[:, None].long()).tolist()
+    mask = batch.mask.tolist()
+    parents = []
+    for r in range(len(n)):  # the parent: the deepest ancestor other than the node itself
+        parents.append([max((j for j in range(n[r]) if mask[r][i][j] and j != i), key=lambda j: depth[r][j],
+                            default=-1) for i in range(n[r])])
+    return parents
 
 
 class HybridDecoderLayer(nn.Module):

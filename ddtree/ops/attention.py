@@ -35,6 +35,9 @@ class AttentionBatch:
     splits: int = 1  # Triton: key slices per query block (flash-decoding), fixed per shape
     use_triton: bool = False
     state_slots: torch.Tensor | None = None  # [R] hybrid models: each request's recurrent-state slot
+    # Hybrid models: whether every new token is committed (prompt chunks, AR steps), so the recurrent
+    # state slots advance; a verified tree keeps a state per node until the walk picks a path.
+    commit_states: bool = True
 
 
 def slots_for(block_table: list[int] | torch.Tensor, start: int, end: int, page_size: int,

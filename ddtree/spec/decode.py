@@ -137,10 +137,13 @@ class Speculator:
     def _verify(self, inp, tree: Tree, scored: bool = False) -> StepOutputs:
         """Verify a tree, accept, compact; `inp` has the requests' roots, starts, block_tables and
         sampling settings. `scored`: keep the logits along the accepted path."""
+        state_slots = getattr(inp, "state_slots", None)
         logits, feats = self.runner.verify(inp.block_tables, inp.starts, tree.tokens, tree.depth, tree.mask,
-                                           self.drafter.layer_ids)
+                                           self.drafter.layer_ids, state_slots)
         acc = walk(tree, self.target_draws(logits, inp, tree.depth))
         self._compact(inp, acc.length, acc.path)
+        if state_slots is not None:  # hybrid targets: the recurrent state becomes the accepted path's
+            self.runner.commit_states(state_slots, acc.path.gather(1, acc.length[:, None])[:, 0])
         tokens = tree.tokens.gather(1, acc.path)
         path_feats = feats.gather(1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))
         packed = torch.cat([acc.length[:, None], acc.bonus[:, None], tokens], dim=1)
@@ -226,7 +229,7 @@ class Speculator:
         pos = torch.where(valid, inp.starts[:, None] + j, inp.starts[:, None])  # padding: a position in range
         slots = torch.where(valid, page_slots(inp.block_tables, pos, self.runner.page_size), self.drafter.scratch_slot)
         return StepInputs(bonus, inp.starts + length + 1, inp.block_tables, feats, torch.where(valid, pos, 0), slots,
-                          inp.draw)
+                          inp.draw, inp.state_slots)
 
     def _commit_burst_step(self, seqs: list[Sequence], pending, budget: int) -> bool:
         """Commits one step of a burst to the requests still running; True if one finished. Each

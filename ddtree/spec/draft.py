@@ -28,6 +28,7 @@ class StepInputs:
     ctx_pos: torch.Tensor  # [R, C] their positions
     ctx_slots: torch.Tensor  # [R, C] their cache slots (padding: the scratch slot)
     draw: torch.Tensor  # [R, COLUMNS] sampling settings (engine/sampler.py `sampling_columns`)
+    state_slots: torch.Tensor | None = None  # [R] hybrid targets: each request's recurrent-state slot
 
 
 def pending_count(seq: Sequence) -> int:
@@ -130,6 +131,7 @@ class DraftRunner:
         self.heads_per_kv = cfg.num_heads // cfg.num_kv_heads
         self.feat_dim = drafter.fc.in_features
         self.dtype = dtype
+        self.hybrid_target = target.config.is_hybrid  # (its requests hold recurrent-state slots)
 
     def bind_cache(self) -> None:
         """Points the drafter's attention layers at this runner's cache (again: see `ModelRunner.bind_cache`)."""
@@ -162,8 +164,9 @@ class DraftRunner:
         draw = sampling_columns([s.params for s in seqs], [s.seed for s in seqs])
         req = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw,
                         self.scratch_slot // self.page_size, self.device)
+        state_slots = torch.tensor([s.state_slot for s in seqs], device=self.device) if self.hybrid_target else None
         return StepInputs(req[:, 0], req[:, 1], req[:, 2 + COLUMNS:], feats.view(R, C, -1), pos_slots[0], pos_slots[1],
-                          req[:, 2:2 + COLUMNS])
+                          req[:, 2:2 + COLUMNS], state_slots)
 
     def store_chunks(self, chunks: list[tuple[Sequence, int]], feats: torch.Tensor) -> None:
         """Prompt chunks' target features [sum of n, K*D] (an eager prefill's), into the drafter cache."""
