@@ -152,3 +152,31 @@ def test_tree_verify_logits_equal_separate_forwards_of_each_root_to_node_path(hy
 def test_budget_auto_refuses_hybrid_targets_clearly(hybrid, drafter):
     with pytest.raises(ValueError, match="budget='auto' does not support hybrid models"):
         LLM(hybrid, draft=drafter, spec="ddtree", budget="auto", topk=2, **ENGINE, num_pages=64)
+
+
+def test_a_drafter_trained_on_a_hybrid_target_is_accepted_and_lossless(hybrid, tmp_path):
+    # train-drafter works against a hybrid target unchanged (its features are the tapped layers'
+    # outputs, whatever the layer kind): a few hundred CPU steps on the target's own answers, then
+    # DFlash and DDTree with that drafter accept real drafts and still commit AR's tokens.
+    from ddtree.models.loader import load_model
+    from ddtree.train.data import generate_dataset, load_dataset
+    from ddtree.train.drafter import TrainConfig, train
+    prompts = ["Write a function that adds two numbers.", "Hello, how are you today?", "Explain the quick brown fox.",
+               "Print the squares of 0 to 9.", "What is numpy used for?", "Say something in French."]
+    data = str(tmp_path / "data.pt")
+    ar = LLM(hybrid, **ENGINE, num_pages=256)
+    generate_dataset(hybrid, prompts, data, max_new_tokens=40, ignore_eos=True, llm=ar)
+    net, _ = load_model(hybrid, "cpu", torch.float32)
+    out = str(tmp_path / "drafter")
+    cfg = TrainConfig(steps=300, batch_size=4, blocks_per_seq=8, lr=3e-3, warmup=20, save_every=10**9, log_every=50,
+                      save_dtype="float32")
+    train(net, load_dataset(data), out, cfg, num_layers=1, block_size=8, progress=False)
+    convs = [[{"role": "user", "content": p}] for p in prompts]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = [o.token_ids for o in ar.chat(convs, params)]
+    for spec, budget, topk in [("dflash", None, None), ("ddtree", 12, 3)]:
+        llm = LLM(hybrid, draft=out, spec=spec, budget=budget, topk=topk, **ENGINE, num_pages=256)
+        got = llm.chat(convs, params)
+        assert [o.token_ids for o in got] == want, spec
+        accepts = [n for o in got for n in o.accept_lengths]
+        assert sum(accepts) / len(accepts) > 2.0, (spec, accepts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ddtree.engine.kv_cache import allocate_state_cache
 from ddtree.models.transformer import CausalLM
 from ddtree.ops.attention import make_batch
 
@@ -32,18 +33,27 @@ def target_features(target: CausalLM, seqs: list[torch.Tensor], layer_ids: list[
     for n in lens:
         tables.append(list(range(first, first + -(-n // page))))
         first += len(tables[-1])
-    for layer in target.model.layers:
-        attn = layer.self_attn
+    layers = target.model.layers
+    for index in cfg.attention_layers:
+        attn = layers[index].self_attn
         attn.k_cache = torch.empty(first * page, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev)
         attn.v_cache = torch.empty_like(attn.k_cache)
+    slots = None
+    if cfg.is_hybrid:  # a throwaway recurrent-state slot per sequence
+        conv, state = allocate_state_cache(cfg, len(seqs), dtype, dev)
+        for i, index in enumerate(cfg.linear_layers):
+            layers[index].linear_attn.conv_state, layers[index].linear_attn.recurrent_state = conv[i], state[i]
+        slots = list(range(len(seqs)))
     batch = make_batch(tables, [0] * len(seqs), lens, None, page, dev, use_triton,
-                       cfg.num_heads // cfg.num_kv_heads, cfg.num_kv_heads)
+                       cfg.num_heads // cfg.num_kv_heads, cfg.num_kv_heads, slots)
     positions = torch.cat([torch.arange(n, device=dev) for n in lens])
     try:
         hidden, taps = target(torch.cat(seqs), positions, batch, taps=layer_ids)
     finally:
-        for layer in target.model.layers:
-            layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
+        for index in cfg.attention_layers:
+            layers[index].self_attn.k_cache = layers[index].self_attn.v_cache = torch.empty(0)
+        for index in cfg.linear_layers:
+            layers[index].linear_attn.conv_state = layers[index].linear_attn.recurrent_state = torch.empty(0)
     feats = list(torch.cat(taps, dim=-1).split(lens))
     if not with_pred:
         return feats, [None] * len(seqs)
