@@ -180,3 +180,21 @@ def test_a_drafter_trained_on_a_hybrid_target_is_accepted_and_lossless(hybrid, t
         assert [o.token_ids for o in got] == want, spec
         accepts = [n for o in got for n in o.accept_lengths]
         assert sum(accepts) / len(accepts) > 2.0, (spec, accepts)
+
+
+def test_graphed_ar_decode_bursts_emulated_on_cpu_equal_eager_decoding(hybrid, prompts, monkeypatch):
+    # The GPU's AR path for hybrids (CUDA graphs emulated on the CPU): every request's window and state
+    # gathered from its slot, advanced and written back by device ops inside pipelined bursts, padding
+    # rows on the scratch slot; with few pages requests are preempted and start again from zero state.
+    from emulated import fake_gpu_graphs
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, **kw) for n, kw in
+              [(20, {}), (33, dict(temperature=0.8, seed=1)), (9, {}), (26, dict(temperature=1.0, seed=2))]]
+    want = LLM(hybrid, **ENGINE, num_pages=256).generate(prompts, params)
+    fake_gpu_graphs(monkeypatch)
+    for pages in (256, 18):
+        llm = LLM(hybrid, **ENGINE, num_pages=pages, max_num_seqs=3)
+        assert llm.engine.ar.decode_graphs is not None and llm.engine.ar.burst_steps > 1
+        got = llm.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], pages
+        assert pages == 256 or llm.engine.scheduler.num_preemptions > 0
+        assert_idle(llm)

@@ -46,6 +46,7 @@ class DecodeInputs:
     starts: torch.Tensor  # [R] its position
     block_tables: torch.Tensor  # [R, P] page ids
     draw: torch.Tensor  # [R, COLUMNS] sampling settings (engine/sampler.py `sampling_columns`)
+    state_slots: torch.Tensor | None = None  # [R] hybrid models: the requests' recurrent-state slots
 
 
 @dataclass(slots=True)
@@ -82,12 +83,17 @@ class ARDecoder:
         zeros = lambda bs: torch.zeros(bs, dtype=torch.long, device=self.device)  # noqa: E731
         self.decode_graphs = self.untapped_decode_graphs = None
         if use_graphs and (drafter is None or tap_free_graphs):
+            hybrid = cfg.is_hybrid
+
             def pool(taps):  # (captured now: a bucket first needed mid-run would stall that step)
                 graphs = GraphPool(partial(self._graph_decode, taps), engine_cfg.max_num_seqs,
-                                   pad={"block_tables": runner.scratch_page}, widths={"block_tables": max_pages})
-                with torch.inference_mode():  # (padding rows: their K/V go to the scratch page)
-                    graphs.capture_all(lambda bs: DecodeInputs(zeros(bs), zeros(bs), scratch.expand(bs, 1),
-                                                               zeros(bs)[:, None].expand(bs, COLUMNS)))
+                                   pad={"block_tables": runner.scratch_page, "state_slots": runner.scratch_state_slot},
+                                   widths={"block_tables": max_pages})
+                with torch.inference_mode():  # (padding rows: their K/V go to the scratch page, their state to
+                    # the scratch slot)
+                    graphs.capture_all(lambda bs: DecodeInputs(
+                        zeros(bs), zeros(bs), scratch.expand(bs, 1), zeros(bs)[:, None].expand(bs, COLUMNS),
+                        zeros(bs) + runner.scratch_state_slot if hybrid else None))
                 return graphs
             self.untapped_decode_graphs = self.decode_graphs = pool(None)
             if drafter is not None:
@@ -96,7 +102,7 @@ class ARDecoder:
         # `tap_free_graphs` a second set that does not.
         self.prefill_graphs: dict[int, GraphPool] = {}
         self.untapped_prefill_graphs = self.prefill_graphs
-        if use_graphs and PREFILL_GRAPHS:
+        if use_graphs and PREFILL_GRAPHS and not cfg.is_hybrid:  # (a padded chunk would advance a recurrent state)
             mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None  # (CPU: tests)
             self.prefill_graphs, mempool = self._prefill_pools(self.taps, engine_cfg, mempool)
             self.untapped_prefill_graphs = self.prefill_graphs
@@ -239,7 +245,7 @@ class ARDecoder:
     def _graph_decode(self, taps: list[int] | None, inp: DecodeInputs):
         """The tokens drawn [R] (greedy and sampled rows alike, keyed by the position they take), and
         with taps also the step's target features [R, K*D]."""
-        logits, feats = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts, taps)
+        logits, feats = self.runner.decode_features(inp.ids, inp.block_tables, inp.starts, taps, inp.state_slots)
         tokens = sample(logits, inp.draw, inp.starts + 1, self.runner.use_triton)
         # The next step's inputs, written by this one: its tokens, one position further on.
         inp.ids.copy_(tokens)
@@ -261,14 +267,17 @@ class ARDecoder:
         ps = self.runner.page_size
         tables = [s.block_table[:(s.num_cached + steps - 1) // ps + 1] for s in seqs]
         draw = sampling_columns([s.params for s in seqs], [s.seed for s in seqs])
-        rows = pack_rows(tables, [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw,
+        slots = [[s.state_slot for s in seqs]] if self.cfg.is_hybrid else []
+        rows = pack_rows(tables, [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw + slots,
                          self.runner.scratch_page, self.device)
+        width = 2 + COLUMNS + len(slots)  # (the page tables follow)
         kept, feats_buf = [0] * R, None
 
         def launch(i: int) -> int:
             nonlocal feats_buf
             if i == 0:
-                out = pool.run(DecodeInputs(rows[:, 0], rows[:, 1], rows[:, 2 + COLUMNS:], rows[:, 2:2 + COLUMNS]))
+                out = pool.run(DecodeInputs(rows[:, 0], rows[:, 1], rows[:, width:], rows[:, 2:2 + COLUMNS],
+                                            rows[:, 2 + COLUMNS] if slots else None))
             else:  # the graph already wrote this step's inputs
                 out = pool.replay(R)
             tokens, feats = out if isinstance(out, tuple) else (out, None)

@@ -49,7 +49,8 @@ class LLMEngine:
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
                                        engine_cfg.max_num_seqs if cfg.is_hybrid else 0)
         capacity = self.runner.num_pages * engine_cfg.page_size
-        use_graphs = engine_cfg.cuda_graphs and self._graphs_supported()
+        # (hybrid models: AR decode graphs only; their speculative steps and prefills run eagerly)
+        use_graphs = engine_cfg.cuda_graphs and self._graphs_supported() and not (cfg.is_hybrid and speculative)
         # Host ms of prefills and whole steps in every mode, and how graphed AR steps were grouped into
         # bursts (auto adds its speculative bursts and context stores: spec/decode.py `SpecStats`):
         # benchmark rows split the wall time with it.
@@ -107,9 +108,8 @@ class LLMEngine:
         return self.speculator or self.ar
 
     def _graphs_supported(self) -> bool:
-        # Graphs need the Triton kernels: the torch reference attention reads host values, as does
-        # the hybrid models' reference recurrence.
-        return self.device.type == "cuda" and self.runner.use_triton and not self.cfg.is_hybrid
+        # Graphs need the Triton kernels: the torch reference attention reads host values.
+        return self.device.type == "cuda" and self.runner.use_triton
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
         """Queues a request. `stream=False` (offline use) detokenizes once at the end instead of per

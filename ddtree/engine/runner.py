@@ -35,8 +35,10 @@ class ModelRunner:
         self.scratch_page = self.num_pages
         self.num_slots = (self.num_pages + 1) * self.page_size
         # Hybrid models: a recurrent-state slot per request that may run (engine/kv_cache.py).
-        self.state_cache = allocate_state_cache(cfg, engine_cfg.max_num_seqs, dtype, device) if cfg.is_hybrid \
+        # One slot more: the scratch slot, which the padding rows of a graphed step advance.
+        self.state_cache = allocate_state_cache(cfg, engine_cfg.max_num_seqs + 1, dtype, device) if cfg.is_hybrid \
             else None
+        self.scratch_state_slot = engine_cfg.max_num_seqs
         self.bind_cache()
 
     def bind_cache(self) -> None:
@@ -161,11 +163,13 @@ class ModelRunner:
         return self.decode_features(ids, block_tables, starts, None)[0].float()
 
     def decode_features(self, ids: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor,
-                        taps: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        taps: list[int] | None, state_slots: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`decode_logits` in the model dtype (the sampler reads any), and the tapped layers' outputs
-        [R, len(taps) * D] (None without taps)."""
+        [R, len(taps) * D] (None without taps). Hybrid models: the requests' `state_slots` advance."""
         batch = uniform_batch(block_tables, starts, 1, None, self.page_size, self.use_triton, self.heads_per_kv,
                               self.cfg.num_kv_heads)
+        batch.state_slots = state_slots
         hidden, tapped = self.model(ids, starts, batch, taps)
         return self.model.compute_logits(hidden), torch.cat(tapped, dim=-1) if taps else None
 

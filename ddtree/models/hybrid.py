@@ -115,6 +115,8 @@ class GatedDeltaNet(nn.Module):
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        if batch.commit_states and x.shape[0] == batch.state_slots.shape[0]:  # one token a request: decode
+            return self._output(self._decode(qkv, g, beta, batch.state_slots, batch.prefix_lens), z, x.dtype)
         out = x.new_empty(x.shape[0], lin.num_v_heads, lin.v_head_dim)
         parents = None if batch.commit_states else tree_parents(batch, positions)
         self.pending = []  # a verified tree's per-node (windows, states), for `commit`
@@ -140,8 +142,32 @@ class GatedDeltaNet(nn.Module):
                 o = torch.cat(o)
                 self.pending.append((torch.stack(windows), torch.stack(states)))
             out[span] = o.to(out.dtype)
-        gated = _rms_norm(out, self.norm.weight, self.eps).float() * F.silu(z.float().view_as(out))
-        return self.out_proj(gated.to(x.dtype).flatten(1))
+        return self._output(out, z, x.dtype)
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        gated = _rms_norm(out.to(dtype), self.norm.weight, self.eps).float() * F.silu(z.float().view_as(out))
+        return self.out_proj(gated.to(dtype).flatten(1))
+
+    def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
+                prefix_lens: torch.Tensor) -> torch.Tensor:
+        """One token per request, every request at once and with device ops only (CUDA graphs): the
+        windows and states are gathered from the requests' slots (zeros for a request's first token),
+        advanced by one token and written back. Returns the outputs [R, Hv, Dv] (float32)."""
+        lin, R = self.cfg, qkv.shape[0]
+        kept = (prefix_lens > 0)[:, None, None]  # (a one-token prompt: nothing before it)
+        window = torch.where(kept, self.conv_state[slots], 0)
+        seq = torch.cat([window, qkv[:, :, None].to(window.dtype)], dim=-1)  # [R, C, K]
+        mixed = F.silu((seq * self.conv1d.weight[:, 0].to(seq.dtype)).sum(-1))
+        self.conv_state[slots] = seq[:, :, 1:]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        repeat = lin.num_v_heads // lin.num_k_heads
+        q = l2_normalize(q.float().view(R, lin.num_k_heads, -1)).repeat_interleave(repeat, dim=1) / lin.k_head_dim ** 0.5
+        k = l2_normalize(k.float().view(R, lin.num_k_heads, -1)).repeat_interleave(repeat, dim=1)
+        state = torch.where(kept[..., None], self.recurrent_state[slots], 0) * g.float().exp()[:, :, None, None]
+        delta = (v.float().view(R, lin.num_v_heads, -1) - torch.einsum("rhkv,rhk->rhv", state, k)) * beta.float()[..., None]
+        state = state + k[..., None] * delta[:, :, None, :]
+        self.recurrent_state[slots] = state
+        return torch.einsum("rhkv,rhk->rhv", state, q)
 
     def _chain(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, window: torch.Tensor,
                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
