@@ -157,7 +157,7 @@ class GatedDeltaNet(nn.Module):
         kept = (prefix_lens > 0)[:, None, None]  # (a one-token prompt: nothing before it)
         window = torch.where(kept, self.conv_state[slots], 0)
         seq = torch.cat([window, qkv[:, :, None].to(window.dtype)], dim=-1)  # [R, C, K]
-        mixed = F.silu((seq * self.conv1d.weight[:, 0].to(seq.dtype)).sum(-1))
+        mixed = F.silu((seq.float() * self.conv1d.weight[:, 0].float()).sum(-1))
         self.conv_state[slots] = seq[:, :, 1:]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         repeat = lin.num_v_heads // lin.num_k_heads
@@ -175,7 +175,8 @@ class GatedDeltaNet(nn.Module):
         after the last."""
         lin, n = self.cfg, qkv.shape[0]
         seq = torch.cat([window, qkv.T.to(window.dtype)], dim=-1)  # [conv_dim, K - 1 + n]
-        mixed = F.silu(F.conv1d(seq[None], self.conv1d.weight.to(seq.dtype), groups=lin.conv_dim)[0]).T
+        # (the convolution in float32 here and in `_decode`: the two paths then round alike)
+        mixed = F.silu(F.conv1d(seq.float()[None], self.conv1d.weight.float(), groups=lin.conv_dim)[0]).T
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         repeat = lin.num_v_heads // lin.num_k_heads  # each q/k head serves this many value heads
         q = q.reshape(n, lin.num_k_heads, lin.k_head_dim).repeat_interleave(repeat, dim=1)
