@@ -69,6 +69,19 @@ def test_paged_attention_kernel_matches_reference(mode, q_lens, prefix_lens, spl
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+def test_wide_heads_take_narrower_key_tiles_and_still_match_the_reference():
+    # head_dim 256 in float32 (hybrid Qwen3.5 models) does not fit 64-key tiles in a program's shared
+    # memory on the H100; the kernel takes 32 keys a tile there, and 64 wherever it always did.
+    from ddtree.ops.triton_attention import choose_block_n
+    assert choose_block_n(128, 256, 4) == 32 and choose_block_n(128, 256, 2) == 64
+    assert choose_block_n(128, 128, 4) == choose_block_n(64, 64, 2) == 64
+    q, k, v, kc, vc, ref, kern = make_case([90, 1], [20, 70], "causal", H=2, Hkv=1, D=256)  # (128-row tiles)
+    assert choose_block_n(kern.block_m * 2, 256, 4) == 32
+    want = paged_attention(q, k, v, kc.clone(), vc.clone(), ref, scale=0.0625)
+    got = paged_attention(q, k, v, kc, vc, kern, scale=0.0625)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_move_kv_kernel_copies_slots_in_order_across_layers():
     g = torch.Generator().manual_seed(3)
     cache = torch.randn(2, 3, 40, 2, 8, generator=g)

@@ -138,6 +138,19 @@ def _combine_kernel(Out, Part, PartML, stride_ot, stride_oh, NUM_HEADS: tl.const
     tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
+SHARED_BYTES = 220 * 2**10  # a program's shared memory: the H100 and H200 give a block 227 KB
+
+
+def choose_block_n(rows: int, head_dim: int, itemsize: int) -> int:
+    """Keys per tile: 64, halved while a program's operands (its rows of q, a K and a V tile, the
+    float32 scores) would not fit in shared memory; head_dim 256 in float32 (hybrid Qwen3.5 models)
+    takes 32."""
+    bn = 64
+    while bn > 16 and (rows * head_dim + 2 * bn * head_dim) * itemsize + rows * bn * 4 > SHARED_BYTES:
+        bn //= 2
+    return bn
+
+
 def choose_splits(num_blocks: int, num_kv_heads: int, max_q: int) -> int:
     """Split the keys across programs when the grid alone cannot fill the GPU (decode, verify)."""
     if max_q > DECODE_MAX_Q:
@@ -190,7 +203,8 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         meta.block_tables.stride(0), mask.stride(0) if mask is not None else 0,
         mask.stride(1) if mask is not None else 0, scale, part, part_ml,
         PAGE=meta.page_size, GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=D,
-        BLOCK_M=meta.block_m, BLOCK_N=64, HAS_MASK=mask is not None,
+        BLOCK_M=meta.block_m, BLOCK_N=choose_block_n(meta.block_m * triton.next_power_of_2(group), D, q.element_size()),
+        HAS_MASK=mask is not None,
         # fp32 models get exact products (tests, parity); tf32 would round them like bf16 does.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, NUM_HEADS=H)
     if splits > 1:
