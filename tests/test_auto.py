@@ -173,7 +173,7 @@ def test_auto_with_a_random_drafter_stays_on_ar_and_equals_it(family, pairs, pro
     assert llm.budget == "auto" and llm.spec == "ddtree"
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3_5"])  # (qwen3_5: a hybrid)
 def test_auto_with_a_good_drafter_speculates_and_equals_ar(family, pairs, prompts, ar_out):
     ref = ar_out(family)
     llm = auto_llm(pairs, family, cost_table=table(lambda n, bs: 1.0 + 0.01 * n))
@@ -184,7 +184,7 @@ def test_auto_with_a_good_drafter_speculates_and_equals_ar(family, pairs, prompt
     assert sum(accepts) / len(accepts) > 1.5
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3_5"])  # (qwen3_5: a hybrid)
 def test_switching_between_ar_and_budgets_every_step_stays_lossless(family, pairs, prompts, ar_out):
     ref = ar_out(family)
     llm = auto_llm(pairs, family, cost_table=table(roofline))

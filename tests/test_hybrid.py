@@ -149,11 +149,6 @@ def test_tree_verify_logits_equal_separate_forwards_of_each_root_to_node_path(hy
     assert_idle(llm)
 
 
-def test_budget_auto_refuses_hybrid_targets_clearly(hybrid, drafter):
-    with pytest.raises(ValueError, match="budget='auto' does not support hybrid models"):
-        LLM(hybrid, draft=drafter, spec="ddtree", budget="auto", topk=2, **ENGINE, num_pages=64)
-
-
 def test_a_drafter_trained_on_a_hybrid_target_is_accepted_and_lossless(hybrid, tmp_path):
     # train-drafter works against a hybrid target unchanged (its features are the tapped layers'
     # outputs, whatever the layer kind): a few hundred CPU steps on the target's own answers, then

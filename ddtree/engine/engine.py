@@ -38,9 +38,6 @@ class LLMEngine:
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         auto = budget == "auto"
         speculative = drafter is not None and (auto or budget > 0)
-        if speculative and auto and cfg.is_hybrid:
-            raise ValueError(f"budget='auto' does not support hybrid models ({cfg.model_type}) yet: give DDTree a fixed "
-                             "budget, or use spec='dflash'")
         if auto and speculative:
             budget = candidate_budgets(drafter.dcfg.block_size - 1, topk)[-1]
         # rows of logits one forward can produce: every request's tree (or its one token)

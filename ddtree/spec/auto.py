@@ -34,6 +34,7 @@ class RootInputs:
     starts: torch.Tensor  # [R]
     block_tables: torch.Tensor  # [R, P]
     draw: torch.Tensor  # [R, COLUMNS] sampling settings
+    state_slots: torch.Tensor | None = None  # [R] hybrid targets: the recurrent-state slots
 
 
 @dataclass(slots=True)
@@ -48,6 +49,7 @@ class TreeInputs:
     rank: torch.Tensor
     order: torch.Tensor
     tokens: torch.Tensor
+    state_slots: torch.Tensor | None = None
 
     @property
     def candidates(self) -> Candidates:
@@ -157,7 +159,9 @@ class AdaptiveSpeculator(Speculator):
         R = inp.roots.shape[0]
         ids = inp.roots[:, None]
         logits, feats = self.runner.verify(inp.block_tables, inp.starts, ids, torch.zeros_like(ids), None,
-                                           self.drafter.layer_ids)
+                                           self.drafter.layer_ids, inp.state_slots)
+        if inp.state_slots is not None:  # hybrid targets: the root is committed, so its state is kept
+            self.runner.commit_states(inp.state_slots, torch.zeros_like(inp.starts))
         slots = page_slots(inp.block_tables, inp.starts[:, None], self.runner.page_size).flatten()
         self.drafter.store_context(feats[:, 0], inp.starts, slots)
         packed = torch.cat([torch.zeros_like(ids), self.target_draws(logits, inp, torch.zeros_like(ids)), ids], 1)
@@ -297,10 +301,13 @@ class AdaptiveSpeculator(Speculator):
         self._refeed_gaps(seqs)
         self.drafter.store_pending(seqs)  # AR steps append to the drafter cache: no gap before them
         draw = sampling_columns([s.params for s in seqs], [s.seed for s in seqs])
-        rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw,
-                         self.runner.scratch_page, self.runner.device)
+        slots = [[s.state_slot for s in seqs]] if self.drafter.hybrid_target else []
+        rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw
+                         + slots, self.runner.scratch_page, self.runner.device)
         t0 = time.perf_counter()
-        out = self._budget_step(0, RootInputs(rows[:, 0], rows[:, 1], rows[:, 2 + COLUMNS:], rows[:, 2:2 + COLUMNS]),
+        width = 2 + COLUMNS + len(slots)  # (the page tables follow)
+        out = self._budget_step(0, RootInputs(rows[:, 0], rows[:, 1], rows[:, width:], rows[:, 2:2 + COLUMNS],
+                                              rows[:, 2 + COLUMNS] if slots else None),
                                 any(s.logprobs is not None for s in seqs))
         self._commit(seqs, out, 0)
         if self.timed and self.draft_graphs is None:  # timed as the table was (eager)
@@ -328,10 +335,11 @@ class AdaptiveSpeculator(Speculator):
         budget = self.policy.choose(R, expected)
         scored = any(s.logprobs is not None for s in seqs)
         if budget == 0:  # (the draft consumed the pending rows: the AR step's row follows them)
-            out = self._budget_step(0, RootInputs(inp.roots, inp.starts, inp.block_tables, inp.draw), scored)
+            out = self._budget_step(0, RootInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, inp.state_slots),
+                                    scored)
         else:
             out = self._budget_step(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, c.score,
-                                                       c.parent, c.rank, c.order, c.tokens), scored)
+                                                       c.parent, c.rank, c.order, c.tokens, inp.state_slots), scored)
         accepted = self._commit(seqs, out, budget)
         if budget:
             self.policy.observe(budget, R, expected[budget], accepted)
@@ -408,7 +416,7 @@ class AdaptiveSpeculator(Speculator):
         included), "store": a switch's store of STORE_ROWS pending rows a request, kept as AR bursts
         keep them}."""
         inp = self.padding_inputs(bs, context, distinct)
-        root = RootInputs(inp.roots, inp.starts, inp.block_tables, inp.draw)
+        root = RootInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, inp.state_slots)
         if self.draft_graphs is not None:
             steps = {"draft": partial(self.draft_graphs.run, inp), 0: partial(self.ar_graphs.run, root)}
             steps.update({b: partial(self.step_graphs[b].run, inp) for b in self.budgets[1:]})

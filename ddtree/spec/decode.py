@@ -112,9 +112,12 @@ class Speculator:
         ctx_pos = (starts[:, None] - C + torch.arange(C, device=dev)).clamp(min=0)
         slots = page_slots(tables, ctx_pos, ps) if distinct else \
             torch.full((bs, C), dr.scratch_slot, dtype=torch.long, device=dev)
+        # (hybrid targets: every fake request on the scratch state slot)
+        state_slots = torch.full((bs,), self.runner.scratch_state_slot, dtype=torch.long, device=dev) \
+            if dr.hybrid_target else None
         return StepInputs(torch.zeros_like(starts), starts, tables,
                           torch.zeros(bs, C, dr.feat_dim, dtype=dr.dtype, device=dev), ctx_pos, slots,
-                          torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev))
+                          torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), state_slots)
 
     @property
     def width(self) -> int:
