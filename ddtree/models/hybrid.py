@@ -31,7 +31,7 @@ from torch import nn
 from ddtree.config import ModelConfig
 from ddtree.ops.attention import AttentionBatch, paged_attention, store_kv
 from ddtree.ops.fused import _rms_norm, rope
-from ddtree.models.transformer import MLP, PackedLinear, RMSNorm, Rotary
+from ddtree.models.transformer import DecoderLayer, PackedLinear, RMSNorm, Rotary
 
 
 class GatedAttention(nn.Module):
@@ -206,30 +206,21 @@ def tree_parents(batch: AttentionBatch, positions: torch.Tensor) -> list[list[in
     return parents
 
 
-class HybridDecoderLayer(nn.Module):
-    """A Gated DeltaNet or a gated full-attention layer, then the MLP (the dense layer's interface)."""
+class HybridDecoderLayer(DecoderLayer):
+    """A Gated DeltaNet or a gated full-attention layer, then the MLP (the dense layer's forward)."""
+    fused_few_rows = False
 
     def __init__(self, cfg: ModelConfig, index: int, rotary: Rotary):
-        super().__init__()
+        nn.Module.__init__(self)
         if cfg.layer_types[index] == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg)
         else:
             self.self_attn = GatedAttention(cfg, rotary)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.add_norms_and_mlp(cfg)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it, this layer's input), as DecoderLayer."""
-        if residual is None:
-            x, residual = self.input_layernorm(h), h
-        else:
-            x, residual = self.input_layernorm(h, residual)
-        entering = residual
-        mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
-        x, residual = self.post_attention_layernorm(mixer(x, positions, batch), residual)
-        return self.mlp(x), residual, entering
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
 
 
 def fold_norm_offsets(model: nn.Module) -> None:

@@ -171,26 +171,36 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    fused_few_rows = True  # few-token steps may take `few_rows` (it fuses this layer's projections)
+
     def __init__(self, cfg: ModelConfig, rotary: Rotary):
         super().__init__()
         self.self_attn = Attention(cfg, rotary)
+        self.add_norms_and_mlp(cfg)
+
+    def add_norms_and_mlp(self, cfg: ModelConfig) -> None:
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        """The layer's token mixer: attention here."""
+        return self.self_attn
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it, this layer's input); the
         first two sum to the layer's output. Deferring the add lets it fuse with the next layer's
         norm, which returns the sum, the previous layer's output, for free (the drafter's taps)."""
-        if few_rows_path(h, batch):
+        if self.fused_few_rows and few_rows_path(h, batch):
             return self.few_rows(h, residual, positions, batch)
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm(h, residual)
         entering = residual
-        x, residual = self.post_attention_layernorm(self.self_attn(x, positions, batch), residual)
+        x, residual = self.post_attention_layernorm(self.mixer(x, positions, batch), residual)
         return self.mlp(x), residual, entering
 
     def few_rows(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
