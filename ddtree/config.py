@@ -69,6 +69,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
+        text = cfg.get("text_config")
+        if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES and isinstance(text, dict):
+            # a multimodal checkpoint (Qwen3.5's): its text model, which models/loader.py loads alone
+            text = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **text}
+            text.setdefault("eos_token_id", cfg.get("eos_token_id"))
+            return cls.from_dict(text)
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; ddtree supports {SUPPORTED_MODEL_TYPES}")

@@ -193,3 +193,26 @@ def test_graphed_ar_decode_bursts_emulated_on_cpu_equal_eager_decoding(hybrid, p
         assert [o.token_ids for o in got] == [o.token_ids for o in want], pages
         assert pages == 256 or llm.engine.scheduler.num_preemptions > 0
         assert_idle(llm)
+
+
+def test_a_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path, prompts):
+    # Published Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration (a vision tower besides the text
+    # model, its weights under model.language_model.*): ddtree serves the text model and equals
+    # transformers' own generation from text.
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from tiny import make_config
+    text = make_config("qwen3_5", 384).to_dict()
+    cfg = Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
+                                                             num_heads=2, out_hidden_size=64))
+    torch.manual_seed(0)
+    hf = Qwen3_5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    hf.save_pretrained(str(tmp_path))
+    out = LLM(str(tmp_path), **ENGINE, num_pages=64).generate(prompts[:2], SamplingParams(max_tokens=10, ignore_eos=True))
+    for prompt, o in zip(prompts, out):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        assert o.token_ids == want[0, len(prompt):].tolist()

@@ -76,6 +76,15 @@ def load_weights(model: nn.Module, tensors, packed: dict[str, tuple[str, str]], 
         raise KeyError(f"checkpoint {source} lacks tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
+def text_model_tensors(tensors):
+    """A multimodal checkpoint's text model (Qwen3.5: `model.language_model.*` and the LM head) under the
+    text model's names; the vision tower and multi-token-prediction heads are left out."""
+    for name, tensor in tensors:
+        if name.startswith(("model.visual.", "mtp.")):
+            continue
+        yield name.replace("model.language_model.", "model.", 1), tensor
+
+
 def load_model(path: str, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> tuple[CausalLM, ModelConfig]:
     cfg = ModelConfig.from_dir(path)
@@ -85,7 +94,7 @@ def load_model(path: str, device: str | torch.device = "cpu",
     tied = cfg.tie_word_embeddings
     if tied:
         del model.lm_head.weight  # re-tied after loading so the shared tensor is filled once
-    load_weights(model, iter_tensors(path), CausalLM.packed, path,
+    load_weights(model, text_model_tensors(iter_tensors(path)), CausalLM.packed, path,
                  skip=lambda n: "rotary_emb" in n or (tied and n == "lm_head.weight"))
     model.tie_weights()
     if cfg.is_hybrid:
