@@ -216,3 +216,16 @@ def test_a_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path, prompts)
         with torch.no_grad():
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
         assert o.token_ids == want[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("n", [1, 5, 64, 65, 150])
+def test_the_chunked_delta_rule_equals_the_token_by_token_recurrence(n):
+    from ddtree.models.hybrid import chunked_delta_rule, gated_delta_rule
+    g = torch.Generator().manual_seed(n)
+    H, K, V = 4, 16, 8
+    q, k, v = torch.randn(n, H, K, generator=g), torch.randn(n, H, K, generator=g), torch.randn(n, H, V, generator=g)
+    decay, beta, state = -2 * torch.rand(n, H, generator=g), torch.rand(n, H, generator=g), torch.randn(H, K, V, generator=g)
+    want, want_state = gated_delta_rule(q, k, v, decay, beta, state)
+    got, got_state = chunked_delta_rule(q, k, v, decay, beta, state, chunk=32)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)

@@ -19,8 +19,10 @@ cache; their query projection also yields a per-head output gate (sigmoid), only
 `rotary_dim` channels of a head are rotated, and the q/k norms, like every norm of these models
 except the gated one, scale by 1 + weight (`fold_norm_offsets` stores 1 + weight at load time).
 
-These are the torch reference (CPU, and the oracle in tests): requests are walked one by one and
-tokens one by one through the recurrence.
+This is the torch path (the CPU, and the GPU until kernels exist): requests are walked one by one;
+a request's tokens go through the recurrence a chunk at a time (`chunked_delta_rule`), tree nodes one
+by one, and a decode step takes every request at once (`_decode`). `gated_delta_rule`, the plain
+token-by-token recurrence, is the oracle in tests.
 """
 from __future__ import annotations
 
@@ -87,6 +89,40 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         state = state + k[t][:, :, None] * delta[:, None, :]
         out.append(torch.einsum("hkv,hk->hv", state, q[t]))
     return torch.stack(out), state
+
+
+CHUNK = 64  # tokens solved at once by `chunked_delta_rule`
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_delta_rule` (same arguments and results) a chunk of tokens at a time, with matrix products
+    instead of a step per token. Within a chunk starting from state S0, with G the running sum of g
+    and D[t, i] = exp(G[t] - G[i]) for i <= t, the state after token t is exp(G[t]) S0 + sum over i <= t
+    of D[t, i] k_i d_i^T, where the updates d solve the unit lower-triangular system
+        d_t + beta_t * sum over i < t of D[t, i] (k_t . k_i) d_i = beta_t (v_t - exp(G[t]) S0^T k_t);
+    the outputs are exp(G[t]) S0^T q_t + sum over i <= t of D[t, i] (q_t . k_i) d_i."""
+    q = l2_normalize(q.float()) / q.shape[-1] ** 0.5
+    k = l2_normalize(k.float())
+    v, g, beta, state = v.float(), g.float(), beta.float(), state.float()
+    out = []
+    for c0 in range(0, q.shape[0], chunk):
+        # [H, C, ...]: heads first
+        qc, kc, vc = (x[c0:c0 + chunk].transpose(0, 1) for x in (q, k, v))
+        G = g[c0:c0 + chunk].T.cumsum(-1)  # [H, C]
+        b = beta[c0:c0 + chunk].T[..., None]  # [H, C, 1]
+        n = qc.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        D = torch.where(causal, G[:, :, None] - G[:, None, :], float("-inf")).exp()  # [H, C, C]
+        lower = (b * D * (kc @ kc.transpose(1, 2))).masked_fill(causal.logical_not() | torch.eye(n, dtype=torch.bool,
+                                                                                              device=q.device), 0)
+        rhs = b * (vc - G.exp()[..., None] * (kc @ state))  # [H, C, Dv]
+        eye = torch.eye(n, device=q.device).expand_as(lower)
+        d = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+        out.append((G.exp()[..., None] * (qc @ state) + (D * (qc @ kc.transpose(1, 2))) @ d).transpose(0, 1))
+        last = G[:, -1:]  # [H, 1]
+        state = last.exp()[..., None] * state + kc.transpose(1, 2) @ ((last - G).exp()[..., None] * d)
+    return torch.cat(out), state
 
 
 class GatedDeltaNet(nn.Module):
@@ -181,7 +217,8 @@ class GatedDeltaNet(nn.Module):
         repeat = lin.num_v_heads // lin.num_k_heads  # each q/k head serves this many value heads
         q = q.reshape(n, lin.num_k_heads, lin.k_head_dim).repeat_interleave(repeat, dim=1)
         k = k.reshape(n, lin.num_k_heads, lin.k_head_dim).repeat_interleave(repeat, dim=1)
-        o, state = gated_delta_rule(q, k, v.reshape(n, lin.num_v_heads, lin.v_head_dim), g, beta, state)
+        rule = gated_delta_rule if n == 1 else chunked_delta_rule
+        o, state = rule(q, k, v.reshape(n, lin.num_v_heads, lin.v_head_dim), g, beta, state)
         return o, seq[:, seq.shape[1] - window.shape[1]:], state
 
     def commit(self, state_slots: torch.Tensor, nodes: torch.Tensor) -> None:
