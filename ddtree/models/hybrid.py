@@ -12,16 +12,18 @@ SiLU(z) and projected back. Each request owns a state slot (engine/kv_cache.py):
 last K - 1 inputs and S, for every linear layer; a request's first chunk starts both from zeros, and
 each chunk leaves them where its last token leaves them. A verified tree (DFlash's chain, DDTree's
 tree) is different: each node starts from its parent's window and state (the root from the slot's),
-so no node sees a sibling's or a cousin's tokens; the nodes' states are kept (`pending`) until the
-accept walk has chosen a path, whose last node's state the slot then takes (`commit`). Full-attention
+so no node sees a sibling's or a cousin's tokens. The whole tree is solved at once, as a chunk of a
+chain is, with the ancestor relation in place of the causal one (`_tree`); its updates are kept
+(`pending`) until the accept walk has chosen a path, whose end's state the slot then takes
+(`commit`), rebuilt from those updates: no state per node is ever held. Full-attention
 layers keep the paged KV
 cache; their query projection also yields a per-head output gate (sigmoid), only the first
 `rotary_dim` channels of a head are rotated, and the q/k norms, like every norm of these models
 except the gated one, scale by 1 + weight (`fold_norm_offsets` stores 1 + weight at load time).
 
-This is the torch path (the CPU, and the GPU until kernels exist): requests are walked one by one;
-a request's tokens go through the recurrence a chunk at a time (`chunked_delta_rule`), tree nodes one
-by one, and a decode step takes every request at once (`_decode`). `gated_delta_rule`, the plain
+This is the torch path (the CPU, and the GPU until kernels exist): prompt chunks are walked request by
+request, their tokens through the recurrence a chunk at a time (`chunked_delta_rule`); a verified
+tree (`_tree`) and a decode step (`_decode`) take every request at once, with device ops only. `gated_delta_rule`, the plain
 token-by-token recurrence, is the oracle in tests.
 """
 from __future__ import annotations
@@ -144,7 +146,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
         # [slots, conv_dim, K - 1] and [slots, Hv, Dk, Dv] (float32), assigned by the runner
         self.conv_state = self.recurrent_state = torch.empty(0)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pending: tuple | None = None  # a verified tree's updates, for `commit`
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         lin = self.cfg
@@ -154,29 +156,17 @@ class GatedDeltaNet(nn.Module):
         if batch.commit_states and x.shape[0] == batch.state_slots.shape[0]:  # one token a request: decode
             return self._output(self._decode(qkv, g, beta, batch.state_slots, batch.prefix_lens), z, x.dtype)
         out = x.new_empty(x.shape[0], lin.num_v_heads, lin.v_head_dim)
-        parents = None if batch.commit_states else tree_parents(batch, positions)
-        self.pending = []  # a verified tree's per-node (windows, states), for `commit`
+        if not batch.commit_states:  # a verified tree: every request's nodes at once
+            return self._output(self._tree(qkv, g, beta, positions, batch), z, x.dtype)
         rows = zip(batch.q_starts.tolist(), batch.q_lens.tolist(), batch.prefix_lens.tolist(),
                    batch.state_slots.tolist())
-        for r, (start, n, prefix, slot) in enumerate(rows):
+        for start, n, prefix, slot in rows:  # prompt chunks (and mixed steps): one request at a time
             window, state = self.conv_state[slot], self.recurrent_state[slot]
             if prefix == 0:  # a request's first tokens: nothing before them
                 window, state = torch.zeros_like(window), torch.zeros_like(state)
             span = slice(start, start + n)
-            if parents is None:  # a chain of committed tokens: one pass, and the slot advances
-                o, self.conv_state[slot], self.recurrent_state[slot] = self._chain(qkv[span], g[span], beta[span],
-                                                                                    window, state)
-            else:  # a tree: each node from its parent's window and state (the root's: the slot's)
-                windows, states, o = [], [], []
-                for i, p in enumerate(parents[r]):
-                    w, s = (window, state) if p < 0 else (windows[p], states[p])
-                    oi, w, s = self._chain(qkv[start + i:start + i + 1], g[start + i:start + i + 1],
-                                           beta[start + i:start + i + 1], w, s)
-                    windows.append(w)
-                    states.append(s)
-                    o.append(oi)
-                o = torch.cat(o)
-                self.pending.append((torch.stack(windows), torch.stack(states)))
+            o, self.conv_state[slot], self.recurrent_state[slot] = self._chain(qkv[span], g[span], beta[span],
+                                                                                window, state)
             out[span] = o.to(out.dtype)
         return self._output(out, z, x.dtype)
 
@@ -221,26 +211,90 @@ class GatedDeltaNet(nn.Module):
         o, state = rule(q, k, v.reshape(n, lin.num_v_heads, lin.v_head_dim), g, beta, state)
         return o, seq[:, seq.shape[1] - window.shape[1]:], state
 
+    def _slot_states(self, slots: torch.Tensor, prefix_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The requests' windows [R, C, K - 1] and states [R, Hv, Dk, Dv] (float32), zeros for a request with
+        nothing cached."""
+        kept = (prefix_lens > 0)[:, None, None]
+        return (torch.where(kept, self.conv_state[slots], 0).float(),
+                torch.where(kept[..., None], self.recurrent_state[slots], 0).float())
+
+    def _tree(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, positions: torch.Tensor,
+              batch: AttentionBatch) -> torch.Tensor:
+        """A verified tree of N nodes per request ([R * N] rows, ancestors before descendants), device ops
+        only. A node sees its ancestors alone: its convolution reads its ancestor chain (then the slot's
+        window), and the delta rule runs over the ancestor relation as `chunked_delta_rule` runs over a
+        chain, with D[t, i] = exp(G[t] - G[i]) for i an ancestor of t or t itself, G[t] the sum of g along
+        t's path. The updates, decays and inputs are kept (`pending`) so that `commit` can rebuild the
+        state at the accepted path's end without a state per node. Returns the outputs [R * N, Hv, Dv]."""
+        lin, K = self.cfg, self.cfg.conv_kernel
+        R = batch.state_slots.shape[0]
+        N = qkv.shape[0] // R
+        dev = qkv.device
+        above = tree_ancestors(batch, positions, R, N)  # [R, N, N] ancestor-or-self
+        window, state = self._slot_states(batch.state_slots, batch.prefix_lens)
+        # Each node's inputs at lags 0 .. K - 1: a node index (>= 0), or -m for the slot window's m-th last.
+        parent = tree_parent(above, positions.view(R, N) - batch.prefix_lens[:, None].long())
+        x = qkv.view(R, N, -1).float()
+        src = torch.arange(N, device=dev).expand(R, N)
+        conv = torch.zeros_like(x)
+        lags = []
+        for j in range(K):
+            lags.append(src)
+            taken = torch.where((src >= 0)[..., None], x.gather(1, src.clamp(min=0)[..., None].expand_as(x)),
+                                window.gather(2, (K - 1 + src).clamp(0, K - 2)[:, None, :].expand(-1, x.shape[2], -1))
+                                .transpose(1, 2))
+            conv = conv + taken * self.conv1d.weight[:, 0, K - 1 - j].float()
+            src = torch.where(src >= 0, parent.gather(1, src.clamp(min=0)), src - 1)
+        q, k, v = F.silu(conv).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        repeat = lin.num_v_heads // lin.num_k_heads
+        heads = lambda t, h: t.reshape(R, N, h, -1).transpose(1, 2)  # noqa: E731  [R, H, N, D]
+        q = (l2_normalize(heads(q, lin.num_k_heads)) / lin.k_head_dim ** 0.5).repeat_interleave(repeat, dim=1)
+        k = l2_normalize(heads(k, lin.num_k_heads)).repeat_interleave(repeat, dim=1)
+        v = heads(v, lin.num_v_heads)
+        b = beta.float().view(R, N, -1).transpose(1, 2)[..., None]  # [R, H, N, 1]
+        G = (g.float().view(R, N, -1).transpose(1, 2)[:, :, None, :] * above[:, None].float()).sum(-1)  # [R, H, N]
+        D = torch.where(above[:, None], G[..., :, None] - G[..., None, :], float("-inf")).exp()  # [R, H, N, N]
+        strict = above & ~torch.eye(N, dtype=torch.bool, device=dev)
+        lower = torch.where(strict[:, None], b * D * (k @ k.transpose(-1, -2)), 0)
+        rhs = b * (v - G.exp()[..., None] * (k @ state))
+        d = torch.linalg.solve_triangular(torch.eye(N, device=dev) + lower, rhs, upper=False, unitriangular=True)
+        out = G.exp()[..., None] * (q @ state) + (D * (q @ k.transpose(-1, -2))) @ d
+        self.pending = (k, d, G, above, x, window, torch.stack(lags, dim=-1), state)
+        return out.transpose(1, 2).reshape(R * N, lin.num_v_heads, lin.v_head_dim)
+
     def commit(self, state_slots: torch.Tensor, nodes: torch.Tensor) -> None:
-        """After a verified tree: request r's slot takes the window and state its tree left at nodes[r]."""
-        for (windows, states), slot, node in zip(self.pending, state_slots.tolist(), nodes.tolist()):
-            self.conv_state[slot], self.recurrent_state[slot] = windows[node], states[node]
-        self.pending = []
+        """After a verified tree: each request's slot takes the window and state at the end of its accepted
+        path, nodes[r]: S = exp(G[a]) S0 + sum over the path's nodes i of exp(G[a] - G[i]) k_i d_i^T, and
+        the path's last K - 1 inputs."""
+        k, d, G, above, x, window, lags, state = self.pending
+        R = nodes.shape[0]
+        rows = torch.arange(R, device=nodes.device)
+        on_path = above[rows, nodes]  # [R, N]
+        Ga = G[rows, :, nodes]  # [R, H]
+        weight = torch.where(on_path[:, None], (Ga[..., None] - G).exp(), 0)  # [R, H, N]
+        state = Ga.exp()[..., None, None] * state + k.transpose(-1, -2) @ (weight[..., None] * d)
+        src = lags[rows, nodes].flip(-1)[:, 1:]  # [R, K - 1]: lags K - 2 .. 0, oldest first
+        K = src.shape[1] + 1
+        from_x = x.gather(1, src.clamp(min=0)[..., None].expand(-1, -1, x.shape[2])).transpose(1, 2)
+        from_window = window.gather(2, (K - 1 + src).clamp(0, K - 2)[:, None, :].expand(-1, x.shape[2], -1))
+        self.conv_state[state_slots] = torch.where((src >= 0)[:, None, :], from_x, from_window).to(self.conv_state.dtype)
+        self.recurrent_state[state_slots] = state
+        self.pending = None
 
 
-def tree_parents(batch: AttentionBatch, positions: torch.Tensor) -> list[list[int]]:
-    """Each request's tree nodes' parents (-1: the root), from the ancestor-or-self mask and the nodes'
-    depths (position - prefix); without a mask the nodes are a chain."""
-    n = batch.q_lens.tolist()
-    if batch.mask is None:
-        return [list(range(-1, k - 1)) for k in n]
-    depth = (positions.view(len(n), -1) - batch.prefix_lens[:, None].long()).tolist()
-    mask = batch.mask.tolist()
-    parents = []
-    for r in range(len(n)):  # the parent: the deepest ancestor other than the node itself
-        parents.append([max((j for j in range(n[r]) if mask[r][i][j] and j != i), key=lambda j: depth[r][j],
-                            default=-1) for i in range(n[r])])
-    return parents
+def tree_ancestors(batch: AttentionBatch, positions: torch.Tensor, R: int, N: int) -> torch.Tensor:
+    """The ancestor-or-self relation of each request's N nodes [R, N, N] (no mask: a chain)."""
+    if batch.mask is not None:
+        return batch.mask[:, :N, :N].bool()
+    return torch.ones(N, N, dtype=torch.bool, device=positions.device).tril().expand(R, N, N)
+
+
+def tree_parent(above: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """Each node's parent [R, N] (-1 for a root): its deepest ancestor other than itself."""
+    N = above.shape[-1]
+    strict = above & ~torch.eye(N, dtype=torch.bool, device=above.device)
+    deepest, parent = torch.where(strict, depth[:, None, :], -1).max(-1)
+    return torch.where(deepest >= 0, parent, -1)
 
 
 class HybridDecoderLayer(DecoderLayer):
