@@ -229,3 +229,19 @@ def test_the_chunked_delta_rule_equals_the_token_by_token_recurrence(n):
     got, got_state = chunked_delta_rule(q, k, v, decay, beta, state, chunk=32)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec, budget, topk", [("dflash", None, None), ("ddtree", 16, 4)])
+def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(spec, budget, topk, hybrid, drafter, prompts, monkeypatch):
+    # The GPU's speculative path for hybrids (CUDA graphs emulated): pipelined bursts whose trees are
+    # verified and committed with device ops only, padding rows on the scratch state slot.
+    from emulated import fake_gpu_graphs
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, **kw) for n, kw in
+              [(20, {}), (33, dict(temperature=0.8, seed=1)), (9, {}), (26, dict(temperature=1.0, seed=2))]]
+    want = LLM(hybrid, **ENGINE, num_pages=256).generate(prompts, params)
+    fake_gpu_graphs(monkeypatch)
+    llm = LLM(hybrid, draft=drafter, spec=spec, budget=budget, topk=topk, **ENGINE, num_pages=256, max_num_seqs=3)
+    assert llm.engine.speculator.graphs is not None
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert_idle(llm)

@@ -46,8 +46,9 @@ class LLMEngine:
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
                                        engine_cfg.max_num_seqs if cfg.is_hybrid else 0)
         capacity = self.runner.num_pages * engine_cfg.page_size
-        # (hybrid models: AR decode graphs only; their speculative steps and prefills run eagerly)
-        use_graphs = engine_cfg.cuda_graphs and self._graphs_supported() and not (cfg.is_hybrid and speculative)
+        # (hybrid models: no graphs under auto, whose AR stretches may leave gaps in the drafter's context that
+        # a refeed fills, which would advance a recurrent state twice; their prompt chunks run eagerly)
+        use_graphs = engine_cfg.cuda_graphs and self._graphs_supported() and not (cfg.is_hybrid and auto)
         # Host ms of prefills and whole steps in every mode, and how graphed AR steps were grouped into
         # bursts (auto adds its speculative bursts and context stores: spec/decode.py `SpecStats`):
         # benchmark rows split the wall time with it.

@@ -81,7 +81,8 @@ class Speculator:
         self.graphs = None
         if use_graphs:  # padding rows: page tables and context slots point at the scratch page
             self.graphs = GraphPool(self._graph_step, max_batch,
-                                    pad={"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot},
+                                    pad={"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot,
+                                         "state_slots": runner.scratch_state_slot},
                                     widths={"block_tables": max_pages})
             drafter.warm_stores(max_batch, runner.max_num_batched_tokens)
         # Set before each decode: short bursts while a request waits for a free slot, and whether the
