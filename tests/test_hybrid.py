@@ -245,3 +245,16 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(spec, budget, topk,
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert_idle(llm)
+
+
+def test_preempted_speculative_requests_recompute_their_state_and_stay_lossless(hybrid, drafter, prompts):
+    from test_spec import continuation, noisy_oracle, plant
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, **(dict(temperature=0.8, seed=i) if i % 2 else {}))
+              for i in range(len(prompts))]
+    ar = LLM(hybrid, **ENGINE, num_pages=256).generate(prompts, params)
+    llm = LLM(hybrid, draft=drafter, spec="ddtree", budget=8, topk=2, **ENGINE, num_pages=22, max_num_seqs=3)
+    plant(llm, noisy_oracle(continuation(prompts, ar), vocab=llm.config.vocab_size))
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ar]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_idle(llm)
