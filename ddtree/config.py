@@ -71,8 +71,9 @@ class ModelConfig:
     def from_dict(cls, cfg: dict) -> "ModelConfig":
         text = cfg.get("text_config")
         if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES and isinstance(text, dict):
-            # a multimodal checkpoint (Qwen3.5's): its text model, which models/loader.py loads alone
-            text = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **text}
+            # a multimodal checkpoint (Qwen3.5's): its text model, which models/loader.py loads alone; the
+            # top-level flag decides tying (as in transformers)
+            text = {**text, "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
             text.setdefault("eos_token_id", cfg.get("eos_token_id"))
             return cls.from_dict(text)
         model_type = cfg.get("model_type")
@@ -93,7 +94,7 @@ class ModelConfig:
                 linear=LinearAttentionConfig(cfg["linear_num_key_heads"], cfg["linear_num_value_heads"],
                                              cfg["linear_key_head_dim"], cfg["linear_value_head_dim"],
                                              cfg["linear_conv_kernel_dim"]),
-                rotary_dim=int(head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
+                rotary_dim=int(head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
                 attn_output_gate=True)
         return cls(
             model_type=model_type,

@@ -92,6 +92,9 @@ class LLM:
             layers += [layer.self_attn for layer in self.drafter.layers] if self.drafter is not None else []
             for attn in layers:  # the layers hold views of the old cache
                 attn.k_cache = attn.v_cache = torch.empty(0)
+            for layer in self.net.model.layers:  # (hybrid models: and of the old recurrent states)
+                if hasattr(layer, "linear_attn"):
+                    layer.linear_attn.conv_state = layer.linear_attn.recurrent_state = torch.empty(0)
             gc.collect()  # graph pools hold bound methods of the engine: a reference cycle
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

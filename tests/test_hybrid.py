@@ -41,10 +41,20 @@ def assert_idle(llm: LLM) -> None:
 
 
 def test_the_hybrid_config_is_read_with_its_layer_kinds(hybrid):
+    import json
+    import os
+
     from ddtree.config import ModelConfig
     cfg = ModelConfig.from_dir(hybrid)
     assert cfg.is_hybrid and cfg.attention_layers == [3] and cfg.linear_layers == [0, 1, 2]
     assert cfg.rotary_dim == 8 and cfg.attn_output_gate and cfg.linear.conv_dim == 2 * 2 * 16 + 4 * 8
+    with open(os.path.join(hybrid, "config.json")) as f:
+        text = json.load(f)
+    del text["rope_parameters"]["partial_rotary_factor"]  # (transformers' default: a quarter of the head)
+    assert ModelConfig.from_dict(text).rotary_dim == 4
+    # a multimodal checkpoint's config: the text model's, tied as the top-level flag says (as transformers ties)
+    outer = {"model_type": "qwen3_5", "tie_word_embeddings": False, "text_config": {**text, "tie_word_embeddings": True}}
+    assert ModelConfig.from_dict(outer).tie_word_embeddings is False
 
 
 @pytest.mark.parametrize("limits", [dict(num_pages=128, max_num_batched_tokens=2048),

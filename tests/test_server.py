@@ -329,6 +329,8 @@ def test_a_body_that_is_not_sent_as_json_gets_a_400_that_says_so(ar):
         assert r.status_code == 400 and "expected Content-Type application/json" in r.json()["error"]["message"]
     r = ar.post(COMP, {"prompt": "hi", "max_tokens": 2}, headers={"Content-Type": "application/json; charset=utf-8"})
     assert r.status_code == 200
+    r = ar.post(COMP, {"prompt": "hi", "max_tokens": "2"}, headers={"Content-Type": "application/vnd.api+json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # (a JSON type: the field's error)
 
 
 def test_messages_in_every_role_and_text_parts_are_accepted(ar):

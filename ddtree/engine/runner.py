@@ -52,6 +52,15 @@ class ModelRunner:
             layers[index].linear_attn.conv_state = self.state_cache[0][i]
             layers[index].linear_attn.recurrent_state = self.state_cache[1][i]
 
+    def _state_bytes(self, ec: EngineConfig) -> int:
+        """Hybrid models: the recurrent-state cache's size (`allocate_state_cache`), 0 for dense ones."""
+        if not self.cfg.is_hybrid:
+            return 0
+        lin, slots = self.cfg.linear, ec.max_num_seqs + 1
+        per_slot = lin.conv_dim * (lin.conv_kernel - 1) * self.dtype.itemsize + \
+            lin.num_v_heads * lin.k_head_dim * lin.v_head_dim * 4
+        return len(self.cfg.linear_layers) * slots * per_slot
+
     def _pages_from_memory(self, ec: EngineConfig, logit_rows: int) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -60,7 +69,7 @@ class ModelRunner:
             # widest activation (the MLP's gate|up) in fp32.
             activations = 2 * logit_rows * self.cfg.vocab_size * (4 + self.dtype.itemsize) + \
                 ec.max_num_batched_tokens * 2 * self.cfg.intermediate_size * 4
-            budget = free - (1 - ec.gpu_memory_utilization) * total - activations
+            budget = free - (1 - ec.gpu_memory_utilization) * total - activations - self._state_bytes(ec)
         else:
             budget = ec.kv_cache_gb * 2**30
         return pages_for_memory(budget, len(self.cfg.attention_layers), self.page_size, self.cfg.num_kv_heads,

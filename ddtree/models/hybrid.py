@@ -234,6 +234,8 @@ class GatedDeltaNet(nn.Module):
         window, state = self._slot_states(batch.state_slots, batch.prefix_lens)
         # Each node's inputs at lags 0 .. K - 1: a node index (>= 0), or -m for the slot window's m-th last.
         parent = tree_parent(above, positions.view(R, N) - batch.prefix_lens[:, None].long())
+        if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # (the solve below needs it)
+            assert bool((parent < torch.arange(N, device=dev)).all()), "tree nodes must follow their ancestors"
         x = qkv.view(R, N, -1).float()
         src = torch.arange(N, device=dev).expand(R, N)
         conv = torch.zeros_like(x)

@@ -301,7 +301,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         ctype = request.headers.get("content-type", "")
-        if ctype.split(";")[0].strip().lower() != "application/json":
+        media = ctype.split(";")[0].strip().lower()
+        if not (media == "application/json" or (media.startswith("application/") and media.endswith("+json"))):
             msg = f"expected Content-Type application/json, got {ctype or 'none'}: the body must be a JSON object"
             return JSONResponse(APIError(400, msg).body(), 400)
         errs = e.errors()

@@ -36,6 +36,7 @@ class TokenText:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None and (json.loads(backend.to_str()).get("decoder") or {}).get("type") == "ByteLevel":
             self.alphabet = _byte_level_alphabet()
+        self.special = set(getattr(tokenizer, "all_special_ids", None) or [])
         self._bytes: dict[int, bytes] = {}
 
     def bytes(self, token: int) -> bytes:
@@ -44,16 +45,23 @@ class TokenText:
         return self._bytes[token]
 
     def _read(self, token: int) -> bytes:
-        if self.tokenizer is None:
+        if self.tokenizer is None or token in self.special:  # (the text leaves special tokens out)
             return b""
         piece = self.tokenizer.convert_ids_to_tokens(token)
-        if self.alphabet is not None and piece is not None and all(c in self.alphabet for c in piece):
+        if piece is None:
+            return self.tokenizer.decode([token]).encode()
+        if self.alphabet is not None and all(c in self.alphabet for c in piece):
             return bytes(self.alphabet[c] for c in piece)
-        return self.tokenizer.decode([token]).encode()  # (other tokenizers: the token decoded alone)
+        # SentencePiece pieces: "▁" stands for a space, and <0xNN> for a byte the vocabulary lacks
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def text(self, token: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token}"
+        if token in self.special:  # (named, though the completion's text leaves it out)
+            return self.tokenizer.convert_ids_to_tokens(token)
         raw = self.bytes(token)
         try:
             return raw.decode("utf-8")

@@ -243,6 +243,7 @@ class AdaptiveSpeculator(Speculator):
             else:
                 self.decode(plain)
         if scored:
+            self.timed = False  # (its host-side logprob work is no step time to learn from)
             self._eager_step(scored)
         return touched + decode
 
