@@ -316,9 +316,11 @@ class HybridDecoderLayer(DecoderLayer):
         return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
 
 
-def fold_norm_offsets(model: nn.Module) -> None:
-    """Qwen3.5's RMSNorms scale by 1 + weight (zero-centred weights); store 1 + weight, so they run as
-    plain RMSNorms. The gated norm inside a Gated DeltaNet layer scales by its weight and is left alone."""
-    for name, module in model.named_modules():
-        if isinstance(module, RMSNorm) and not name.endswith("linear_attn.norm"):
-            module.weight.data += 1.0
+def fold_norm_offsets(tensors):
+    """Checkpoint tensors with Qwen3.5's zero-centred RMSNorm weights (they scale by 1 + weight) stored as
+    1 + weight, computed in float32 before the model's dtype rounds it, so those norms run as plain
+    RMSNorms. The gated norm inside a Gated DeltaNet layer scales by its weight and is left alone."""
+    for name, tensor in tensors:
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            tensor = tensor.float() + 1.0
+        yield name, tensor

@@ -94,11 +94,12 @@ def load_model(path: str, device: str | torch.device = "cpu",
     tied = cfg.tie_word_embeddings
     if tied:
         del model.lm_head.weight  # re-tied after loading so the shared tensor is filled once
-    load_weights(model, text_model_tensors(iter_tensors(path)), CausalLM.packed, path,
-                 skip=lambda n: "rotary_emb" in n or (tied and n == "lm_head.weight"))
-    model.tie_weights()
+    tensors = text_model_tensors(iter_tensors(path))
     if cfg.is_hybrid:
         from ddtree.models.hybrid import fold_norm_offsets
-        fold_norm_offsets(model)
+        tensors = fold_norm_offsets(tensors)
+    load_weights(model, tensors, CausalLM.packed, path,
+                 skip=lambda n: "rotary_emb" in n or (tied and n == "lm_head.weight"))
+    model.tie_weights()
     model.model.rotary.build(device)
     return model.eval().requires_grad_(False), cfg
