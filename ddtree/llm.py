@@ -65,6 +65,7 @@ class LLM:
         default_pair = draft is None and spec is None and is_default_model(model)
         if draft is None and spec != "none" and is_default_model(model):
             draft = default_draft()  # the default pair: our drafter for the default model (DDTree)
+        self.draft_path = str(draft) if isinstance(draft, (str, os.PathLike)) else None
         if draft is not None:
             from ddtree.models.dflash import load_drafter
             self.drafter = load_drafter(str(draft), self.config, self.device, self.dtype) \
@@ -120,8 +121,44 @@ class LLM:
                 self.engine.speculator.drafter.bind_cache()
 
     def _build(self, cost_table) -> LLMEngine:
-        return LLMEngine(self.net, self.config, self.tokenizer, self.engine_cfg, self.device, self.dtype,
-                         self.drafter if self.spec != "none" else None, self.budget, self.topk, cost_table)
+        """The engine of the current mode. Budget auto's cost table is measured once per setup (device,
+        model, drafter, dtype, engine sizes) and kept in the ddtree cache; a later start reuses it."""
+        from ddtree.spec.costs import cached_costs, store_costs
+        path = self._cost_cache_path() if self.budget == "auto" and cost_table is None else None
+        cached = cached_costs(path) if path is not None else None
+        engine = LLMEngine(self.net, self.config, self.tokenizer, self.engine_cfg, self.device, self.dtype,
+                           self.drafter if self.spec != "none" else None, self.budget, self.topk, cost_table or cached)
+        if path is not None and cached is None and engine.speculator is not None:
+            store_costs(path, engine.speculator.policy.table, self._cost_setup())
+        return engine
+
+    def _cost_setup(self) -> dict | None:
+        """What budget auto's measured costs depend on; None when the drafter has no files to name it by."""
+        if self.draft_path is None:
+            return None
+        from dataclasses import asdict
+
+        def files(path: str) -> list:
+            path = os.path.realpath(path)
+            names = sorted(os.listdir(path)) if os.path.isdir(path) else [""]
+            return [path] + [(n, os.stat(os.path.join(path, n)).st_size, int(os.stat(os.path.join(path, n)).st_mtime))
+                             for n in names if n.endswith((".json", ".safetensors", ".gguf"))]
+
+        device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return {"format": 1, "device": device, "torch": torch.__version__, "dtype": str(self.dtype),
+                "model": files(self.model_path), "drafter": files(self.draft_path), "topk": self.topk,
+                "engine": asdict(self.engine_cfg)}
+
+    def _cost_cache_path(self) -> str | None:
+        import hashlib
+        import json
+
+        from ddtree.models.hub import cache_dir
+        setup = self._cost_setup()
+        if setup is None:
+            return None
+        digest = hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:24]
+        return os.path.join(cache_dir(), "costs", f"{digest}.json")
 
     def _mode(self, spec: str, budget: int | str | None, topk: int | None) -> tuple[str, int | str, int]:
         """(spec, budget, topk) checked and with their defaults."""

@@ -615,3 +615,30 @@ def test_next_burst_inputs_stay_inside_the_pages_the_accepted_path_used(pairs):
     assert nxt.ctx_slots[1, :6].tolist() == [7 * ps + 2, 7 * ps + 3, 0, 1, 2, 3]  # positions 10..15
     assert (nxt.ctx_slots[1, 6:] == scratch).all()
 
+
+
+def test_the_measured_cost_table_is_kept_and_reused_by_a_later_start(pairs, tmp_path, monkeypatch):
+    # Budget auto measures its step costs once per setup (device, model, drafter, dtype, engine sizes);
+    # a later start with the same setup reads them from the ddtree cache instead of measuring.
+    import ddtree.spec.auto as auto
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
+    path, d = pairs("qwen2")
+    measured = []
+    real = auto.measure_costs
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **kw: measured.append(1) or real(*a, **kw))
+    first = LLM(path, draft=d, spec="ddtree", budget="auto", topk=4, **ENGINE)
+    second = LLM(path, draft=d, spec="ddtree", budget="auto", topk=4, **ENGINE)
+    assert measured == [1] and len(list((tmp_path / "costs").iterdir())) == 1
+    assert second.engine.speculator.policy.table.as_dict() == first.engine.speculator.policy.table.as_dict()
+    LLM(path, draft=d, spec="ddtree", budget="auto", topk=2, **ENGINE)  # another setup: measured anew
+    assert measured == [1, 1]
+
+
+def test_a_given_cost_table_still_captures_every_graph_before_serving(pairs, monkeypatch):
+    # (measuring captures them as it times them; a table given or kept must not leave them to the
+    # first steps that need them, which would stall mid-run)
+    fake_gpu_graphs(monkeypatch)
+    llm = auto_llm(pairs, "qwen2", cost_table=table(lambda n, bs: 1.0 + 0.01 * n))
+    spec = llm.engine.speculator
+    for pool in [spec.draft_graphs, spec.ar_graphs, *spec.step_graphs.values()]:
+        assert set(pool.graphs) == set(pool.buckets)

@@ -99,6 +99,15 @@ class AdaptiveSpeculator(Speculator):
             sizes = buckets_up_to(max_batch) if use_graphs else sorted({1, min(2, max_batch)})
             with torch.inference_mode():
                 table = measure_costs(self, sizes, self._fake_context(), reps=5 if use_graphs else 2)
+        elif use_graphs:  # a table given (or kept from an earlier start): the graphs are captured now all the same
+            def root(bs: int) -> RootInputs:
+                inp = self.padding_inputs(bs)
+                return RootInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, inp.state_slots)
+            with torch.inference_mode():
+                self.draft_graphs.capture_all(self.padding_inputs)
+                self.ar_graphs.capture_all(root)
+                for graphs in self.step_graphs.values():
+                    graphs.capture_all(self.padding_inputs)
         self.policy = AdaptivePolicy(table, self.budgets)
         if use_graphs:
             with torch.inference_mode():

@@ -4,6 +4,8 @@ of each candidate width, and the context store a switch from AR pays first, at a
 linear in between."""
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from bisect import bisect_left
@@ -58,6 +60,30 @@ class CostTable:
     def as_dict(self) -> dict:
         return {"batch": self.batch, "ar": self.ar, "draft": self.draft,
                 "verify": {str(b): v for b, v in self.verify.items()}, "store": self.store}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostTable":
+        return cls(d["batch"], d["ar"], d["draft"], {int(b): v for b, v in d["verify"].items()}, d.get("store"))
+
+
+def cached_costs(path: str) -> CostTable | None:
+    """A table measured by an earlier start with the same setup (`store_costs`), or None."""
+    try:
+        with open(path) as f:
+            return CostTable.from_dict(json.load(f)["table"])
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return None
+
+
+def store_costs(path: str, table: CostTable, setup: dict) -> None:
+    """Keeps a measured table for later starts with the same `setup` (what the file name hashes)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"setup": setup, "table": table.as_dict()}, f)
+        os.replace(path + ".tmp", path)
+    except OSError:  # (a read-only cache: measured again next time)
+        pass
 
 
 def wall_ms(fn, device: torch.device, reps: int, repeat: int = 1) -> list[float]:
