@@ -198,17 +198,19 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
         tables = runner.tables(seqs)
         starts = torch.full((bs,), context, device=dev)
         ids = torch.full((bs,), 7, device=dev)
+        # (hybrid targets: the fake requests' recurrent-state slots, handed out with their pages)
+        slots = torch.tensor([s.state_slot for s in seqs], device=dev) if llm.config.is_hybrid else None
         row = {"concurrency": bs, "context": context}
-        row["ar_step_ms"] = time_graph(lambda i: runner.decode_logits(i.ids, i.block_tables, i.starts),
-                                       DecodeInputs(ids, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long,
-                                                                                     device=dev)))
+        row["ar_step_ms"] = time_graph(
+            lambda i: runner.decode_features(i.ids, i.block_tables, i.starts, None, i.state_slots)[0],
+            DecodeInputs(ids, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots))
         if eng.speculator is not None:
             dr = eng.speculator.drafter
             C = dr.block_size
             inp = StepInputs(ids, starts, tables, torch.zeros(bs, C, dr.feat_dim, dtype=llm.dtype, device=dev),
                              (starts[:, None] - C + torch.arange(C, device=dev)),
                              torch.full((bs, C), dr.scratch_slot, device=dev),
-                             torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev))
+                             torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots)
             row["draft_step_ms"] = time_graph(dr.logits, inp)
             if not isinstance(eng.speculator, AdaptiveSpeculator):  # a fixed budget: the whole step (draft, tree, verify,
                 # accept, K/V compaction), as the engine replays it
@@ -218,9 +220,10 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
                 depth = torch.arange(n, device=dev).expand(bs, n).contiguous()
                 mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)).expand(bs, n, n).contiguous()
                 toks = torch.full((bs, n), 7, device=dev)
-                vin = DecodeInputs(toks, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev))
+                vin = DecodeInputs(toks, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots)
                 row[f"verify_{n}_ms"] = time_graph(
-                    lambda i, d=depth, m=mask: runner.verify(i.block_tables, i.starts, i.ids, d, m, taps)[0], vin)
+                    lambda i, d=depth, m=mask: runner.verify(i.block_tables, i.starts, i.ids, d, m, taps,
+                                                             i.state_slots)[0], vin)
         for s in seqs:
             eng.allocator.release(s)
         rows.append(row)
