@@ -48,3 +48,21 @@ def test_distinct_padding_inputs_give_each_fake_request_its_own_pages():
     pages = own.block_tables.flatten().tolist()
     assert len(set(pages)) == len(pages) and spec.runner.scratch_page not in pages
     assert torch.equal(own.ctx_slots, page_slots(own.block_tables, own.ctx_pos, spec.runner.page_size))
+
+
+def test_random_hybrid_writes_a_target_and_drafter_that_load(tmp_path, tiny_qwen2):
+    # (the hybrid issue's GPU runs start from it: a Qwen3.5 text config's shapes, random weights)
+    from ddtree import LLM, SamplingParams
+    from tiny import make_config
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"text_config": make_config("qwen3_5", 384).to_dict()}))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "random_hybrid.py"), str(config),
+                           str(tmp_path / "out"), "--dtype", "float32", "--block", "4", "--tokenizer", tiny_qwen2],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    made = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert made["linear_layers"] == 3
+    llm = LLM(made["target"], draft=made["drafter"], spec="ddtree", budget=4, topk=2, device="cpu", dtype="float32",
+              num_pages=64)
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
