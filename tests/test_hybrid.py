@@ -1,5 +1,7 @@
 """Hybrid targets (models/hybrid.py): a tiny random Qwen3.5 text model (Gated DeltaNet layers and gated
 full attention) against transformers' own implementation, through `LLM`."""
+import os
+
 import pytest
 import torch
 
@@ -279,3 +281,41 @@ def test_step_times_run_on_a_hybrid_target(hybrid, drafter):
     assert [r["concurrency"] for r in rows] == [1, 2]
     assert all(r[k] > 0 for r in rows for k in ("ar_step_ms", "draft_step_ms", "spec_step_ms", "verify_9_ms"))
     assert_idle(llm)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton needs a GPU or its interpreter")
+def test_the_triton_delta_step_updates_states_in_place_like_the_recurrence():
+    # One decode step for 3 requests: each one's state updated in its slot (the fresh one from zeros),
+    # the other slots untouched, and the outputs those of the token-by-token recurrence.
+    from ddtree.models.hybrid import gated_delta_rule
+    from ddtree.ops.triton_delta import delta_step
+    g = torch.Generator().manual_seed(0)
+    R, H, K, V, slots_n = 3, 4, 16, 8, 6
+    state = torch.randn(slots_n, H, K, V, generator=g)
+    slots, fresh = torch.tensor([4, 0, 2]), torch.tensor([False, True, False])
+    q, k, v = torch.randn(R, H, K, generator=g), torch.randn(R, H, K, generator=g), torch.randn(R, H, V, generator=g)
+    decay, beta = -torch.rand(R, H, generator=g), torch.rand(R, H, generator=g)
+    qn = q / q.norm(dim=-1, keepdim=True) / K ** 0.5
+    kn = k / k.norm(dim=-1, keepdim=True)
+    before = state.clone()
+    out = delta_step(state, slots, fresh, qn, kn, v, decay, beta)
+    for r in range(R):
+        start = torch.zeros(H, K, V) if fresh[r] else before[slots[r]]
+        want, want_state = gated_delta_rule(q[r:r + 1], k[r:r + 1], v[r:r + 1], decay[r:r + 1], beta[r:r + 1], start)
+        torch.testing.assert_close(out[r], want[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(state[slots[r]], want_state, atol=1e-4, rtol=1e-4)
+    for s in (1, 3, 5):
+        assert torch.equal(state[s], before[s])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton needs a GPU or its interpreter")
+def test_the_triton_path_generates_like_the_torch_path(hybrid, prompts):
+    # The GPU's kernels (paged attention and K/V stores at partial rotary, the in-place delta step),
+    # run by the interpreter: the same greedy tokens as the torch path.
+    llm = LLM(hybrid, **ENGINE, num_pages=64)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(prompts[:3], params)]
+    llm.engine.runner.use_triton = True
+    assert [o.token_ids for o in llm.generate(prompts[:3], params)] == want

@@ -154,7 +154,8 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         if batch.commit_states and x.shape[0] == batch.state_slots.shape[0]:  # one token a request: decode
-            return self._output(self._decode(qkv, g, beta, batch.state_slots, batch.prefix_lens), z, x.dtype)
+            return self._output(self._decode(qkv, g, beta, batch.state_slots, batch.prefix_lens, batch.use_triton), z,
+                                x.dtype)
         out = x.new_empty(x.shape[0], lin.num_v_heads, lin.v_head_dim)
         if not batch.commit_states:  # a verified tree: every request's nodes at once
             return self._output(self._tree(qkv, g, beta, positions, batch), z, x.dtype)
@@ -175,10 +176,11 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(gated.to(dtype).flatten(1))
 
     def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
-                prefix_lens: torch.Tensor) -> torch.Tensor:
+                prefix_lens: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
         """One token per request, every request at once and with device ops only (CUDA graphs): the
         windows and states are gathered from the requests' slots (zeros for a request's first token),
-        advanced by one token and written back. Returns the outputs [R, Hv, Dv] (float32)."""
+        advanced by one token and written back; with Triton the state is updated in place in its slot
+        by one kernel (ops/triton_delta.py). Returns the outputs [R, Hv, Dv] (float32)."""
         lin, R = self.cfg, qkv.shape[0]
         kept = (prefix_lens > 0)[:, None, None]  # (a one-token prompt: nothing before it)
         window = torch.where(kept, self.conv_state[slots], 0)
@@ -189,6 +191,10 @@ class GatedDeltaNet(nn.Module):
         repeat = lin.num_v_heads // lin.num_k_heads
         q = l2_normalize(q.float().view(R, lin.num_k_heads, -1)).repeat_interleave(repeat, dim=1) / lin.k_head_dim ** 0.5
         k = l2_normalize(k.float().view(R, lin.num_k_heads, -1)).repeat_interleave(repeat, dim=1)
+        if use_triton:
+            from ddtree.ops.triton_delta import delta_step
+            return delta_step(self.recurrent_state, slots, prefix_lens == 0, q, k, v.view(R, lin.num_v_heads, -1), g,
+                              beta)
         state = torch.where(kept[..., None], self.recurrent_state[slots], 0) * g.float().exp()[:, :, None, None]
         delta = (v.float().view(R, lin.num_v_heads, -1) - torch.einsum("rhkv,rhk->rhv", state, k)) * beta.float()[..., None]
         state = state + k[..., None] * delta[:, :, None, :]
