@@ -72,8 +72,8 @@ class ModelConfig:
         text = cfg.get("text_config")
         if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES and isinstance(text, dict):
             # a multimodal checkpoint (Qwen3.5's): its text model, which models/loader.py loads alone; the
-            # top-level flag decides tying (as in transformers)
-            text = {**text, "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+            # top-level flag decides tying, false when absent (as in transformers)
+            text = {**text, "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
             text.setdefault("eos_token_id", cfg.get("eos_token_id"))
             return cls.from_dict(text)
         model_type = cfg.get("model_type")

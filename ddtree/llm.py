@@ -126,6 +126,8 @@ class LLM:
         from ddtree.spec.costs import cached_costs, store_costs
         path = self._cost_cache_path() if self.budget == "auto" and cost_table is None else None
         cached = cached_costs(path) if path is not None else None
+        if cached is not None and not set(self._cost_setup()["budgets"][1:]) <= set(cached.verify):
+            cached = None  # (kept by code with other budgets: measured again)
         engine = LLMEngine(self.net, self.config, self.tokenizer, self.engine_cfg, self.device, self.dtype,
                            self.drafter if self.spec != "none" else None, self.budget, self.topk, cost_table or cached)
         if path is not None and cached is None and engine.speculator is not None:
@@ -141,13 +143,23 @@ class LLM:
         def files(path: str) -> list:
             path = os.path.realpath(path)
             names = sorted(os.listdir(path)) if os.path.isdir(path) else [""]
-            return [path] + [(n, os.stat(os.path.join(path, n)).st_size, int(os.stat(os.path.join(path, n)).st_mtime))
-                             for n in names if n.endswith((".json", ".safetensors", ".gguf"))]
+            found = [path]
+            for n in names:
+                if n.endswith((".json", ".safetensors", ".gguf")) and os.path.exists(os.path.join(path, n)):
+                    st = os.stat(os.path.join(path, n))
+                    found.append((n, st.st_size, int(st.st_mtime)))
+            return found
+
+        from ddtree.spec.adaptive import candidate_budgets
 
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         return {"format": 1, "device": device, "torch": torch.__version__, "dtype": str(self.dtype),
                 "model": files(self.model_path), "drafter": files(self.draft_path), "topk": self.topk,
-                "engine": asdict(self.engine_cfg)}
+                "budgets": candidate_budgets(self.drafter.dcfg.block_size - 1, self.topk),
+                "engine": asdict(self.engine_cfg),
+                # (the switches that change what a step costs)
+                "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DDTREE_")
+                             and k not in ("DDTREE_CACHE", "DDTREE_COST_CACHE", "DDTREE_API_KEY")}}
 
     def _cost_cache_path(self) -> str | None:
         import hashlib
@@ -158,7 +170,7 @@ class LLM:
         if setup is None:
             return None
         digest = hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:24]
-        return os.path.join(cache_dir(), "costs", f"{digest}.json")
+        return os.path.join(os.environ.get("DDTREE_COST_CACHE") or os.path.join(cache_dir(), "costs"), f"{digest}.json")
 
     def _mode(self, spec: str, budget: int | str | None, topk: int | None) -> tuple[str, int | str, int]:
         """(spec, budget, topk) checked and with their defaults."""

@@ -11,6 +11,13 @@ import pytest  # noqa: E402
 from tiny import make_tiny_model  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def own_cost_cache(tmp_path, monkeypatch):
+    """budget auto keeps measured cost tables in the ddtree cache: each test gets its own, so no test
+    reuses another's table or leaves files in the developer's cache."""
+    monkeypatch.setenv("DDTREE_COST_CACHE", str(tmp_path / "costs"))
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
     """Directory of a tiny random Qwen2 model with the tiny byte-level BPE tokenizer and ChatML template."""

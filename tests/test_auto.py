@@ -621,7 +621,7 @@ def test_the_measured_cost_table_is_kept_and_reused_by_a_later_start(pairs, tmp_
     # Budget auto measures its step costs once per setup (device, model, drafter, dtype, engine sizes);
     # a later start with the same setup reads them from the ddtree cache instead of measuring.
     import ddtree.spec.auto as auto
-    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
+    monkeypatch.setenv("DDTREE_COST_CACHE", str(tmp_path / "costs"))
     path, d = pairs("qwen2")
     measured = []
     real = auto.measure_costs
@@ -642,3 +642,22 @@ def test_a_given_cost_table_still_captures_every_graph_before_serving(pairs, mon
     spec = llm.engine.speculator
     for pool in [spec.draft_graphs, spec.ar_graphs, *spec.step_graphs.values()]:
         assert set(pool.graphs) == set(pool.buckets)
+
+
+def test_a_kept_table_without_today_s_budgets_is_measured_again(pairs, tmp_path, monkeypatch):
+    # (a table kept by code with another budget set must not fail a start: it is a miss)
+    import json
+
+    import ddtree.spec.auto as auto
+    monkeypatch.setenv("DDTREE_COST_CACHE", str(tmp_path / "costs"))
+    path, d = pairs("qwen2")
+    LLM(path, draft=d, spec="ddtree", budget="auto", topk=4, **ENGINE)
+    (kept,) = (tmp_path / "costs").iterdir()
+    data = json.loads(kept.read_text())
+    data["table"]["verify"].pop(max(data["table"]["verify"], key=int))
+    kept.write_text(json.dumps(data))
+    measured = []
+    real = auto.measure_costs
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **kw: measured.append(1) or real(*a, **kw))
+    llm = LLM(path, draft=d, spec="ddtree", budget="auto", topk=4, **ENGINE)
+    assert measured == [1] and llm.engine.speculator.policy.table is not None

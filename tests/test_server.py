@@ -694,3 +694,22 @@ def test_graphed_ar_bursts_behind_the_server_stream_the_same_text(tiny_qwen2, mo
             assert time.monotonic() < deadline, "KV pages still held"
             time.sleep(0.02)
     assert [(g["text"], g["finish_reason"]) for g in got] == [(w["text"], w["finish_reason"]) for w in want]
+
+
+def test_logprob_offsets_skip_every_special_token_the_text_leaves_out(tiny_qwen2):
+    # Tokens marked special but not in the special-tokens map (as Llama 3's reserved ones) are left out
+    # of the text too: zero-width in text_offset, named in the token list.
+    from tokenizers import AddedToken
+
+    from ddtree.llm import load_tokenizer
+    from ddtree.server.logprobs import CompletionOffsets, TokenText, completion_logprobs
+    tok = load_tokenizer(tiny_qwen2)
+    tok.add_tokens([AddedToken("<|reserved_0|>", special=True)])
+    reserved = tok.convert_tokens_to_ids("<|reserved_0|>")
+    assert reserved not in tok.all_special_ids
+    ids = tok.encode("Hello") + [reserved] + tok.encode(" world")
+    lp = completion_logprobs(TokenText(tok), [(i, -1.0, []) for i in ids], CompletionOffsets())
+    text = tok.decode(ids, skip_special_tokens=True)
+    assert lp.tokens[len(tok.encode("Hello"))] == "<|reserved_0|>"
+    assert [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens) if t != "<|reserved_0|>"] == \
+        [t for t in lp.tokens if t != "<|reserved_0|>"]

@@ -240,8 +240,6 @@ class GatedDeltaNet(nn.Module):
         window, state = self._slot_states(batch.state_slots, batch.prefix_lens)
         # Each node's inputs at lags 0 .. K - 1: a node index (>= 0), or -m for the slot window's m-th last.
         parent = tree_parent(above, positions.view(R, N) - batch.prefix_lens[:, None].long())
-        if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # (the solve below needs it)
-            assert bool((parent < torch.arange(N, device=dev)).all()), "tree nodes must follow their ancestors"
         x = qkv.view(R, N, -1).float()
         src = torch.arange(N, device=dev).expand(R, N)
         conv = torch.zeros_like(x)
@@ -267,14 +265,17 @@ class GatedDeltaNet(nn.Module):
         rhs = b * (v - G.exp()[..., None] * (k @ state))
         d = torch.linalg.solve_triangular(torch.eye(N, device=dev) + lower, rhs, upper=False, unitriangular=True)
         out = G.exp()[..., None] * (q @ state) + (D * (q @ k.transpose(-1, -2))) @ d
-        self.pending = (k, d, G, above, x, window, torch.stack(lags, dim=-1), state)
+        # (kept small: the inputs in the model's dtype, and the starting state re-read from the slot)
+        self.pending = (k, d, G, above, qkv.view(R, N, -1), window, torch.stack(lags, dim=-1),
+                        batch.prefix_lens > 0)
         return out.transpose(1, 2).reshape(R * N, lin.num_v_heads, lin.v_head_dim)
 
     def commit(self, state_slots: torch.Tensor, nodes: torch.Tensor) -> None:
         """After a verified tree: each request's slot takes the window and state at the end of its accepted
         path, nodes[r]: S = exp(G[a]) S0 + sum over the path's nodes i of exp(G[a] - G[i]) k_i d_i^T, and
         the path's last K - 1 inputs."""
-        k, d, G, above, x, window, lags, state = self.pending
+        k, d, G, above, x, window, lags, kept = self.pending
+        state = torch.where(kept[:, None, None, None], self.recurrent_state[state_slots], 0)
         R = nodes.shape[0]
         rows = torch.arange(R, device=nodes.device)
         on_path = above[rows, nodes]  # [R, N]
@@ -283,7 +284,7 @@ class GatedDeltaNet(nn.Module):
         state = Ga.exp()[..., None, None] * state + k.transpose(-1, -2) @ (weight[..., None] * d)
         src = lags[rows, nodes].flip(-1)[:, 1:]  # [R, K - 1]: lags K - 2 .. 0, oldest first
         K = src.shape[1] + 1
-        from_x = x.gather(1, src.clamp(min=0)[..., None].expand(-1, -1, x.shape[2])).transpose(1, 2)
+        from_x = x.gather(1, src.clamp(min=0)[..., None].expand(-1, -1, x.shape[2])).transpose(1, 2).float()
         from_window = window.gather(2, (K - 1 + src).clamp(0, K - 2)[:, None, :].expand(-1, x.shape[2], -1))
         self.conv_state[state_slots] = torch.where((src >= 0)[:, None, :], from_x, from_window).to(self.conv_state.dtype)
         self.recurrent_state[state_slots] = state

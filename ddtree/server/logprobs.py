@@ -36,7 +36,10 @@ class TokenText:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None and (json.loads(backend.to_str()).get("decoder") or {}).get("type") == "ByteLevel":
             self.alphabet = _byte_level_alphabet()
+        # every token the text leaves out (skip_special_tokens): the special-tokens map's, and any added
+        # token marked special (Llama 3's reserved and header tokens are not in the map)
         self.special = set(getattr(tokenizer, "all_special_ids", None) or [])
+        self.special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if t.special}
         self._bytes: dict[int, bytes] = {}
 
     def bytes(self, token: int) -> bytes:
