@@ -8,7 +8,8 @@ prefill graphs store them in the drafter cache, and tapped decode bursts hand th
 On the GPU every forward replays a CUDA graph: decode steps by batch-size bucket, prompt chunks by
 width. Greedy and sampled rows share the graphs (engine/sampler.py): a step's tokens are drawn on the
 device and feed the next step there, so a burst of steps runs without waiting for the host. Requests
-that ask for logprobs take eager steps beside the burst: the host reads their logits.
+that ask for logprobs take one-token steps beside the burst, through the prefill graphs: the host reads
+their logits.
 """
 from __future__ import annotations
 
