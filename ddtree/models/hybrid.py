@@ -15,16 +15,16 @@ tree) is different: each node starts from its parent's window and state (the roo
 so no node sees a sibling's or a cousin's tokens. The whole tree is solved at once, as a chunk of a
 chain is, with the ancestor relation in place of the causal one (`_tree`); its updates are kept
 (`pending`) until the accept walk has chosen a path, whose end's state the slot then takes
-(`commit`), rebuilt from those updates: no state per node is ever held. Full-attention
-layers keep the paged KV
-cache; their query projection also yields a per-head output gate (sigmoid), only the first
-`rotary_dim` channels of a head are rotated, and the q/k norms, like every norm of these models
-except the gated one, scale by 1 + weight (`fold_norm_offsets` stores 1 + weight at load time).
+(`commit`), rebuilt from those updates: no state per node is ever held (`delta_rule_over` solves a
+chunk and a tree alike). Full-attention layers keep the paged KV cache; their query projection also
+yields a per-head output gate (sigmoid), only the first `rotary_dim` channels of a head are rotated,
+and the q/k norms, like every norm of these models except the gated one, scale by 1 + weight
+(`fold_norm_offsets` stores 1 + weight at load time).
 
 This is the torch path (the CPU, and the GPU until kernels exist): prompt chunks are walked request by
 request, their tokens through the recurrence a chunk at a time (`chunked_delta_rule`); a verified
-tree (`_tree`) and a decode step (`_decode`) take every request at once, with device ops only. `gated_delta_rule`, the plain
-token-by-token recurrence, is the oracle in tests.
+tree (`_tree`) and a decode step (`_decode`, one Triton kernel on the GPU) take every request at once,
+with device ops only. `gated_delta_rule`, the plain token-by-token recurrence, is the oracle in tests.
 """
 from __future__ import annotations
 
@@ -93,37 +93,56 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return torch.stack(out), state
 
 
+def delta_rule_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gated delta rule over n tokens at once, each continuing from the tokens `above` it
+    ([..., n, n], True for a token's predecessors and itself: a lower triangle for a chain, the
+    ancestor-or-self relation for a tree, predecessors first), all starting from `state`
+    [..., H, Dk, Dv]. q, k [..., H, n, Dk] come normalised (q also scaled), v [..., H, n, Dv], g and
+    beta [..., H, n]. With G[t] the sum of g over t's predecessors and t, and D[t, i] = exp(G[t] - G[i])
+    for i above t, the state after t is exp(G[t]) S0 + sum over i above t of D[t, i] k_i d_i^T, where
+    the updates d solve the unit lower-triangular system
+        d_t + beta_t * sum over i strictly above t of D[t, i] (k_t . k_i) d_i = beta_t (v_t - exp(G[t]) S0^T k_t),
+    and the outputs are exp(G[t]) S0^T q_t + sum over i above t of D[t, i] (q_t . k_i) d_i. Returns
+    (outputs [..., H, n, Dv], d, G): `end_state` rebuilds the state after any token from them."""
+    n = q.shape[-2]
+    eye = torch.eye(n, dtype=torch.bool, device=q.device)
+    rel = above.unsqueeze(-3)  # (over the heads)
+    G = (g[..., None, :] * rel.float()).sum(-1)
+    D = torch.where(rel, G[..., :, None] - G[..., None, :], float("-inf")).exp()
+    lower = torch.where(rel & ~eye, beta[..., None] * D * (k @ k.transpose(-1, -2)), 0)
+    rhs = beta[..., None] * (v - G.exp()[..., None] * (k @ state))
+    d = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+    return G.exp()[..., None] * (q @ state) + (D * (q @ k.transpose(-1, -2))) @ d, d, G
+
+
+def end_state(state: torch.Tensor, k: torch.Tensor, d: torch.Tensor, G: torch.Tensor, on_path: torch.Tensor,
+              end: torch.Tensor) -> torch.Tensor:
+    """The state after token `end` ([...]) of a `delta_rule_over` solve, whose predecessors and itself are
+    `on_path` ([..., n])."""
+    Ge = G.gather(-1, end[..., None, None].expand(*G.shape[:-1], 1))  # [..., H, 1]
+    weight = torch.where(on_path[..., None, :], (Ge - G).exp(), 0)
+    return Ge.exp()[..., None] * state + k.transpose(-1, -2) @ (weight[..., None] * d)
+
+
 CHUNK = 64  # tokens solved at once by `chunked_delta_rule`
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gated_delta_rule` (same arguments and results) a chunk of tokens at a time, with matrix products
-    instead of a step per token. Within a chunk starting from state S0, with G the running sum of g
-    and D[t, i] = exp(G[t] - G[i]) for i <= t, the state after token t is exp(G[t]) S0 + sum over i <= t
-    of D[t, i] k_i d_i^T, where the updates d solve the unit lower-triangular system
-        d_t + beta_t * sum over i < t of D[t, i] (k_t . k_i) d_i = beta_t (v_t - exp(G[t]) S0^T k_t);
-    the outputs are exp(G[t]) S0^T q_t + sum over i <= t of D[t, i] (q_t . k_i) d_i."""
+    """`gated_delta_rule` (same arguments and results) a chunk of tokens at a time: `delta_rule_over` a
+    chain, with matrix products instead of a step per token."""
     q = l2_normalize(q.float()) / q.shape[-1] ** 0.5
     k = l2_normalize(k.float())
     v, g, beta, state = v.float(), g.float(), beta.float(), state.float()
     out = []
     for c0 in range(0, q.shape[0], chunk):
-        # [H, C, ...]: heads first
-        qc, kc, vc = (x[c0:c0 + chunk].transpose(0, 1) for x in (q, k, v))
-        G = g[c0:c0 + chunk].T.cumsum(-1)  # [H, C]
-        b = beta[c0:c0 + chunk].T[..., None]  # [H, C, 1]
+        qc, kc, vc = (x[c0:c0 + chunk].transpose(0, 1) for x in (q, k, v))  # [H, C, ...]: heads first
         n = qc.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        D = torch.where(causal, G[:, :, None] - G[:, None, :], float("-inf")).exp()  # [H, C, C]
-        lower = (b * D * (kc @ kc.transpose(1, 2))).masked_fill(causal.logical_not() | torch.eye(n, dtype=torch.bool,
-                                                                                              device=q.device), 0)
-        rhs = b * (vc - G.exp()[..., None] * (kc @ state))  # [H, C, Dv]
-        eye = torch.eye(n, device=q.device).expand_as(lower)
-        d = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
-        out.append((G.exp()[..., None] * (qc @ state) + (D * (qc @ kc.transpose(1, 2))) @ d).transpose(0, 1))
-        last = G[:, -1:]  # [H, 1]
-        state = last.exp()[..., None] * state + kc.transpose(1, 2) @ ((last - G).exp()[..., None] * d)
+        chain = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        o, d, G = delta_rule_over(qc, kc, vc, g[c0:c0 + chunk].T, beta[c0:c0 + chunk].T, state, chain)
+        out.append(o.transpose(0, 1))
+        state = end_state(state, kc, d, G, chain[-1], torch.tensor(n - 1, device=q.device))
     return torch.cat(out), state
 
 
@@ -156,9 +175,9 @@ class GatedDeltaNet(nn.Module):
         if batch.commit_states and x.shape[0] == batch.state_slots.shape[0]:  # one token a request: decode
             return self._output(self._decode(qkv, g, beta, batch.state_slots, batch.prefix_lens, batch.use_triton), z,
                                 x.dtype)
-        out = x.new_empty(x.shape[0], lin.num_v_heads, lin.v_head_dim)
         if not batch.commit_states:  # a verified tree: every request's nodes at once
             return self._output(self._tree(qkv, g, beta, positions, batch), z, x.dtype)
+        out = x.new_empty(x.shape[0], lin.num_v_heads, lin.v_head_dim)
         rows = zip(batch.q_starts.tolist(), batch.q_lens.tolist(), batch.prefix_lens.tolist(),
                    batch.state_slots.tolist())
         for start, n, prefix, slot in rows:  # prompt chunks (and mixed steps): one request at a time
@@ -228,10 +247,10 @@ class GatedDeltaNet(nn.Module):
               batch: AttentionBatch) -> torch.Tensor:
         """A verified tree of N nodes per request ([R * N] rows, ancestors before descendants), device ops
         only. A node sees its ancestors alone: its convolution reads its ancestor chain (then the slot's
-        window), and the delta rule runs over the ancestor relation as `chunked_delta_rule` runs over a
-        chain, with D[t, i] = exp(G[t] - G[i]) for i an ancestor of t or t itself, G[t] the sum of g along
-        t's path. The updates, decays and inputs are kept (`pending`) so that `commit` can rebuild the
-        state at the accepted path's end without a state per node. Returns the outputs [R * N, Hv, Dv]."""
+        window), and the delta rule runs over the ancestor relation (`delta_rule_over`, as over a chain
+        for a prompt chunk). The updates, decays and inputs are kept (`pending`) so that `commit` can
+        rebuild the state at the accepted path's end without a state per node. Returns the outputs
+        [R * N, Hv, Dv]."""
         lin, K = self.cfg, self.cfg.conv_kernel
         R = batch.state_slots.shape[0]
         N = qkv.shape[0] // R
@@ -246,10 +265,7 @@ class GatedDeltaNet(nn.Module):
         lags = []
         for j in range(K):
             lags.append(src)
-            taken = torch.where((src >= 0)[..., None], x.gather(1, src.clamp(min=0)[..., None].expand_as(x)),
-                                window.gather(2, (K - 1 + src).clamp(0, K - 2)[:, None, :].expand(-1, x.shape[2], -1))
-                                .transpose(1, 2))
-            conv = conv + taken * self.conv1d.weight[:, 0, K - 1 - j].float()
+            conv = conv + lag_inputs(x, window, src) * self.conv1d.weight[:, 0, K - 1 - j].float()
             src = torch.where(src >= 0, parent.gather(1, src.clamp(min=0)), src - 1)
         q, k, v = F.silu(conv).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         repeat = lin.num_v_heads // lin.num_k_heads
@@ -257,38 +273,33 @@ class GatedDeltaNet(nn.Module):
         q = (l2_normalize(heads(q, lin.num_k_heads)) / lin.k_head_dim ** 0.5).repeat_interleave(repeat, dim=1)
         k = l2_normalize(heads(k, lin.num_k_heads)).repeat_interleave(repeat, dim=1)
         v = heads(v, lin.num_v_heads)
-        b = beta.float().view(R, N, -1).transpose(1, 2)[..., None]  # [R, H, N, 1]
-        G = (g.float().view(R, N, -1).transpose(1, 2)[:, :, None, :] * above[:, None].float()).sum(-1)  # [R, H, N]
-        D = torch.where(above[:, None], G[..., :, None] - G[..., None, :], float("-inf")).exp()  # [R, H, N, N]
-        strict = above & ~torch.eye(N, dtype=torch.bool, device=dev)
-        lower = torch.where(strict[:, None], b * D * (k @ k.transpose(-1, -2)), 0)
-        rhs = b * (v - G.exp()[..., None] * (k @ state))
-        d = torch.linalg.solve_triangular(torch.eye(N, device=dev) + lower, rhs, upper=False, unitriangular=True)
-        out = G.exp()[..., None] * (q @ state) + (D * (q @ k.transpose(-1, -2))) @ d
+        per_head = lambda t: t.float().view(R, N, -1).transpose(1, 2)  # noqa: E731  [R, H, N]
+        out, d, G = delta_rule_over(q, k, v, per_head(g), per_head(beta), state, above)
         # (kept small: the inputs in the model's dtype, and the starting state re-read from the slot)
         self.pending = (k, d, G, above, qkv.view(R, N, -1), window, torch.stack(lags, dim=-1),
                         batch.prefix_lens > 0)
         return out.transpose(1, 2).reshape(R * N, lin.num_v_heads, lin.v_head_dim)
 
     def commit(self, state_slots: torch.Tensor, nodes: torch.Tensor) -> None:
-        """After a verified tree: each request's slot takes the window and state at the end of its accepted
-        path, nodes[r]: S = exp(G[a]) S0 + sum over the path's nodes i of exp(G[a] - G[i]) k_i d_i^T, and
-        the path's last K - 1 inputs."""
+        """After a verified tree: each request's slot takes the state at the end of its accepted path,
+        nodes[r] (`end_state`), and the path's last K - 1 convolution inputs."""
         k, d, G, above, x, window, lags, kept = self.pending
         state = torch.where(kept[:, None, None, None], self.recurrent_state[state_slots], 0)
-        R = nodes.shape[0]
-        rows = torch.arange(R, device=nodes.device)
-        on_path = above[rows, nodes]  # [R, N]
-        Ga = G[rows, :, nodes]  # [R, H]
-        weight = torch.where(on_path[:, None], (Ga[..., None] - G).exp(), 0)  # [R, H, N]
-        state = Ga.exp()[..., None, None] * state + k.transpose(-1, -2) @ (weight[..., None] * d)
+        rows = torch.arange(nodes.shape[0], device=nodes.device)
+        state = end_state(state, k, d, G, above[rows, nodes], nodes)
         src = lags[rows, nodes].flip(-1)[:, 1:]  # [R, K - 1]: lags K - 2 .. 0, oldest first
-        K = src.shape[1] + 1
-        from_x = x.gather(1, src.clamp(min=0)[..., None].expand(-1, -1, x.shape[2])).transpose(1, 2).float()
-        from_window = window.gather(2, (K - 1 + src).clamp(0, K - 2)[:, None, :].expand(-1, x.shape[2], -1))
-        self.conv_state[state_slots] = torch.where((src >= 0)[:, None, :], from_x, from_window).to(self.conv_state.dtype)
+        self.conv_state[state_slots] = lag_inputs(x, window, src).transpose(1, 2).to(self.conv_state.dtype)
         self.recurrent_state[state_slots] = state
         self.pending = None
+
+
+def lag_inputs(x: torch.Tensor, window: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Convolution inputs [R, M, C] picked by `src` [R, M]: row src of x [R, N, C] where src >= 0, else the
+    slot window's (-src)-th last column (window [R, C, K - 1]); float32."""
+    K = window.shape[2] + 1
+    from_x = x.gather(1, src.clamp(min=0)[..., None].expand(-1, -1, x.shape[2])).float()
+    from_window = window.gather(2, (K - 1 + src).clamp(0, K - 2)[:, None, :].expand(-1, x.shape[2], -1))
+    return torch.where((src >= 0)[..., None], from_x, from_window.transpose(1, 2).float())
 
 
 def tree_ancestors(batch: AttentionBatch, positions: torch.Tensor, R: int, N: int) -> torch.Tensor:
