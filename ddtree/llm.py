@@ -31,6 +31,17 @@ class RequestOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
+def cost_cache_path(setup: dict) -> str:
+    """Where budget auto's table for `setup` (`LLM._cost_setup`) is kept: $DDTREE_COST_CACHE, else the
+    ddtree cache's costs/, by a hash of the setup."""
+    import hashlib
+    import json
+
+    from ddtree.models.hub import cache_dir
+    digest = hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:24]
+    return os.path.join(os.environ.get("DDTREE_COST_CACHE") or os.path.join(cache_dir(), "costs"), f"{digest}.json")
+
+
 def load_tokenizer(path: str):
     """The checkpoint's tokenizer, or None for a checkpoint without one (token-id prompts only)."""
     import os
@@ -124,14 +135,15 @@ class LLM:
         """The engine of the current mode. Budget auto's cost table is measured once per setup (device,
         model, drafter, dtype, engine sizes) and kept in the ddtree cache; a later start reuses it."""
         from ddtree.spec.costs import cached_costs, store_costs
-        path = self._cost_cache_path() if self.budget == "auto" and cost_table is None else None
+        setup = self._cost_setup() if self.budget == "auto" and cost_table is None else None
+        path = cost_cache_path(setup) if setup is not None else None
         cached = cached_costs(path) if path is not None else None
-        if cached is not None and not set(self._cost_setup()["budgets"][1:]) <= set(cached.verify):
+        if cached is not None and not set(setup["budgets"][1:]) <= set(cached.verify):
             cached = None  # (kept by code with other budgets: measured again)
         engine = LLMEngine(self.net, self.config, self.tokenizer, self.engine_cfg, self.device, self.dtype,
                            self.drafter if self.spec != "none" else None, self.budget, self.topk, cost_table or cached)
         if path is not None and cached is None and engine.speculator is not None:
-            store_costs(path, engine.speculator.policy.table, self._cost_setup())
+            store_costs(path, engine.speculator.policy.table, setup)
         return engine
 
     def _cost_setup(self) -> dict | None:
@@ -161,16 +173,6 @@ class LLM:
                 "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DDTREE_")
                              and k not in ("DDTREE_CACHE", "DDTREE_COST_CACHE", "DDTREE_API_KEY")}}
 
-    def _cost_cache_path(self) -> str | None:
-        import hashlib
-        import json
-
-        from ddtree.models.hub import cache_dir
-        setup = self._cost_setup()
-        if setup is None:
-            return None
-        digest = hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:24]
-        return os.path.join(os.environ.get("DDTREE_COST_CACHE") or os.path.join(cache_dir(), "costs"), f"{digest}.json")
 
     def _mode(self, spec: str, budget: int | str | None, topk: int | None) -> tuple[str, int | str, int]:
         """(spec, budget, topk) checked and with their defaults."""

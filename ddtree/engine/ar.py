@@ -50,6 +50,19 @@ class DecodeInputs:
     state_slots: torch.Tensor | None = None  # [R] hybrid models: the requests' recurrent-state slots
 
 
+def decode_inputs(seqs: list[Sequence], tables: list[list[int]], hybrid: bool, scratch_page: int,
+                  device: torch.device) -> DecodeInputs:
+    """A decode step's per-request inputs in one host->device copy: last tokens, positions, page tables
+    (padded with the scratch page), sampling settings and (hybrid models) the state slots."""
+    draw = sampling_columns([s.params for s in seqs], [s.seed for s in seqs])
+    slots = [[s.state_slot for s in seqs]] if hybrid else []
+    rows = pack_rows(tables, [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw + slots,
+                     scratch_page, device)
+    width = 2 + COLUMNS + len(slots)  # (the page tables follow)
+    return DecodeInputs(rows[:, 0], rows[:, 1], rows[:, width:], rows[:, 2:2 + COLUMNS],
+                        rows[:, 2 + COLUMNS] if slots else None)
+
+
 @dataclass(slots=True)
 class PrefillInputs:
     ids: torch.Tensor  # [R, T] a prompt chunk per request (padded to the graph's width)
@@ -267,18 +280,13 @@ class ARDecoder:
         # step's worth more); the graph's table pads the rest with the scratch page.
         ps = self.runner.page_size
         tables = [s.block_table[:(s.num_cached + steps - 1) // ps + 1] for s in seqs]
-        draw = sampling_columns([s.params for s in seqs], [s.seed for s in seqs])
-        slots = [[s.state_slot for s in seqs]] if self.cfg.is_hybrid else []
-        rows = pack_rows(tables, [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw + slots,
-                         self.runner.scratch_page, self.device)
-        width = 2 + COLUMNS + len(slots)  # (the page tables follow)
+        first = decode_inputs(seqs, tables, self.cfg.is_hybrid, self.runner.scratch_page, self.device)
         kept, feats_buf = [0] * R, None
 
         def launch(i: int) -> int:
             nonlocal feats_buf
             if i == 0:
-                out = pool.run(DecodeInputs(rows[:, 0], rows[:, 1], rows[:, width:], rows[:, 2:2 + COLUMNS],
-                                            rows[:, 2 + COLUMNS] if slots else None))
+                out = pool.run(first)
             else:  # the graph already wrote this step's inputs
                 out = pool.replay(R)
             tokens, feats = out if isinstance(out, tuple) else (out, None)

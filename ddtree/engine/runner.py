@@ -143,7 +143,8 @@ class ModelRunner:
         batch = uniform_batch(block_tables, starts, N, mask, self.page_size, self.use_triton, self.heads_per_kv,
                               self.cfg.num_kv_heads)
         batch.state_slots, batch.commit_states = state_slots, state_slots is None
-        if state_slots is not None and mask is not None and not (starts.is_cuda and torch.cuda.is_current_stream_capturing()):
+        capturing = starts.is_cuda and torch.cuda.is_current_stream_capturing()
+        if state_slots is not None and mask is not None and not capturing:
             # (hybrid models solve a tree with its ancestors before its descendants: a lower-triangular mask)
             assert not bool(mask.triu(1).any()), "tree nodes must follow their ancestors"
         positions = (starts[:, None] + depth).flatten()

@@ -200,25 +200,30 @@ class GatedDeltaNet(nn.Module):
         windows and states are gathered from the requests' slots (zeros for a request's first token),
         advanced by one token and written back; with Triton the state is updated in place in its slot
         by one kernel (ops/triton_delta.py). Returns the outputs [R, Hv, Dv] (float32)."""
-        lin, R = self.cfg, qkv.shape[0]
         kept = (prefix_lens > 0)[:, None, None]  # (a one-token prompt: nothing before it)
         window = torch.where(kept, self.conv_state[slots], 0)
         seq = torch.cat([window, qkv[:, :, None].to(window.dtype)], dim=-1)  # [R, C, K]
         mixed = F.silu((seq.float() * self.conv1d.weight[:, 0].float()).sum(-1))
         self.conv_state[slots] = seq[:, :, 1:]
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        repeat = lin.num_v_heads // lin.num_k_heads
-        q = l2_normalize(q.float().view(R, lin.num_k_heads, -1)).repeat_interleave(repeat, dim=1) / lin.k_head_dim ** 0.5
-        k = l2_normalize(k.float().view(R, lin.num_k_heads, -1)).repeat_interleave(repeat, dim=1)
+        q, k, v = self._heads(mixed)  # [R, H, D]
         if use_triton:
             from ddtree.ops.triton_delta import delta_step
-            return delta_step(self.recurrent_state, slots, prefix_lens == 0, q, k, v.view(R, lin.num_v_heads, -1), g,
-                              beta)
+            return delta_step(self.recurrent_state, slots, prefix_lens == 0, q, k, v, g, beta)
         state = torch.where(kept[..., None], self.recurrent_state[slots], 0) * g.float().exp()[:, :, None, None]
-        delta = (v.float().view(R, lin.num_v_heads, -1) - torch.einsum("rhkv,rhk->rhv", state, k)) * beta.float()[..., None]
+        delta = (v - torch.einsum("rhkv,rhk->rhv", state, k)) * beta.float()[..., None]
         state = state + k[..., None] * delta[:, :, None, :]
         self.recurrent_state[slots] = state
         return torch.einsum("rhkv,rhk->rhv", state, q)
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's outputs [..., conv_dim] as q, k [..., Hv, Dk] (L2-normalised, q scaled by
+        1 / sqrt(Dk), each q/k head repeated for the value heads it serves) and v [..., Hv, Dv], float32."""
+        lin, lead = self.cfg, mixed.shape[:-1]
+        q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        repeat = lin.num_v_heads // lin.num_k_heads
+        q = l2_normalize(q.view(*lead, lin.num_k_heads, -1)).repeat_interleave(repeat, dim=-2) / lin.k_head_dim ** 0.5
+        k = l2_normalize(k.view(*lead, lin.num_k_heads, -1)).repeat_interleave(repeat, dim=-2)
+        return q, k, v.reshape(*lead, lin.num_v_heads, -1)
 
     def _chain(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, window: torch.Tensor,
                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -267,12 +272,7 @@ class GatedDeltaNet(nn.Module):
             lags.append(src)
             conv = conv + lag_inputs(x, window, src) * self.conv1d.weight[:, 0, K - 1 - j].float()
             src = torch.where(src >= 0, parent.gather(1, src.clamp(min=0)), src - 1)
-        q, k, v = F.silu(conv).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        repeat = lin.num_v_heads // lin.num_k_heads
-        heads = lambda t, h: t.reshape(R, N, h, -1).transpose(1, 2)  # noqa: E731  [R, H, N, D]
-        q = (l2_normalize(heads(q, lin.num_k_heads)) / lin.k_head_dim ** 0.5).repeat_interleave(repeat, dim=1)
-        k = l2_normalize(heads(k, lin.num_k_heads)).repeat_interleave(repeat, dim=1)
-        v = heads(v, lin.num_v_heads)
+        q, k, v = (t.transpose(1, 2) for t in self._heads(F.silu(conv)))  # [R, H, N, D]
         per_head = lambda t: t.float().view(R, N, -1).transpose(1, 2)  # noqa: E731  [R, H, N]
         out, d, G = delta_rule_over(q, k, v, per_head(g), per_head(beta), state, above)
         # (kept small: the inputs in the model's dtype, and the starting state re-read from the slot)

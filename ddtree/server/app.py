@@ -174,7 +174,8 @@ def create_app(load: Callable[[], object], cfg: ServerConfig,
                            param="model", code="model_not_found")
         return card()
 
-    @app.post("/v1/chat/completions", response_model=None, responses=answers(P.ChatCompletionResponse, "ChatCompletionChunk"))
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=answers(P.ChatCompletionResponse, "ChatCompletionChunk"))
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return await respond(req, P.chat_prompt(req), max_tokens, request, chat=True)

@@ -48,7 +48,7 @@ class TokenText:
         return self._bytes[token]
 
     def _read(self, token: int) -> bytes:
-        if self.tokenizer is None or token in self.special:  # (the text leaves special tokens out)
+        if self.tokenizer is None:
             return b""
         piece = self.tokenizer.convert_ids_to_tokens(token)
         if piece is None:
@@ -63,8 +63,6 @@ class TokenText:
     def text(self, token: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token}"
-        if token in self.special:  # (named, though the completion's text leaves it out)
-            return self.tokenizer.convert_ids_to_tokens(token)
         raw = self.bytes(token)
         try:
             return raw.decode("utf-8")
@@ -103,4 +101,5 @@ def completion_logprobs(text: TokenText, records: list[Record], offsets: Complet
         tokens=[text.text(tok) for tok, _, _ in records],
         token_logprobs=[_value(lp) for _, lp, _ in records],
         top_logprobs=[{text.text(t): _value(v) for t, v in alts} for _, _, alts in records],
-        text_offset=[offsets.next(text.bytes(tok)) for tok, _, _ in records])
+        # (special tokens take no room: the text leaves them out)
+        text_offset=[offsets.next(b"" if tok in text.special else text.bytes(tok)) for tok, _, _ in records])

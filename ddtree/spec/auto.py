@@ -8,12 +8,12 @@ from functools import partial
 
 import torch
 
-from ddtree.engine.ar import ARDecoder
+from ddtree.engine.ar import ARDecoder, decode_inputs
 from ddtree.engine.graphs import GraphPool, buckets_up_to
 from ddtree.engine.runner import ModelRunner
-from ddtree.engine.sampler import COLUMNS, sampling_columns, wants_logprobs
+from ddtree.engine.sampler import wants_logprobs
 from ddtree.engine.sequence import Sequence
-from ddtree.ops.attention import pack_rows, page_slots
+from ddtree.ops.attention import page_slots
 from ddtree.sampling_params import SamplingParams
 from ddtree.spec.adaptive import AdaptivePolicy, candidate_budgets
 from ddtree.spec.costs import STORE_ENTRY_ROWS, STORE_ROWS, CostTable, measure_costs, wall_ms
@@ -35,6 +35,11 @@ class RootInputs:
     block_tables: torch.Tensor  # [R, P]
     draw: torch.Tensor  # [R, COLUMNS] sampling settings
     state_slots: torch.Tensor | None = None  # [R] hybrid targets: the recurrent-state slots
+
+    @classmethod
+    def of(cls, inp: StepInputs) -> "RootInputs":
+        """A speculative step's inputs without its drafting ones."""
+        return cls(inp.roots, inp.starts, inp.block_tables, inp.draw, inp.state_slots)
 
 
 @dataclass(slots=True)
@@ -100,12 +105,9 @@ class AdaptiveSpeculator(Speculator):
             with torch.inference_mode():
                 table = measure_costs(self, sizes, self._fake_context(), reps=5 if use_graphs else 2)
         elif use_graphs:  # a table given (or kept from an earlier start): the graphs are captured now all the same
-            def root(bs: int) -> RootInputs:
-                inp = self.padding_inputs(bs)
-                return RootInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, inp.state_slots)
             with torch.inference_mode():
                 self.draft_graphs.capture_all(self.padding_inputs)
-                self.ar_graphs.capture_all(root)
+                self.ar_graphs.capture_all(lambda bs: RootInputs.of(self.padding_inputs(bs)))
                 for graphs in self.step_graphs.values():
                     graphs.capture_all(self.padding_inputs)
         self.policy = AdaptivePolicy(table, self.budgets)
@@ -310,14 +312,10 @@ class AdaptiveSpeculator(Speculator):
         """One eager AR step that stores its drafter context row itself (no CUDA graphs: the CPU)."""
         self._refeed_gaps(seqs)
         self.drafter.store_pending(seqs)  # AR steps append to the drafter cache: no gap before them
-        draw = sampling_columns([s.params for s in seqs], [s.seed for s in seqs])
-        slots = [[s.state_slot for s in seqs]] if self.drafter.hybrid_target else []
-        rows = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw
-                         + slots, self.runner.scratch_page, self.runner.device)
+        d = decode_inputs(seqs, [s.block_table for s in seqs], self.drafter.hybrid_target, self.runner.scratch_page,
+                          self.runner.device)
         t0 = time.perf_counter()
-        width = 2 + COLUMNS + len(slots)  # (the page tables follow)
-        out = self._budget_step(0, RootInputs(rows[:, 0], rows[:, 1], rows[:, width:], rows[:, 2:2 + COLUMNS],
-                                              rows[:, 2 + COLUMNS] if slots else None),
+        out = self._budget_step(0, RootInputs(d.ids, d.starts, d.block_tables, d.draw, d.state_slots),
                                 any(s.logprobs is not None for s in seqs))
         self._commit(seqs, out, 0)
         if self.timed and self.draft_graphs is None:  # timed as the table was (eager)
@@ -345,8 +343,7 @@ class AdaptiveSpeculator(Speculator):
         budget = self.policy.choose(R, expected)
         scored = any(s.logprobs is not None for s in seqs)
         if budget == 0:  # (the draft consumed the pending rows: the AR step's row follows them)
-            out = self._budget_step(0, RootInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, inp.state_slots),
-                                    scored)
+            out = self._budget_step(0, RootInputs.of(inp), scored)
         else:
             out = self._budget_step(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, c.score,
                                                        c.parent, c.rank, c.order, c.tokens, inp.state_slots), scored)
@@ -426,7 +423,7 @@ class AdaptiveSpeculator(Speculator):
         included), "store": a switch's store of STORE_ROWS pending rows a request, kept as AR bursts
         keep them}."""
         inp = self.padding_inputs(bs, context, distinct)
-        root = RootInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, inp.state_slots)
+        root = RootInputs.of(inp)
         if self.draft_graphs is not None:
             steps = {"draft": partial(self.draft_graphs.run, inp), 0: partial(self.ar_graphs.run, root)}
             steps.update({b: partial(self.step_graphs[b].run, inp) for b in self.budgets[1:]})

@@ -162,11 +162,13 @@ class DraftRunner:
             feats[torch.tensor(rows, device=self.device)] = pending
         pos_slots = torch.tensor([pos, slots], dtype=torch.long).view(2, R, C).to(self.device)
         draw = sampling_columns([s.params for s in seqs], [s.seed for s in seqs])
-        req = pack_rows([s.block_table for s in seqs], [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw,
+        slots = [[s.state_slot for s in seqs]] if self.hybrid_target else []  # (hybrid targets)
+        req = pack_rows([s.block_table for s in seqs],
+                        [[s.last_token for s in seqs], [s.num_cached for s in seqs]] + draw + slots,
                         self.scratch_slot // self.page_size, self.device)
-        state_slots = torch.tensor([s.state_slot for s in seqs], device=self.device) if self.hybrid_target else None
-        return StepInputs(req[:, 0], req[:, 1], req[:, 2 + COLUMNS:], feats.view(R, C, -1), pos_slots[0], pos_slots[1],
-                          req[:, 2:2 + COLUMNS], state_slots)
+        width = 2 + COLUMNS + len(slots)  # (the page tables follow)
+        return StepInputs(req[:, 0], req[:, 1], req[:, width:], feats.view(R, C, -1), pos_slots[0], pos_slots[1],
+                          req[:, 2:2 + COLUMNS], req[:, 2 + COLUMNS] if slots else None)
 
     def store_chunks(self, chunks: list[tuple[Sequence, int]], feats: torch.Tensor) -> None:
         """Prompt chunks' target features [sum of n, K*D] (an eager prefill's), into the drafter cache."""
