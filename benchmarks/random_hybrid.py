@@ -18,6 +18,40 @@ import os
 import torch
 
 
+def build(config: str, out: str, dtype: str = "bfloat16", sharpen: float = 1.0, layers: list[int] | None = None,
+          block: int = 16, seed: int = 0, tokenizer: str | None = None) -> dict:
+    """Writes OUT/target (random weights, the config's shapes) and OUT/drafter; returns what was built."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from ddtree.config import ModelConfig
+    from ddtree.models.dflash import random_drafter, save_drafter
+    with open(config) as f:
+        cfg = json.load(f)
+    text = cfg.get("text_config", cfg)
+    text = {k: v for k, v in text.items()
+            if k not in ("architectures", "model_type", "transformers_version") and not k.startswith("_")}
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**text), dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+        model.lm_head.weight.mul_(sharpen)
+    target = os.path.join(out, "target")
+    model.save_pretrained(target, safe_serialization=True)
+    if tokenizer:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        assert len(tok) <= model.config.vocab_size, "the tokenizer's ids do not fit the model's vocabulary"
+        tok.save_pretrained(target)
+    mc = ModelConfig.from_dir(target)
+    drafter = os.path.join(out, "drafter")
+    save_drafter(random_drafter(mc, num_layers=1, block_size=block, target_layer_ids=layers or [0, mc.num_layers // 2]),
+                 drafter, getattr(torch, dtype))
+    return {"target": target, "drafter": drafter, "layers": mc.num_layers, "linear_layers": len(mc.linear_layers),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
@@ -29,35 +63,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", default=None, help="a checkpoint dir whose tokenizer the target takes")
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
-
-    from ddtree.config import ModelConfig
-    from ddtree.models.dflash import random_drafter, save_drafter
-    with open(args.config) as f:
-        cfg = json.load(f)
-    text = cfg.get("text_config", cfg)
-    text = {k: v for k, v in text.items() if k not in ("architectures", "model_type", "transformers_version")}
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**text), dtype=getattr(torch, args.dtype))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.02)
-        model.lm_head.weight.mul_(args.sharpen)
-    target = os.path.join(args.out, "target")
-    model.save_pretrained(target, safe_serialization=True)
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
-        assert len(tok) <= model.config.vocab_size, "the tokenizer's ids do not fit the model's vocabulary"
-        tok.save_pretrained(target)
-    mc = ModelConfig.from_dir(target)
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else [0, mc.num_layers // 2]
-    drafter = os.path.join(args.out, "drafter")
-    save_drafter(random_drafter(mc, num_layers=1, block_size=args.block, target_layer_ids=layers), drafter,
-                 getattr(torch, args.dtype))
-    print(json.dumps({"target": target, "drafter": drafter, "layers": mc.num_layers,
-                      "linear_layers": len(mc.linear_layers), "params": sum(p.numel() for p in model.parameters())}))
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    print(json.dumps(build(args.config, args.out, args.dtype, args.sharpen, layers, args.block, args.seed,
+                           args.tokenizer)))
 
 
 if __name__ == "__main__":
