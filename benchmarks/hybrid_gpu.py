@@ -209,21 +209,24 @@ def main() -> None:
     parts = args.parts.split(",")
     out = {"config": args.config, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     work = tempfile.mkdtemp()
-    try:
-        if "fla" in parts:
-            fla_probe(out)
-        if "bf16" in parts:
-            built = build(args.config, os.path.join(work, "bf16"), "bfloat16")
-            out["model"] = {k: built[k] for k in ("layers", "linear_layers", "params")}
-            vocab = json.load(open(os.path.join(built["target"], "config.json")))["vocab_size"]
-            bf16_runs(built["target"], built["drafter"], vocab, out)
-        if "fp32" in parts:
-            built = build(args.config, os.path.join(work, "fp32"), "float32", sharpen=args.sharpen)
-            vocab = json.load(open(os.path.join(built["target"], "config.json")))["vocab_size"]
-            fp32_runs(built["target"], built["drafter"], vocab, args.prompts, args.max_tokens, out)
-    finally:
+
+    def save():  # after each part: a run cut short keeps what it measured
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
+    if "fla" in parts:
+        fla_probe(out)
+        save()
+    if "bf16" in parts:
+        built = build(args.config, os.path.join(work, "bf16"), "bfloat16")
+        out["model"] = {k: built[k] for k in ("layers", "linear_layers", "params")}
+        vocab = json.load(open(os.path.join(built["target"], "config.json")))["vocab_size"]
+        bf16_runs(built["target"], built["drafter"], vocab, out)
+        save()
+    if "fp32" in parts:
+        built = build(args.config, os.path.join(work, "fp32"), "float32", sharpen=args.sharpen)
+        vocab = json.load(open(os.path.join(built["target"], "config.json")))["vocab_size"]
+        fp32_runs(built["target"], built["drafter"], vocab, args.prompts, args.max_tokens, out)
+        save()
     print(json.dumps(out, indent=1))
 
 
