@@ -164,3 +164,31 @@ class EngineConfig:
     kv_cache_gb: float = 2.0  # CPU: memory for the KV cache when num_pages is None
     gpu_memory_utilization: float = 0.85
     cuda_graphs: bool = True  # decode steps replay CUDA graphs on GPU (eager is for debugging only)
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """Tensor parallelism (parallel/): the model split over `tensor_parallel_size` ranks, one process
+    each, `nnodes` hosts with the same number of ranks on each. Rank 0 (on node 0) runs the engine.
+    `dist_init_addr` ("host:port") is where the ranks meet: on one host a free local port by default;
+    every node of a multi-host run must be given node 0's."""
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    timeout_s: float = 60.0  # a collective that waits longer for a rank fails (a hung or lost worker)
+
+    def __post_init__(self):
+        n = self.tensor_parallel_size
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+        if self.nnodes < 1 or n % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {n} must be a multiple of nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be in [0, {self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("a run over several nodes needs dist_init_addr (node 0's host:port)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ddtree.config import EngineConfig, default_device, parse_dtype
+from ddtree.config import EngineConfig, ParallelConfig, default_device, parse_dtype
 from ddtree.engine.engine import LLMEngine
 from ddtree.engine.sequence import Sequence
 from ddtree.sampling_params import SamplingParams
@@ -57,7 +57,10 @@ class LLM:
                  budget: int | None = None, topk: int | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, page_size: int = 16, num_pages: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 kv_cache_gb: float = 1.0, cuda_graphs: bool = True, tokenizer=None, cost_table=None):
+                 kv_cache_gb: float = 1.0, cuda_graphs: bool = True, tokenizer=None, cost_table=None,
+                 tensor_parallel_size: int = 1, parallel: ParallelConfig | None = None):
+        """`tensor_parallel_size` > 1 splits the target over that many ranks (processes) on this host;
+        `parallel` sets more (several hosts: parallel/workers.py). `close()` stops them."""
         from ddtree.models.hub import default_draft, is_default_model, resolve_model
         from ddtree.models.loader import load_model
 
@@ -67,7 +70,13 @@ class LLM:
                              "use device='cpu'")
         self.dtype = parse_dtype(dtype, self.device.type)
         self.model_path = resolve_model(model)
-        self.net, self.config = load_model(self.model_path, self.device, self.dtype)
+        self.parallel = parallel or ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+        self.tp = None
+        if self.parallel.tensor_parallel_size > 1:
+            self._start_ranks()
+        else:
+            self.net, self.config = load_model(self.model_path, self.device, self.dtype)
+            self.shard_config = self.config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
         self.engine_cfg = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -90,6 +99,37 @@ class LLM:
             spec = "none"
         self.set_mode(spec or ("ddtree" if draft is not None else "none"), budget, topk, cost_table)
         self.last_stats: dict = {}
+
+    def _start_ranks(self) -> None:
+        """Tensor parallelism: this process is rank 0 and holds its shard of the target (`net`,
+        `shard_config`); workers hold the others. `config` stays the whole model's."""
+        from ddtree.config import ModelConfig
+        from ddtree.models.loader import load_model
+        from ddtree.parallel.shard import Shard, shard_config
+        from ddtree.parallel.workers import TensorParallel, bind_group
+        self.config = ModelConfig.from_dir(self.model_path)
+        shard = Shard(0, self.parallel.tensor_parallel_size)
+        shard_config(self.config, shard)  # (a size that does not divide the model fails here, before any start)
+        self.tp = TensorParallel(self.parallel, self.model_path, self.device, self.dtype)
+        try:
+            self.net, self.shard_config = load_model(self.model_path, self.device, self.dtype, shard)
+            bind_group(self.net, self.tp.channel.step)
+            self.tp.loaded()
+        except BaseException:
+            self.tp.close()
+            raise
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (nothing to do on one rank); the LLM is unusable after."""
+        if self.tp is not None:
+            self.engine, self.kept = None, {}
+            self.tp.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def set_mode(self, spec: str, budget: int | str | None = None, topk: int | None = None,
                  cost_table=None) -> None:
@@ -140,8 +180,9 @@ class LLM:
         cached = cached_costs(path) if path is not None else None
         if cached is not None and not set(setup["budgets"][1:]) <= set(cached.verify):
             cached = None  # (kept by code with other budgets: measured again)
-        engine = LLMEngine(self.net, self.config, self.tokenizer, self.engine_cfg, self.device, self.dtype,
-                           self.drafter if self.spec != "none" else None, self.budget, self.topk, cost_table or cached)
+        engine = LLMEngine(self.net, self.shard_config, self.tokenizer, self.engine_cfg, self.device, self.dtype,
+                           self.drafter if self.spec != "none" else None, self.budget, self.topk, cost_table or cached,
+                           self.tp)
         if path is not None and cached is None and engine.speculator is not None:
             store_costs(path, engine.speculator.policy.table, setup)
         return engine
@@ -168,7 +209,7 @@ class LLM:
         return {"format": 1, "device": device, "torch": torch.__version__, "dtype": str(self.dtype),
                 "model": files(self.model_path), "drafter": files(self.draft_path), "topk": self.topk,
                 "budgets": candidate_budgets(self.drafter.dcfg.block_size - 1, self.topk),
-                "engine": asdict(self.engine_cfg),
+                "engine": asdict(self.engine_cfg), "tensor_parallel_size": self.parallel.tensor_parallel_size,
                 # (the switches that change what a step costs)
                 "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DDTREE_")
                              and k not in ("DDTREE_CACHE", "DDTREE_COST_CACHE", "DDTREE_API_KEY")}}

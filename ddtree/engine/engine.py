@@ -32,9 +32,10 @@ from ddtree.spec.draft import DraftRunner
 class LLMEngine:
     def __init__(self, model: CausalLM, cfg: ModelConfig, tokenizer, engine_cfg: EngineConfig,
                  device: torch.device, dtype: torch.dtype, drafter: DFlashDrafter | None = None,
-                 budget: int | str = 0, topk: int = 1, cost_table: CostTable | None = None):
+                 budget: int | str = 0, topk: int = 1, cost_table: CostTable | None = None, tp=None):
         """`budget`: DDTree nodes per step, 0 for AR, or "auto" (chosen per step from `cost_table`,
-        measured here on the device when not given)."""
+        measured here on the device when not given). `tp`: tensor parallelism (parallel/workers.py),
+        `model` and `cfg` being rank 0's shard."""
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         auto = budget == "auto"
         speculative = drafter is not None and (auto or budget > 0)
@@ -42,7 +43,7 @@ class LLMEngine:
             budget = candidate_budgets(drafter.dcfg.block_size - 1, topk)[-1]
         # rows of logits one forward can produce: every request's tree (or its one token)
         logit_rows = engine_cfg.max_num_seqs * (budget + 1 if speculative else 1)
-        self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype, logit_rows)
+        self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype, logit_rows, tp)
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
                                        engine_cfg.max_num_seqs if cfg.is_hybrid else 0)
         capacity = self.runner.num_pages * engine_cfg.page_size
@@ -106,8 +107,10 @@ class LLMEngine:
         return self.speculator or self.ar
 
     def _graphs_supported(self) -> bool:
-        # Graphs need the Triton kernels: the torch reference attention reads host values.
-        return self.device.type == "cuda" and self.runner.use_triton
+        # Graphs need the Triton kernels: the torch reference attention reads host values. Tensor
+        # parallelism announces each forward to the other ranks with a host message, which a graph
+        # replay would skip.
+        return self.device.type == "cuda" and self.runner.use_triton and self.runner.tp is None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
         """Queues a request. `stream=False` (offline use) detokenizes once at the end instead of per

@@ -5,6 +5,7 @@ written to the paged cache at positions num_cached .. num_cached + n - 1.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -18,9 +19,10 @@ from ddtree.ops.attention import make_batch, pack_rows, uniform_batch
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, engine_cfg: EngineConfig,
-                 device: torch.device, dtype: torch.dtype, logit_rows: int = 0):
+                 device: torch.device, dtype: torch.dtype, logit_rows: int = 0, tp=None):
         """`logit_rows`: the most rows of logits one forward produces; they and a full prefill chunk's
-        activations are kept out of the GPU memory the KV cache takes."""
+        activations are kept out of the GPU memory the KV cache takes. `tp` (parallel/workers.py): the
+        model is rank 0's shard, and every forward and cache operation is mirrored to the other ranks."""
         self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
         self.page_size = engine_cfg.page_size
         self.max_num_batched_tokens = engine_cfg.max_num_batched_tokens  # (a forward's activations are sized for it)
@@ -40,6 +42,17 @@ class ModelRunner:
             else None
         self.scratch_state_slot = engine_cfg.max_num_seqs
         self.bind_cache()
+        self.tp = tp
+        if tp is not None:  # the workers build the same caches over their shards
+            self.tp_id = tp.add_runner(self, dataclasses.replace(engine_cfg, num_pages=self.num_pages))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, taps: list[int] | None):
+        """The target's forward (`CausalLM.forward`), run by every tensor-parallel rank."""
+        if self.tp is None:
+            return self.model(input_ids, positions, batch, taps)
+        self.tp.call("forward", self.tp_id, input_ids, positions, batch, taps)
+        with self.tp.guard():
+            return self.model(input_ids, positions, batch, taps)
 
     def bind_cache(self) -> None:
         """Points the model's attention layers at this runner's KV cache (again: `LLM.switch_mode` keeps
@@ -117,7 +130,7 @@ class ModelRunner:
         input_ids, positions, batch = self._inputs(rows)
         base = self.scratch_page * self.page_size
         batch.slot_mapping = base + torch.arange(len(input_ids), device=self.device) % self.page_size
-        _, tapped = self.model(input_ids, positions, batch, taps)
+        _, tapped = self.forward(input_ids, positions, batch, taps)
         return torch.cat(tapped, dim=-1)
 
     @torch.inference_mode()
@@ -125,7 +138,7 @@ class ModelRunner:
         """Feeds each chunk and marks it cached. Returns the logits [len(chunks), V] (fp32) at each
         chunk's last token, and the tapped layers' outputs concatenated per token [T, len(taps) * D]."""
         input_ids, positions, batch = self.prepare(chunks)
-        hidden, tapped = self.model(input_ids, positions, batch, taps)
+        hidden, tapped = self.forward(input_ids, positions, batch, taps)
         last = (batch.q_starts + batch.q_lens - 1).long()
         for seq, n in chunks:
             seq.num_cached += n
@@ -148,7 +161,7 @@ class ModelRunner:
             # (hybrid models solve a tree with its ancestors before its descendants: a lower-triangular mask)
             assert not bool(mask.triu(1).any()), "tree nodes must follow their ancestors"
         positions = (starts[:, None] + depth).flatten()
-        hidden, tapped = self.model(tokens.flatten(), positions, batch, taps)
+        hidden, tapped = self.forward(tokens.flatten(), positions, batch, taps)
         # In the model dtype: greedy verification only needs the argmax (exact in bf16), and fp32
         # logits of a large batch's trees would be gigabytes; the sampler converts what it samples.
         logits = self.model.compute_logits(hidden).view(R, N, -1)
@@ -165,7 +178,7 @@ class ModelRunner:
         batch = uniform_batch(block_tables, starts, T, None, self.page_size, self.use_triton, self.heads_per_kv,
                               self.cfg.num_kv_heads)
         positions = (starts[:, None] + torch.arange(T, device=ids.device)).flatten()
-        hidden, tapped = self.model(ids.flatten(), positions, batch, taps)
+        hidden, tapped = self.forward(ids.flatten(), positions, batch, taps)
         at = hidden.view(R, T, -1).gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
         feats = torch.cat(tapped, dim=-1).view(R, T, -1) if taps else hidden.new_zeros(0)
         return self.model.compute_logits(at).float(), feats
@@ -183,12 +196,14 @@ class ModelRunner:
         batch = uniform_batch(block_tables, starts, 1, None, self.page_size, self.use_triton, self.heads_per_kv,
                               self.cfg.num_kv_heads)
         batch.state_slots = state_slots
-        hidden, tapped = self.model(ids, starts, batch, taps)
+        hidden, tapped = self.forward(ids, starts, batch, taps)
         return self.model.compute_logits(hidden), torch.cat(tapped, dim=-1) if taps else None
 
     def commit_states(self, state_slots: torch.Tensor, nodes: torch.Tensor) -> None:
         """Hybrid models, after a verify: each request's recurrent state becomes the one its tree left at
         node nodes[r] (the last accepted one), in every linear layer."""
+        if self.tp is not None:
+            self.tp.call("commit_states", self.tp_id, state_slots, nodes)
         for index in self.cfg.linear_layers:
             self.model.model.layers[index].linear_attn.commit(state_slots, nodes)
 
@@ -200,6 +215,8 @@ class ModelRunner:
         """Copies every layer's K/V from slots `src` to slots `dst` (all sources are read first)."""
         if not src.numel():
             return
+        if self.tp is not None:
+            self.tp.call("move_kv", self.tp_id, src, dst)
         if self.use_triton:
             from ddtree.ops.triton_attention import triton_move_kv
             triton_move_kv(self.kv_cache, src.int(), dst.int())

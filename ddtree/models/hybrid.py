@@ -35,7 +35,7 @@ from torch import nn
 from ddtree.config import ModelConfig
 from ddtree.ops.attention import AttentionBatch, paged_attention, store_kv
 from ddtree.ops.fused import _rms_norm, rope
-from ddtree.models.transformer import DecoderLayer, PackedLinear, RMSNorm, Rotary
+from ddtree.models.transformer import DecoderLayer, PackedLinear, RMSNorm, Rotary, RowParallelLinear
 
 
 class GatedAttention(nn.Module):
@@ -48,7 +48,7 @@ class GatedAttention(nn.Module):
         # the checkpoint's q_proj holds each head's query and then its gate: 2 * head_dim rows a head
         self.qkv_proj = PackedLinear(cfg.hidden_size, {"q": 2 * self.q_size, "k": self.kv_size, "v": self.kv_size},
                                      bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary, self.rotary_dim = [rotary], cfg.rotary_dim or cfg.head_dim
@@ -162,7 +162,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(lin.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(lin.num_v_heads))
         self.norm = RMSNorm(lin.v_head_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = RowParallelLinear(self.value_dim, cfg.hidden_size, bias=False)
         # [slots, conv_dim, K - 1] and [slots, Hv, Dk, Dv] (float32), assigned by the runner
         self.conv_state = self.recurrent_state = torch.empty(0)
         self.pending: tuple | None = None  # a verified tree's updates, for `commit`

@@ -29,11 +29,23 @@ def safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def iter_tensors(path: str):
+def iter_tensors(path: str, part=None):
+    """(name, tensor) for each checkpoint tensor; `part(name)` (tensor parallelism, parallel/shard.py)
+    says which slices of it to read, so a rank reads only its own."""
+    from ddtree.parallel.shard import ZEROS
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                take = part(name) if part is not None else None
+                if take is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                sliced = f.get_slice(name)
+                if take == ZEROS:
+                    yield name, torch.zeros(sliced.get_shape(), dtype=f.get_tensor(name).dtype)
+                    continue
+                index = (slice(None),) * take.dim
+                yield name, torch.cat([sliced[index + (slice(a, b),)] for a, b in take.ranges], dim=take.dim)
 
 
 def load_weights(model: nn.Module, tensors, packed: dict[str, tuple[str, str]], source: str,
@@ -82,19 +94,30 @@ def text_model_tensors(tensors):
     for name, tensor in tensors:
         if name.startswith(("model.visual.", "mtp.")):
             continue
-        yield name.replace("model.language_model.", "model.", 1), tensor
+        yield text_model_name(name), tensor
 
 
-def load_model(path: str, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> tuple[CausalLM, ModelConfig]:
+def text_model_name(name: str) -> str:
+    return name.replace("model.language_model.", "model.", 1)
+
+
+def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               shard=None) -> tuple[CausalLM, ModelConfig]:
+    """The model and its config; with `shard` (a parallel.shard.Shard), that tensor-parallel rank's
+    part of it and the part's config."""
     cfg = ModelConfig.from_dir(path)
+    part = None
+    if shard is not None:
+        from ddtree.parallel.shard import shard_config, tensor_part
+        full, cfg = cfg, shard_config(cfg, shard)
+        part = lambda name: tensor_part(text_model_name(name), full, shard)  # noqa: E731
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     tied = cfg.tie_word_embeddings
     if tied:
         del model.lm_head.weight  # re-tied after loading so the shared tensor is filled once
-    tensors = text_model_tensors(iter_tensors(path))
+    tensors = text_model_tensors(iter_tensors(path, part))
     if cfg.is_hybrid:
         from ddtree.models.hybrid import fold_norm_offsets
         tensors = fold_norm_offsets(tensors)

@@ -33,8 +33,24 @@ def project(layer: nn.Linear, x: torch.Tensor, batch: AttentionBatch) -> torch.T
     """layer(x): a few rows on the Triton path through the fused products' kernel, else cuBLAS."""
     if few_rows_path(x, batch):
         from ddtree.ops.triton_linear import linear
-        return linear(x, layer.weight, layer.bias)
+        out = linear(x, layer.weight, layer.bias)
+        return layer.reduce(out) if isinstance(layer, RowParallelLinear) else out
     return layer(x)
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input features may be split across tensor-parallel ranks (o_proj,
+    down_proj; parallel/shard.py): each rank's product is then a partial sum, which an all-reduce over
+    `group` makes whole on every rank. Without a group (one rank) it is a plain linear layer."""
+    group = None  # a torch.distributed process group, set on the ranks' models
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(super().forward(x))
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            torch.distributed.all_reduce(y, group=self.group)
+        return y
 
 
 class RMSNorm(nn.Module):
@@ -113,7 +129,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
                                      bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -156,7 +172,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
                                                            "up": cfg.intermediate_size}, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))

@@ -1,0 +1,97 @@
+"""Tensor parallelism's split of a model (Megatron style): which heads and channels a rank holds, and
+which slices of each checkpoint tensor it reads.
+
+Attention: each of N ranks takes num_heads / N query heads with their KV heads: num_kv_heads / N of
+them, or, with fewer KV heads than ranks, the one KV head its query heads share (that head is then
+held by every rank whose query heads use it). q/k/v and gate/up are split by output rows
+(column-parallel); o_proj and down_proj by input columns (row-parallel): each rank's product is a
+partial sum, all-reduced to the full output (`RowParallelLinear` in models/transformer.py), and a
+row-parallel bias is added on rank 0 only. Gated DeltaNet layers (hybrid models) split their key and
+value heads alike, the convolution's channels with them, and their recurrent state with the heads.
+The embedding, the LM head and the norms are whole on every rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ddtree.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    rank: int
+    size: int
+
+
+def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
+    """The shape of rank `shard.rank`'s part of the model (its local heads and MLP width)."""
+    n = shard.size
+    problems = []
+    if cfg.num_heads % n:
+        problems.append(f"num_attention_heads {cfg.num_heads}")
+    if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
+        problems.append(f"num_key_value_heads {cfg.num_kv_heads} (nor does it divide {n})")
+    if cfg.intermediate_size % n:
+        problems.append(f"intermediate_size {cfg.intermediate_size}")
+    if cfg.linear is not None and (cfg.linear.num_k_heads % n or cfg.linear.num_v_heads % n):
+        problems.append(f"linear attention heads {cfg.linear.num_k_heads}/{cfg.linear.num_v_heads}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size {n} does not divide the model's {', '.join(problems)}")
+    linear = cfg.linear and dataclasses.replace(cfg.linear, num_k_heads=cfg.linear.num_k_heads // n,
+                                                num_v_heads=cfg.linear.num_v_heads // n)
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=max(cfg.num_kv_heads // n, 1),
+                               intermediate_size=cfg.intermediate_size // n, linear=linear,
+                               eos_token_ids=list(cfg.eos_token_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class Take:
+    """The part of a checkpoint tensor a rank reads: these [start, end) ranges along `dim`, in order."""
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+
+
+ZEROS = "zeros"  # a row-parallel bias on ranks other than 0
+
+
+def tensor_part(name: str, cfg: ModelConfig, shard: Shard) -> Take | str | None:
+    """What rank `shard.rank` holds of the checkpoint tensor `name` (text-model names, as loaded): a
+    `Take`, ZEROS, or None for the whole tensor. `cfg` is the full model's config."""
+    if shard.size == 1 or ".layers." not in name:
+        return None
+    r, n = shard.rank, shard.size
+    leaf = name.rsplit(".", 2)
+    module, kind = leaf[-2], leaf[-1]
+
+    def rows(start: int, size: int, dim: int = 0) -> Take:  # the rank's share of `size` rows after `start`
+        return Take(dim, ((start + r * size // n, start + (r + 1) * size // n),))
+
+    D = cfg.head_dim
+    if module == "q_proj":  # (gated attention: each head's query, then its gate)
+        return rows(0, cfg.num_heads * D * (2 if cfg.attn_output_gate else 1))
+    if module in ("k_proj", "v_proj"):
+        if cfg.num_kv_heads >= n:
+            return rows(0, cfg.num_kv_heads * D)
+        head = r * cfg.num_kv_heads // n
+        return Take(0, ((head * D, (head + 1) * D),))
+    if module == "o_proj":
+        return (None if r == 0 else ZEROS) if kind == "bias" else rows(0, cfg.num_heads * D, dim=1)
+    if module in ("gate_proj", "up_proj"):
+        return rows(0, cfg.intermediate_size)
+    if module == "down_proj":
+        return rows(0, cfg.intermediate_size, dim=1)
+    lin = cfg.linear
+    if lin is None or ".linear_attn." not in name:
+        return None
+    keys, values = lin.num_k_heads * lin.k_head_dim, lin.num_v_heads * lin.v_head_dim
+    if module in ("in_proj_qkv", "conv1d"):  # q | k | v channels
+        q, k, v = rows(0, keys), rows(keys, keys), rows(2 * keys, values)
+        return Take(0, q.ranges + k.ranges + v.ranges)
+    if module == "in_proj_z":
+        return rows(0, values)
+    if module in ("in_proj_a", "in_proj_b") or kind in ("dt_bias", "A_log"):
+        return rows(0, lin.num_v_heads)
+    if module == "out_proj":
+        return rows(0, values, dim=1)
+    return None  # the gated norm: per value channel of a head, the same on every rank

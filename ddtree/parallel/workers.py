@@ -1,0 +1,280 @@
+"""Tensor-parallel ranks (parallel/shard.py splits the model): rank 0 runs the engine and its own shard
+of the target; every other rank is a worker process that mirrors rank 0's target forwards on its shard.
+
+Rank 0 announces each forward of the target, and each operation on the target's caches (K/V moves,
+hybrid state commits), before it runs the same call itself (engine/runner.py): a control message on a
+gloo group (the call, with its CPU tensors inside and its device tensors as shapes), then the device
+tensors in one buffer broadcast on the device group (NCCL on GPUs). Every rank runs the call on its
+shard, so the all-reduces inside the layers meet. Only rank 0's results are used: after the last
+all-reduce every rank holds the same hidden states, and rank 0 computes the logits with its whole LM
+head; the drafter, the tree, sampling and the scheduler live on rank 0 alone.
+
+A worker that has exited is noticed before the next call; one that dies during a call fails rank 0's
+collective at once (its connection drops), and one that hangs after `timeout_s`. Either way rank 0
+raises `WorkerError` naming the rank, and the engine is unusable afterwards.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import traceback
+import weakref
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddtree.config import EngineConfig, ParallelConfig
+from ddtree.parallel.shard import Shard
+
+# How long a rank waits for the others to load their shards, and a worker for rank 0's next call (an idle
+# server sends none); a step's collectives wait `ParallelConfig.timeout_s`.
+PATIENT_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker failed: it exited, hung, or lost its connection to rank 0."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """A device tensor in a control message: where it lies in the call's byte buffer."""
+    offset: int
+    nbytes: int
+    shape: tuple
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    """A dataclass instance (AttentionBatch, EngineConfig) in a control message, field by field."""
+    cls: type
+    fields: dict
+
+
+def _pack(obj, buffers: list, offset: list):
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu":
+            return obj
+        raw = obj.contiguous().reshape(-1).view(torch.uint8)
+        buffers.append(raw)
+        offset[0] += raw.numel()
+        return _Tensor(offset[0] - raw.numel(), raw.numel(), tuple(obj.shape), obj.dtype)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_pack(x, buffers, offset) for x in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _Record(type(obj), {f.name: _pack(getattr(obj, f.name), buffers, offset)
+                                   for f in dataclasses.fields(obj)})
+    return obj
+
+
+def _unpack(obj, buffer: torch.Tensor | None):
+    if isinstance(obj, _Tensor):
+        return buffer[obj.offset:obj.offset + obj.nbytes].view(obj.dtype).view(obj.shape)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unpack(x, buffer) for x in obj)
+    if isinstance(obj, _Record):
+        return obj.cls(**{k: _unpack(v, buffer) for k, v in obj.fields.items()})
+    return obj
+
+
+class _Channel:
+    """Rank 0's calls to every rank: a control message, then one buffer of device tensors on `step`."""
+
+    def __init__(self, groups: tuple, device: torch.device):
+        (self.control, self.step), self.device = groups, device
+
+    def send(self, method: str, *args) -> None:
+        buffers, offset = [], [0]
+        packed = _pack(args, buffers, offset)
+        dist.broadcast_object_list([(method, packed, offset[0])], src=0, group=self.control)
+        if offset[0]:
+            dist.broadcast(torch.cat(buffers), src=0, group=self.step)
+
+    def receive(self) -> tuple[str, tuple]:
+        msg = [None]
+        dist.broadcast_object_list(msg, src=0, group=self.control)
+        method, packed, nbytes = msg[0]
+        buffer = None
+        if nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            dist.broadcast(buffer, src=0, group=self.step)
+        return method, _unpack(packed, buffer)
+
+
+def rank_device(device_type: str, rank: int, pcfg: ParallelConfig) -> torch.device:
+    """The device of `rank`: on GPUs, the host's GPU numbered by the rank's place on its node."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, rank % pcfg.ranks_per_node)
+
+
+def _join(rank: int, pcfg: ParallelConfig, device: torch.device) -> tuple:
+    """Joins the ranks' process group (patient: for loading). Returns the gloo group of control
+    messages (patient: a worker waits there between calls) and the group of a step's collectives
+    (device tensors and the layers' all-reduces), which fail after `timeout_s`."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    patient = timedelta(seconds=PATIENT_TIMEOUT_S)
+    dist.init_process_group(backend, init_method=f"tcp://{pcfg.dist_init_addr}", rank=rank,
+                            world_size=pcfg.tensor_parallel_size, timeout=patient,
+                            device_id=device if device.type == "cuda" else None)
+    control = dist.new_group(backend="gloo", timeout=patient)
+    return control, dist.new_group(backend=backend, timeout=timedelta(seconds=pcfg.timeout_s))
+
+
+def bind_group(model: torch.nn.Module, group) -> None:
+    """Points the model's row-parallel layers at the ranks' step group: their products are all-reduced."""
+    from ddtree.models.transformer import RowParallelLinear
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear):
+            module.group = group
+
+
+def serve_rank(rank: int, pcfg: ParallelConfig, model_path: str, device_type: str, dtype: torch.dtype) -> None:
+    """A worker's life: join the group, load this rank's shard, then mirror rank 0's calls until "stop"."""
+    from ddtree.engine.runner import ModelRunner
+    from ddtree.models.loader import load_model
+    device = rank_device(device_type, rank, pcfg)
+    if device.type == "cpu":  # (the node's cores shared among its ranks)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // pcfg.ranks_per_node))
+    else:
+        torch.cuda.set_device(device)
+    channel = _Channel(_join(rank, pcfg, device), device)
+    try:
+        model, cfg = load_model(model_path, device, dtype, Shard(rank, pcfg.tensor_parallel_size))
+        bind_group(model, channel.step)
+        dist.barrier()  # (every shard loaded)
+        runners: dict[int, ModelRunner] = {}
+        bound = None
+        with torch.inference_mode():
+            while True:
+                method, args = channel.receive()
+                if method == "stop":
+                    break
+                if method == "runner":  # a new engine's caches; engines rank 0 dropped are dropped here
+                    rid, engine_cfg, live = args
+                    for old in [r for r in runners if r not in live]:
+                        del runners[old]
+                    bound = None
+                    runners[rid] = ModelRunner(model, cfg, engine_cfg, device, dtype)
+                    continue
+                rid, *rest = args
+                runner = runners[rid]
+                if bound != rid:
+                    runner.bind_cache()
+                    bound = rid
+                if method == "forward":
+                    model(*rest)
+                else:  # move_kv, commit_states
+                    getattr(runner, method)(*rest)
+    except Exception:
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)  # (the connection drops: rank 0's next collective fails at once)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallel:
+    """Rank 0's side: starts this node's workers, joins the group, and mirrors calls to every rank."""
+
+    def __init__(self, pcfg: ParallelConfig, model_path: str, device: torch.device, dtype: torch.dtype):
+        import torch.multiprocessing as mp
+        if pcfg.node_rank != 0:
+            raise ValueError("rank 0 (the engine) runs on node 0; other nodes run `serve_node`")
+        if pcfg.dist_init_addr is None:
+            pcfg = dataclasses.replace(pcfg, dist_init_addr=f"127.0.0.1:{free_port()}")
+        self.cfg, self.device, self.failed = pcfg, device, None
+        ctx = mp.get_context("spawn")
+        self.procs = {r: ctx.Process(target=serve_rank, args=(r, pcfg, model_path, device.type, dtype), daemon=True,
+                                     name=f"ddtree-tp-rank{r}") for r in range(1, pcfg.ranks_per_node)}
+        for p in self.procs.values():
+            p.start()
+        self._finalizer = weakref.finalize(self, _stop_workers, list(self.procs.values()))
+        self.channel = _Channel(_join(0, pcfg, device), device)
+        self.next_id = 0
+        self.runners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def loaded(self) -> None:
+        """Waits until every rank has loaded its shard (rank 0 calls it after loading its own)."""
+        with self.guard():
+            dist.barrier()
+
+    def add_runner(self, runner, engine_cfg: EngineConfig) -> int:
+        """Workers build caches like `runner`'s (`engine_cfg` with its page count); returns its id."""
+        rid, self.next_id = self.next_id, self.next_id + 1
+        self.runners[rid] = runner
+        self.call("runner", rid, engine_cfg, sorted(self.runners))
+        return rid
+
+    def call(self, method: str, *args) -> None:
+        with self.guard():
+            self.channel.send(method, *args)
+
+    @contextmanager
+    def guard(self):
+        """Turns a failed collective, or a worker found dead, into a WorkerError naming the rank."""
+        if self.failed is not None:
+            raise self.failed
+        self._check_alive()
+        try:
+            yield
+        except WorkerError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the backends raise RuntimeError and its subclasses)
+            self._check_alive(grace_s=2.0)
+            self.failed = WorkerError(f"tensor parallelism failed: a collective among the ranks failed ({e}); "
+                                      "a worker on another node may have exited or hung")
+            raise self.failed from e
+
+    def _check_alive(self, grace_s: float = 0.0) -> None:
+        for rank, p in self.procs.items():
+            if grace_s:
+                p.join(grace_s)
+            if p.exitcode is not None:
+                self.failed = WorkerError(f"tensor-parallel worker rank {rank} exited with code {p.exitcode}; "
+                                          "see its error above. The engine cannot continue.")
+                raise self.failed
+
+    def close(self) -> None:
+        """Stops the workers and leaves the group."""
+        if self.failed is None and all(p.exitcode is None for p in self.procs.values()):
+            try:
+                self.channel.send("stop")
+            except Exception:  # noqa: BLE001 (shutting down anyway)
+                pass
+        self._finalizer()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _stop_workers(procs: list) -> None:
+    for p in procs:
+        p.join(5.0)
+        if p.exitcode is None:
+            p.kill()
+            p.join(5.0)
+
+
+def serve_node(pcfg: ParallelConfig, model_path: str, device_type: str, dtype: torch.dtype) -> None:
+    """A node other than node 0: runs its ranks' workers until rank 0 stops them."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    first = pcfg.node_rank * pcfg.ranks_per_node
+    procs = [ctx.Process(target=serve_rank, args=(r, pcfg, model_path, device_type, dtype), name=f"ddtree-tp-rank{r}")
+             for r in range(first, first + pcfg.ranks_per_node)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    bad = [(p.name, p.exitcode) for p in procs if p.exitcode]
+    if bad:
+        raise WorkerError(f"tensor-parallel workers failed: {bad}")
