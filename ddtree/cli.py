@@ -18,6 +18,37 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on GPU, fp32 on CPU)")
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                   help="split the model over this many ranks, one process (GPU) each (default: 1)")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts the ranks span (the same number on each)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this host's place: 0 runs the engine (and the server), others run their ranks only")
+    p.add_argument("--dist-init-addr", default=None,
+                   help="HOST:PORT where the ranks meet (several hosts: node 0's; default: a free local port)")
+    p.add_argument("--dist-timeout", type=float, default=60.0,
+                   help="seconds a step waits for a rank before failing (a hung or lost worker)")
+
+
+def parallel_from_args(args):
+    from ddtree.config import ParallelConfig
+    return ParallelConfig(args.tensor_parallel_size, args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout)
+
+
+def run_other_node(args) -> int:
+    """A node other than node 0 of a multi-host run: its ranks' workers, until rank 0 stops them."""
+    from ddtree.config import default_device, parse_dtype
+    from ddtree.models.hub import resolve_model
+    from ddtree.parallel.workers import serve_node
+    device = args.device or default_device()
+    pcfg = parallel_from_args(args)
+    print(f"[node {pcfg.node_rank}: ranks {pcfg.node_rank * pcfg.ranks_per_node} .. "
+          f"{(pcfg.node_rank + 1) * pcfg.ranks_per_node - 1} of {pcfg.tensor_parallel_size}, "
+          f"meeting at {pcfg.dist_init_addr}]", file=sys.stderr, flush=True)
+    serve_node(pcfg, resolve_model(args.model), device.split(":")[0], parse_dtype(args.dtype, device))
+    return 0
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """A benchmark's sampling settings (every request alike)."""
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -40,7 +71,7 @@ def llm_from_args(args):
     t0 = time.perf_counter()
     print(f"[loading {args.model or 'the default model'} ...]", file=sys.stderr, flush=True)
     llm = LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
-              device=args.device, dtype=args.dtype)
+              device=args.device, dtype=args.dtype, parallel=parallel_from_args(args))
     mode = llm.spec if llm.spec == "none" else f"{llm.spec} budget {llm.budget} topk {llm.topk}"
     print(f"[loaded in {time.perf_counter() - t0:.1f} s: {llm.device.type}, spec {mode}]", file=sys.stderr, flush=True)
     return llm
@@ -115,6 +146,8 @@ def cmd_bench_report(args) -> int:
 def cmd_serve(args) -> int:
     from ddtree.models.hub import is_default_model
     check_mode_args(args)
+    if parallel_from_args(args).node_rank > 0:
+        return run_other_node(args)
     if args.spec not in (None, "none") and args.draft is None and not is_default_model(args.model):
         raise ValueError(f"--spec {args.spec} needs --draft (a DFlash drafter checkpoint dir; the default model "
                          "has its own)")
@@ -150,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--raw", action="store_true", help="no chat template: feed the prompt text as is")
+    add_parallel_args(g)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, streaming)")
@@ -169,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
     s.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized from memory)")
     s.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    add_parallel_args(s)
     s.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("pull", help="download, verify and convert the default model")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import socket
 import sys
 import traceback
@@ -82,22 +83,32 @@ def _unpack(obj, buffer: torch.Tensor | None):
 
 
 class _Channel:
-    """Rank 0's calls to every rank: a control message, then one buffer of device tensors on `step`."""
+    """Rank 0's calls to every rank: a pickled control message on the gloo group `control`, then one
+    buffer of the call's device tensors on `step`.
 
-    def __init__(self, groups: tuple, device: torch.device):
+    Workers wait for the next message without limit (an idle server sends none), while rank 0 waits for
+    each send only `timeout_s`: a gloo send completes once the receiver takes it, so a hung worker is
+    noticed on the first message it does not take."""
+
+    def __init__(self, groups: tuple, device: torch.device, timeout_s: float):
         (self.control, self.step), self.device = groups, device
+        self.timeout = timedelta(seconds=timeout_s)
 
     def send(self, method: str, *args) -> None:
         buffers, offset = [], [0]
-        packed = _pack(args, buffers, offset)
-        dist.broadcast_object_list([(method, packed, offset[0])], src=0, group=self.control)
+        message = pickle.dumps((method, _pack(args, buffers, offset), offset[0]))
+        data = torch.frombuffer(bytearray(message), dtype=torch.uint8)
+        for t in (torch.tensor([data.numel()]), data):
+            dist.broadcast(t, src=0, group=self.control, async_op=True).wait(self.timeout)
         if offset[0]:
             dist.broadcast(torch.cat(buffers), src=0, group=self.step)
 
     def receive(self) -> tuple[str, tuple]:
-        msg = [None]
-        dist.broadcast_object_list(msg, src=0, group=self.control)
-        method, packed, nbytes = msg[0]
+        size = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.control)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self.control)
+        method, packed, nbytes = pickle.loads(data.numpy().tobytes())
         buffer = None
         if nbytes:
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -142,7 +153,7 @@ def serve_rank(rank: int, pcfg: ParallelConfig, model_path: str, device_type: st
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // pcfg.ranks_per_node))
     else:
         torch.cuda.set_device(device)
-    channel = _Channel(_join(rank, pcfg, device), device)
+    channel = _Channel(_join(rank, pcfg, device), device, pcfg.timeout_s)
     try:
         model, cfg = load_model(model_path, device, dtype, Shard(rank, pcfg.tensor_parallel_size))
         bind_group(model, channel.step)
@@ -199,7 +210,7 @@ class TensorParallel:
         for p in self.procs.values():
             p.start()
         self._finalizer = weakref.finalize(self, _stop_workers, list(self.procs.values()))
-        self.channel = _Channel(_join(0, pcfg, device), device)
+        self.channel = _Channel(_join(0, pcfg, device), device, pcfg.timeout_s)
         self.next_id = 0
         self.runners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 

@@ -341,12 +341,13 @@ def serve(args) -> int:
     """Runs the server until interrupted; returns 1 if the model failed to load."""
     import uvicorn
 
+    from ddtree.cli import parallel_from_args
     from ddtree.llm import LLM
 
     def load():
         llm = LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
                   device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages,
-                  max_model_len=args.max_model_len)
+                  max_model_len=args.max_model_len, parallel=parallel_from_args(args))
         # The server keeps this one engine for its life: what exists now is never garbage, and frozen it
         # is not walked by every full collection (137 ms for 344k objects with the default pair, CPU),
         # which would stall the engine loop mid-stream.

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ddtree.parallel.workers import WorkerError
 from ddtree.sampling_params import SamplingParams
 from ddtree.server.metrics import Metrics
 from ddtree.server.protocol import APIError, Prompt, valid_unicode
@@ -169,6 +170,14 @@ class AsyncEngine:
             if engine.has_work() and not self._stopping:
                 try:
                     engine.step()
+                except WorkerError as e:  # a tensor-parallel rank is gone: nothing more can run; the server exits
+                    log.error(str(e))
+                    self._fail_all(engine, f"engine error: {e}")
+                    self.ready, self.error = False, str(e)
+                    if self._on_fatal is not None:
+                        self._call(self._on_fatal, e)
+                    self.llm.close()
+                    return
                 except Exception as e:  # noqa: BLE001 - a bug must not take the server down
                     log.exception("engine step failed")
                     self._fail_all(engine, f"engine error: {e}")
@@ -178,6 +187,7 @@ class AsyncEngine:
             engine.abort(st.seq)
             self._push(st, Delta("", st.seen_tokens, "abort", list(st.seq.accept_lengths)))
         self._active.clear()
+        self.llm.close()  # (tensor parallelism: the workers stop)
 
     def _drain(self, engine, block: bool) -> None:
         while True:

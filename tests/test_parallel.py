@@ -1,0 +1,125 @@
+"""Tensor parallelism (ddtree/parallel/): the target split over 2 ranks (this process and a spawned worker,
+gloo on the CPU), against the same model on one rank and against transformers."""
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from ddtree import LLM, SamplingParams
+from ddtree.config import ModelConfig, ParallelConfig
+from ddtree.parallel.shard import ZEROS, Shard, shard_config, tensor_part
+from ddtree.parallel.workers import WorkerError
+from tiny import make_tiny_model
+
+ENGINE = dict(device="cpu", dtype="float32", page_size=4, num_pages=96)
+PROMPTS = [list(range(3, 40)), list(range(100, 107)), [5], list(range(200, 290, 3))]
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+SEEDED = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_p=0.9, seed=i) for i in range(4)]
+# (family, overrides): 2 KV heads over 2 ranks, 1 KV head on both ranks, and a hybrid (Gated DeltaNet heads split)
+TARGETS = {"qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}), "llama": ("llama", {}),
+           "qwen3-1kv": ("qwen3", dict(num_key_value_heads=1)), "qwen3_5": ("qwen3_5", {})}
+
+
+@pytest.fixture(scope="module", params=list(TARGETS))
+def target(request, tmp_path_factory) -> tuple[str, str]:
+    """A tiny target and a random drafter for it."""
+    from ddtree.models.dflash import random_drafter, save_drafter
+    family, overrides = TARGETS[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    model = make_tiny_model(str(root / "target"), family, **overrides)
+    cfg = ModelConfig.from_dir(model)
+    save_drafter(random_drafter(cfg, num_layers=1, block_size=8, target_layer_ids=[0, cfg.num_layers - 1]),
+                 str(root / "drafter"))
+    return model, str(root / "drafter")
+
+
+def test_two_ranks_equal_one_rank_and_transformers_under_ar_dflash_and_ddtree(target):
+    # AR greedy and seeded sampled outputs on 2 ranks equal 1 rank's (and transformers' greedy); DFlash and
+    # DDTree on 2 ranks, their drafter a noisy oracle of AR's output (accepts deep and along side
+    # branches, so K/V moves and hybrid state commits run on every rank), commit exactly AR's tokens.
+    from transformers import AutoModelForCausalLM
+
+    from test_spec import continuation, noisy_oracle, plant
+    model, draft = target
+    one = LLM(model, **ENGINE)
+    want, want_seeded = one.generate(PROMPTS, GREEDY), one.generate(PROMPTS, SEEDED)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_out = hf.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert want[0].token_ids == hf_out[0, len(PROMPTS[0]):].tolist()
+    with LLM(model, draft=draft, spec="none", tensor_parallel_size=2, **ENGINE) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in want]
+        assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == [o.token_ids for o in want_seeded]
+        for spec, budget, topk in (("dflash", None, None), ("ddtree", 8, 2)):
+            llm.set_mode(spec, budget, topk)
+            for params, ref in ((GREEDY, want), (SEEDED, want_seeded)):
+                plant(llm, noisy_oracle(continuation(PROMPTS, ref), vocab=llm.config.vocab_size))
+                got = llm.generate(PROMPTS, params)
+                assert [o.token_ids for o in got] == [o.token_ids for o in ref], (spec, params)
+                accepted = [n for o in got for n in o.accept_lengths]
+                assert sum(accepted) / len(accepted) > 1.5, accepted
+        assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+
+
+def test_each_rank_reads_a_tiling_share_of_every_split_tensor(target):
+    # The ranks' slices of each checkpoint tensor cover it exactly once (KV heads fewer than the ranks:
+    # each rank the one its query heads share); row-parallel biases live on rank 0 only.
+    from ddtree.models.loader import iter_tensors, text_model_name
+    model, _ = target
+    cfg = ModelConfig.from_dir(model)
+    for name, tensor in iter_tensors(model):
+        name = text_model_name(name)
+        parts = [tensor_part(name, cfg, Shard(r, 2)) for r in range(2)]
+        if parts[0] is None and parts[1] is None:
+            continue
+        if ZEROS in parts:
+            assert parts == [None, ZEROS], name
+            continue
+        dim = parts[0].dim
+        got = sorted(rng for p in parts for rng in p.ranges)
+        if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")) and cfg.num_kv_heads < 2:
+            assert got[0] == got[1] == (0, tensor.shape[dim]), name
+            continue
+        assert got[0][0] == 0 and got[-1][1] == tensor.shape[dim], name
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:])), (name, got)
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_worker_starts(tiny_qwen2):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's num_attention_heads 4"):
+        LLM(tiny_qwen2, tensor_parallel_size=3, **ENGINE)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("ddtree-tp")]
+    with pytest.raises(ValueError, match="positive"):
+        ParallelConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="dist_init_addr"):
+        ParallelConfig(tensor_parallel_size=4, nnodes=2)
+    cfg = shard_config(ModelConfig.from_dir(tiny_qwen2), Shard(1, 2))
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == (2, 1, 64)
+
+
+def worker() -> multiprocessing.Process:
+    (proc,) = [p for p in multiprocessing.active_children() if p.name.startswith("ddtree-tp-rank1")]
+    return proc
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_lost_worker_fails_the_next_call_with_a_clear_error_in_bounded_time(how, tiny_qwen2):
+    llm = LLM(tiny_qwen2, tensor_parallel_size=2, parallel=None, **ENGINE) if how == "killed" else \
+        LLM(tiny_qwen2, parallel=ParallelConfig(tensor_parallel_size=2, timeout_s=5), **ENGINE)
+    try:
+        llm.generate(PROMPTS[:1], GREEDY)
+        proc = worker()
+        os.kill(proc.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 1 exited" if how == "killed" else "collective among the ranks"):
+            llm.generate(PROMPTS[:1], GREEDY)
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(WorkerError):  # and stays failed
+            llm.generate(PROMPTS[:1], GREEDY)
+    finally:
+        if how == "hung":
+            os.kill(proc.pid, signal.SIGKILL)
+        llm.close()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("ddtree-tp")]
