@@ -1,7 +1,8 @@
 """`ddtree serve` end to end: real server processes on a tiny model pair, driven by the openai client.
 
-Three servers start once for the module (in parallel, on free loopback ports): AR, DDTree with a
-random drafter, and AR with an API key and a one-request queue limit. Every request is bounded by a
+Four servers start once for the module (in parallel, on free loopback ports): AR, DDTree with a
+random drafter, the same DDTree split over two tensor-parallel ranks, and AR with an API key and a
+one-request queue limit. Every request is bounded by a
 client timeout and every wait by a deadline, so a hung server fails the tests instead of hanging them.
 """
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -121,6 +123,8 @@ def servers(pair, tmp_path_factory):
         "ar": launch("ar", [*common, "--max-model-len", "128"], tmp),
         "spec": launch("spec", [*common, "--draft", draft, "--spec", "ddtree", "--budget", "8", "--topk", "2",
                                 "--max-model-len", "256"], tmp),
+        "tp": launch("tp", [*common, "--draft", draft, "--spec", "ddtree", "--budget", "8", "--topk", "2",
+                            "--max-model-len", "256", "--tensor-parallel-size", "2", "--dist-timeout", "10"], tmp),
         "keyed": launch("keyed", ["--model", model, "--num-pages", "64", "--api-key", "sekrit",
                                   "--served-model-name", "keyed", "--max-num-seqs", "1", "--max-queue", "0"], tmp),
     }
@@ -148,6 +152,11 @@ def ar(servers) -> Server:
 @pytest.fixture(scope="module")
 def spec(servers) -> Server:
     return servers["spec"]
+
+
+@pytest.fixture(scope="module")
+def tp(servers) -> Server:
+    return servers["tp"]
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +268,18 @@ def test_speculative_greedy_output_equals_ar_output(ar, spec):
     a = ar.client().completions.create(model="tiny-qwen3", prompt="import numpy", **GREEDY)
     s = spec.client().completions.create(model="tiny-qwen3", prompt="import numpy", **GREEDY)
     assert s.choices[0].text == a.choices[0].text
+
+
+def test_a_tensor_parallel_server_answers_as_one_rank_does(spec, tp):
+    convos = [MSG, [{"role": "user", "content": "for i in range(10):"}]]
+    for messages in convos:
+        want = spec.client().chat.completions.create(model="tiny-qwen3", messages=messages, **GREEDY)
+        got = tp.client().chat.completions.create(model="tiny-qwen3", messages=messages, **GREEDY)
+        assert got.choices[0].message.content == want.choices[0].message.content and got.usage == want.usage
+    sampled = dict(messages=MSG, temperature=0.8, seed=3, max_tokens=16, extra_body={"ignore_eos": True})
+    want = spec.client().chat.completions.create(model="tiny-qwen3", **sampled).choices[0].message.content
+    parts = tp.client().chat.completions.create(model="tiny-qwen3", stream=True, **sampled)
+    assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == want
 
 
 # ---- bad input: a 400 in the OpenAI error shape, and the server goes on serving
@@ -595,6 +616,29 @@ def test_schemathesis_generated_requests_get_what_the_schema_says(ar):
                 assert mode is GenerationMode.NEGATIVE
     assert len(calls) > 100 and 200 in calls and 400 in calls
     assert ar.post(COMP, {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+# ---- the last test of the tensor-parallel server: it loses a worker
+
+def children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if d.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def test_a_tensor_parallel_server_that_loses_a_worker_fails_its_requests_and_exits(tp):
+    (worker,) = [p for p in children(tp.proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+    assert tp.post(COMP, {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    os.kill(worker, signal.SIGKILL)
+    r = tp.post(COMP, {"prompt": "hi", "max_tokens": 2})
+    assert r.status_code >= 500 and "rank 1 exited" in r.json()["error"]["message"], r.text
+    assert tp.proc.wait(timeout=30) == 1
 
 
 # ---- in-process: loading states without a subprocess
