@@ -190,5 +190,11 @@ class ParallelConfig:
             raise ValueError("a run over several nodes needs dist_init_addr (node 0's host:port)")
 
     @property
+    def distributed(self) -> bool:
+        """Whether the ranks' machinery runs: over several ranks, or over one when `dist_init_addr` is
+        given (a world of one, whose collectives and their CUDA graphs can be checked on one GPU)."""
+        return self.tensor_parallel_size > 1 or self.dist_init_addr is not None
+
+    @property
     def ranks_per_node(self) -> int:
         return self.tensor_parallel_size // self.nnodes

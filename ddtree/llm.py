@@ -72,7 +72,7 @@ class LLM:
         self.model_path = resolve_model(model)
         self.parallel = parallel or ParallelConfig(tensor_parallel_size=tensor_parallel_size)
         self.tp = None
-        if self.parallel.tensor_parallel_size > 1:
+        if self.parallel.distributed:
             self._start_ranks()
         else:
             self.net, self.config = load_model(self.model_path, self.device, self.dtype)

@@ -123,3 +123,13 @@ def test_a_lost_worker_fails_the_next_call_with_a_clear_error_in_bounded_time(ho
             os.kill(proc.pid, signal.SIGKILL)
         llm.close()
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("ddtree-tp")]
+
+
+def test_a_world_of_one_runs_the_ranks_machinery_and_equals_the_plain_engine(tiny_qwen2):
+    # dist_init_addr with one rank: the process joins a group of one, its row-parallel layers all-reduce
+    # over it and every target call is announced, with nobody to hear them; the output is unchanged.
+    from ddtree.parallel.workers import free_port
+    want = LLM(tiny_qwen2, **ENGINE).generate(PROMPTS, SEEDED)
+    with LLM(tiny_qwen2, parallel=ParallelConfig(dist_init_addr=f"127.0.0.1:{free_port()}"), **ENGINE) as llm:
+        assert llm.tp is not None
+        assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == [o.token_ids for o in want]

@@ -102,7 +102,7 @@ class ARDecoder:
             def pool(taps):  # (captured now: a bucket first needed mid-run would stall that step)
                 graphs = GraphPool(partial(self._graph_decode, taps), engine_cfg.max_num_seqs,
                                    pad={"block_tables": runner.scratch_page, "state_slots": runner.scratch_state_slot},
-                                   widths={"block_tables": max_pages})
+                                   widths={"block_tables": max_pages}, tp=runner.tp)
                 with torch.inference_mode():  # (padding rows: their K/V go to the scratch page, their state to
                     # the scratch slot)
                     graphs.capture_all(lambda bs: DecodeInputs(
@@ -191,7 +191,8 @@ class ARDecoder:
             tokens = min(PREFILL_GRAPH_TOKENS, engine_cfg.max_num_batched_tokens)
             rows = min(engine_cfg.max_num_seqs, max(1, tokens // T))
             graphs = GraphPool(partial(self._graph_prefill, taps), rows, pad={"block_tables": self.runner.scratch_page},
-                               widths={"block_tables": self.max_pages, "ids": T}, mempool=mempool)
+                               widths={"block_tables": self.max_pages, "ids": T}, mempool=mempool,
+                               tp=self.runner.tp)
             with torch.inference_mode():
                 graphs.capture_all(lambda bs: PrefillInputs(zeros(bs)[:, None].expand(bs, T), zeros(bs),
                                                             scratch.expand(bs, 1), zeros(bs)))

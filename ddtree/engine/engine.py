@@ -107,10 +107,8 @@ class LLMEngine:
         return self.speculator or self.ar
 
     def _graphs_supported(self) -> bool:
-        # Graphs need the Triton kernels: the torch reference attention reads host values. Tensor
-        # parallelism announces each forward to the other ranks with a host message, which a graph
-        # replay would skip.
-        return self.device.type == "cuda" and self.runner.use_triton and self.runner.tp is None
+        # Graphs need the Triton kernels: the torch reference attention reads host values.
+        return self.device.type == "cuda" and self.runner.use_triton
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
         """Queues a request. `stream=False` (offline use) detokenizes once at the end instead of per

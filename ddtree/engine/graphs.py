@@ -8,6 +8,10 @@ replays the graph and returns the outputs. A bucket is captured on padding value
 runs execute for real), so a step function may also update its own inputs. Every per-step value,
 positions and masks included, is derived inside the graph from these static buffers, so a replay
 can never read a stale tensor.
+
+Under tensor parallelism (`tp`, parallel/workers.py) the other ranks capture their side of each graph
+at the same time: the broadcasts of the target's inputs and the layers' all-reduces are captured on
+every rank, and each replay here is announced so that the workers replay theirs.
 """
 from __future__ import annotations
 
@@ -29,16 +33,18 @@ def buckets_up_to(n: int) -> list[int]:
 
 class GraphPool:
     def __init__(self, fn: Callable, max_batch: int, pad: dict[str, float] | None = None,
-                 widths: dict[str, int] | None = None, mempool=None):
+                 widths: dict[str, int] | None = None, mempool=None, tp=None):
         """`pad`: value for padding rows per input field (default 0); `widths`: fixed size of dim 1 for
         inputs whose width varies between calls (page tables); `mempool`: a `torch.cuda.graph_pool_handle()`
         shared with other pools whose graphs never run concurrently and whose outputs are consumed
-        before another graph replays (their intermediates then share memory)."""
-        self.fn, self.max_batch = fn, max_batch
+        before another graph replays (their intermediates then share memory); `tp`: the tensor-parallel ranks
+        that mirror the target's calls in `fn`."""
+        self.fn, self.max_batch, self.tp = fn, max_batch, tp
         self.pad, self.widths = pad or {}, widths or {}
         self.buckets = buckets_up_to(max_batch)
         self.static: dict[str, torch.Tensor] | None = None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
+        # bucket -> (graph, its outputs, the workers' key for their side of it, or None: nothing mirrored)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, int | None]] = {}
         self.mempool = mempool
         self.input_type = None
 
@@ -89,7 +95,9 @@ class GraphPool:
     def replay(self, rows: int):
         """Replays the graph for `rows` on the static inputs as they are: for a step function that
         writes the next step's inputs itself (AR decode feeding its tokens forward)."""
-        graph, out = self.graphs[next(b for b in self.buckets if b >= rows)]
+        graph, out, key = self.graphs[next(b for b in self.buckets if b >= rows)]
+        if key is not None:
+            self.tp.call("replay", key)
         graph.replay()
         return out
 
@@ -102,7 +110,12 @@ class GraphPool:
                 self.fn(view)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with graphing(), torch.cuda.graph(graph, pool=self.mempool):
-            out = self.fn(view)
+        key = self.tp.begin_capture() if self.tp is not None else None
+        try:
+            with graphing(), torch.cuda.graph(graph, pool=self.mempool):
+                out = self.fn(view)
+        finally:
+            if key is not None and not self.tp.end_capture():
+                key = None  # (no target call in `fn`: the workers have nothing to replay)
         self.mempool = graph.pool()
-        self.graphs[bs] = (graph, out)
+        self.graphs[bs] = (graph, out, key)

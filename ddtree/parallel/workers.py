@@ -22,7 +22,7 @@ import socket
 import sys
 import traceback
 import weakref
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 
 import torch
@@ -160,11 +160,15 @@ def serve_rank(rank: int, pcfg: ParallelConfig, model_path: str, device_type: st
         dist.barrier()  # (every shard loaded)
         runners: dict[int, ModelRunner] = {}
         bound = None
+        graphs = Graphs()
         with torch.inference_mode():
             while True:
                 method, args = channel.receive()
                 if method == "stop":
                     break
+                if method in ("begin_capture", "end_capture", "replay"):
+                    getattr(graphs, method)(*args)
+                    continue
                 if method == "runner":  # a new engine's caches; engines rank 0 dropped are dropped here
                     rid, engine_cfg, live = args
                     for old in [r for r in runners if r not in live]:
@@ -186,6 +190,32 @@ def serve_rank(rank: int, pcfg: ParallelConfig, model_path: str, device_type: st
         sys.stderr.flush()
         os._exit(1)  # (the connection drops: rank 0's next collective fails at once)
     dist.destroy_process_group()
+
+
+class Graphs:
+    """A worker's CUDA graphs: its side of each graph rank 0 captures (engine/graphs.py), by key. They share
+    one memory pool: a worker replays one graph at a time and reads none of their outputs."""
+
+    def __init__(self):
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool, self.capturing = None, None
+
+    def begin_capture(self, key: int) -> None:
+        from ddtree.ops.fused import graphing
+        graph, stack = torch.cuda.CUDAGraph(), ExitStack()
+        stack.enter_context(graphing())
+        stack.enter_context(torch.cuda.graph(graph, pool=self.pool))
+        self.capturing = (key, graph, stack)
+
+    def end_capture(self, keep: bool) -> None:
+        key, graph, stack = self.capturing
+        self.capturing = None
+        stack.close()
+        if keep:
+            self.graphs[key], self.pool = graph, graph.pool()
+
+    def replay(self, key: int) -> None:
+        self.graphs[key].replay()
 
 
 def free_port() -> int:
@@ -213,6 +243,7 @@ class TensorParallel:
         self.channel = _Channel(_join(0, pcfg, device), device, pcfg.timeout_s)
         self.next_id = 0
         self.runners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.next_graph, self.capture_calls = 0, None
 
     def loaded(self) -> None:
         """Waits until every rank has loaded its shard (rank 0 calls it after loading its own)."""
@@ -227,8 +258,24 @@ class TensorParallel:
         return rid
 
     def call(self, method: str, *args) -> None:
+        if self.capture_calls is not None:
+            self.capture_calls += 1
         with self.guard():
             self.channel.send(method, *args)
+
+    def begin_capture(self) -> int:
+        """Rank 0 starts capturing a CUDA graph: so do the workers, and the calls until `end_capture` (their
+        broadcasts and all-reduces) go into their graphs as into rank 0's. Returns the graph's key."""
+        key, self.next_graph = self.next_graph, self.next_graph + 1
+        self.call("begin_capture", key)
+        self.capture_calls = 0
+        return key
+
+    def end_capture(self) -> bool:
+        """Ends the capture on the workers; False if no call was captured (they keep no graph then)."""
+        calls, self.capture_calls = self.capture_calls, None
+        self.call("end_capture", calls > 0)
+        return calls > 0
 
     @contextmanager
     def guard(self):

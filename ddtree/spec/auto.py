@@ -93,12 +93,12 @@ class AdaptiveSpeculator(Speculator):
             widths = {"block_tables": max_pages}
             pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None  # (CPU: tests)
             # The draft alone and auto's own AR step are graphed only to be timed for the cost table.
-            self.draft_graphs = GraphPool(self._draft, max_batch, pad=pad, widths=widths, mempool=pool)
+            self.draft_graphs = GraphPool(self._draft, max_batch, pad=pad, widths=widths, mempool=pool, tp=runner.tp)
             self.ar_graphs = GraphPool(partial(self._budget_step, 0), max_batch,
-                                       pad=pad, widths=widths, mempool=pool)
+                                       pad=pad, widths=widths, mempool=pool, tp=runner.tp)
             for b in self.budgets[1:]:
                 self.step_graphs[b] = GraphPool(partial(self._whole_step, b), max_batch, pad=pad, widths=widths,
-                                                mempool=pool)
+                                                mempool=pool, tp=runner.tp)
             drafter.warm_stores(max_batch, runner.max_num_batched_tokens)
         if table is None:  # with graphs, every batch bucket (capturing the graphs ahead of serving); else two
             sizes = buckets_up_to(max_batch) if use_graphs else sorted({1, min(2, max_batch)})

@@ -83,7 +83,7 @@ class Speculator:
             self.graphs = GraphPool(self._graph_step, max_batch,
                                     pad={"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot,
                                          "state_slots": runner.scratch_state_slot},
-                                    widths={"block_tables": max_pages})
+                                    widths={"block_tables": max_pages}, tp=runner.tp)
             drafter.warm_stores(max_batch, runner.max_num_batched_tokens)
         # Set before each decode: short bursts while a request waits for a free slot, and whether the
         # step's time is worth learning from (auto: not with a prefill chunk in flight).

@@ -1,0 +1,105 @@
+"""Tensor parallelism's CUDA graphs on one GPU: a world of one rank (ParallelConfig with dist_init_addr),
+so that every target call is announced, its inputs broadcast and each row-parallel layer all-reduced
+over NCCL inside the captured graphs, against the plain engine on the same random model.
+
+    python benchmarks/tp_gpu.py OUT.json [--layers 16]
+
+The model is random, with Llama-3.2-1B's shapes (32 query heads, 8 KV heads) and `--layers` layers, and
+a random one-layer drafter: outputs must be equal (bf16; an all-reduce over one rank is the identity),
+greedy and seeded sampled, under AR and DDTree (budget 32, top-4); the times show what the machinery
+costs a step. Several ranks need several GPUs (the multi-GPU issue).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from ddtree import LLM, SamplingParams
+from ddtree.config import ModelConfig, ParallelConfig
+from ddtree.parallel.workers import free_port
+
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                tie_word_embeddings=True, attention_bias=False)
+
+
+def build(out: str, layers: int) -> tuple[str, str]:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ddtree.models.dflash import random_drafter, save_drafter
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=layers, **LLAMA_1B), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    target = os.path.join(out, "target")
+    model.save_pretrained(target, safe_serialization=True)
+    cfg = ModelConfig.from_dir(target)
+    drafter = os.path.join(out, "drafter")
+    save_drafter(random_drafter(cfg, num_layers=1, block_size=16, target_layer_ids=[1, layers - 2]), drafter,
+                 torch.bfloat16)
+    return target, drafter
+
+
+def timed_generate(llm: LLM, prompts, params) -> tuple[list, float]:
+    llm.generate(prompts, params)  # (warm)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    return outs, time.perf_counter() - t0
+
+
+def runs(target: str, drafter: str, parallel: ParallelConfig | None) -> dict:
+    from ddtree.bench.latency import step_times
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (37, 5, 120, 64, 9, 200, 17, 80)]
+    greedy = SamplingParams(max_tokens=64, ignore_eos=True)
+    sampled = [SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.7, seed=i) for i in range(len(prompts))]
+    res = {}
+    t0 = time.perf_counter()
+    with LLM(target, draft=drafter, spec="none", dtype="bfloat16", num_pages=4096, max_num_seqs=16,
+             parallel=parallel) as llm:
+        res["load_s"] = round(time.perf_counter() - t0, 1)
+        for mode in ("none", "ddtree"):
+            llm.set_mode(mode, 32 if mode == "ddtree" else None, 4 if mode == "ddtree" else None)
+            for name, params in (("greedy", greedy), ("sampled", sampled)):
+                outs, dt = timed_generate(llm, prompts, params)
+                res[f"{mode}_{name}_tokens"] = [o.token_ids for o in outs]
+                res[f"{mode}_{name}_C8_tok_s"] = round(sum(len(o.token_ids) for o in outs) / dt, 1)
+            _, dt = timed_generate(llm, prompts[:1], SamplingParams(max_tokens=256, ignore_eos=True))
+            res[f"{mode}_C1_tok_s"] = round(256 / dt, 1)
+        if llm.tp is not None:
+            res["graphs_captured_on_the_ranks"] = llm.tp.next_graph
+        res["step_times"] = step_times(llm, [1, 8], [33], context=512)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--layers", type=int, default=16)
+    args = ap.parse_args()
+    target, drafter = build(tempfile.mkdtemp(), args.layers)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
+           "model": "random Llama-3.2-1B shapes", "command": " ".join(sys.argv)}
+    out["plain"] = runs(target, drafter, None)
+    out["world_of_one"] = runs(target, drafter, ParallelConfig(dist_init_addr=f"127.0.0.1:{free_port()}"))
+    plain, tp = out["plain"], out["world_of_one"]
+    out["equal"] = {k: plain[k] == tp[k] for k in plain if k.endswith("_tokens")}
+    for k in [k for k in plain if k.endswith("_tokens")]:
+        del plain[k], tp[k]
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
