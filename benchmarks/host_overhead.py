@@ -70,7 +70,7 @@ class StubPool(GraphPool):
         super().__init__(lambda inp: out, max_batch, pad, widths)
 
     def _capture(self, bs: int) -> None:
-        self.graphs[bs] = (_NoGraph(), self.fn(self._view(bs)))
+        self.graphs[bs] = (_NoGraph(), self.fn(self._view(bs)), None)
 
 
 class StubModel:

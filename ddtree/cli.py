@@ -143,16 +143,22 @@ def cmd_bench_report(args) -> int:
     return report(args)
 
 
-def cmd_serve(args) -> int:
+def check_serve_args(args) -> None:
+    """One-line errors for serve options that cannot work, before anything loads."""
     from ddtree.models.hub import is_default_model
     check_mode_args(args)
-    if parallel_from_args(args).node_rank > 0:
-        return run_other_node(args)
+    parallel_from_args(args)
     if args.spec not in (None, "none") and args.draft is None and not is_default_model(args.model):
         raise ValueError(f"--spec {args.spec} needs --draft (a DFlash drafter checkpoint dir; the default model "
                          "has its own)")
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+
+
+def cmd_serve(args) -> int:
+    check_serve_args(args)
+    if parallel_from_args(args).node_rank > 0:
+        return run_other_node(args)
     from ddtree.server.app import serve
     return serve(args)
 
@@ -168,7 +174,7 @@ def cmd_pull(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree", description="LLM inference with DFlash and DDTree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -383,7 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--out", default="benchmarks", help="output dir for report.md and the PNGs")
     rp.set_defaults(func=cmd_bench_report)
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:

@@ -37,7 +37,7 @@ def emulated_pool():
         def _capture(self, bs):
             view = self._view(bs)
             out = self.fn(view)
-            self.graphs[bs] = (EmulatedGraph(self.fn, view, out), out)
+            self.graphs[bs] = (EmulatedGraph(self.fn, view, out), out, None)
 
     return EmulatedPool
 

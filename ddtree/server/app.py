@@ -41,7 +41,7 @@ def answers(model: type, chunk: str) -> dict:
     data = {"type": "string", "contentMediaType": "application/json",
             "description": f"a {chunk} as JSON (an error object if the engine fails mid-stream), then [DONE]"}
     event = {"type": "object", "required": ["data"], "properties": {"data": data}}
-    return {**ERRORS, 200: {"model": model, "content": {"text/event-stream": {"schema": event}}}}
+    return {**ERRORS, 404: {"model": P.ErrorResponse}, 200: {"model": model, "content": {"text/event-stream": {"schema": event}}}}
 
 
 @dataclass(slots=True)
@@ -187,7 +187,7 @@ def create_app(load: Callable[[], object], cfg: ServerConfig,
     async def respond(req: P.SamplingRequest, prompt: P.Prompt, max_tokens: int | None, request: Request, chat: bool):
         engine.check_ready()
         if req.model is not None and req.model != cfg.model_name:
-            raise APIError(400, f"unknown model {req.model!r}; this server serves {cfg.model_name!r}",
+            raise APIError(404, f"model {req.model!r} not found; this server serves {cfg.model_name!r}",
                            param="model", code="model_not_found")
         if req.n != 1:
             raise APIError(400, f"n={req.n} is not supported: this server returns one choice per request; "

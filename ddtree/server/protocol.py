@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WithJsonSchema, model_serializer, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, WithJsonSchema, model_serializer, model_validator
 
 from ddtree.sampling_params import SamplingParams
 
@@ -57,6 +57,16 @@ class StreamOptions(Strict):
     include_usage: bool | None = False
 
 
+def _integral(value):
+    """A JSON number with no fraction (5.0) is an integer, as JSON Schema says; strings and booleans are not."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+def Integer(**bounds):
+    """An integer field: strict (no "5", no true), but 5.0 is 5, so that the schema's "integer" is what is
+    accepted. The bounds sit on the integer itself, where the schema shows them."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
 MAX_STOPS, MAX_STOP_CHARS = 64, 1024  # stop strings a request may give, and the characters of each
 
 # OpenAI request fields without an implementation here: a request that sets one to anything but what
@@ -81,15 +91,15 @@ def _unset(name: str, value) -> bool:
 class SamplingRequest(Strict):
     """Fields shared by both completion endpoints."""
     model: str | None = Field(None, description="must be the served model name when given")
-    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    max_tokens: Integer(ge=1) | None = Field(None, description="default: the rest of the context")
     temperature: float | None = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0 = greedy")
     top_p: float | None = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(0, ge=-1, description="extension; 0 or -1 = off")
-    seed: int | None = Field(None, ge=-(2**63), le=MAX_SEED)
+    top_k: Integer(ge=-1) | None = Field(0, description="extension; 0 or -1 = off")
+    seed: Integer(ge=-(2**63), le=MAX_SEED) | None = None
     # (bounded: every stop string is searched for in each token's new text)
     stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | \
         Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOPS)] | None = None
-    n: int | None = Field(1, ge=1, json_schema_extra={"maximum": 1}, description="only 1 is supported")
+    n: Integer(ge=1) | None = Field(1, json_schema_extra={"maximum": 1}, description="only 1 is supported")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = Field(False, description="extension: keep generating past end-of-sequence tokens")
@@ -137,19 +147,23 @@ class ChatMessage(Strict):
         return msg
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[Integer(ge=0)], Field(min_length=1)]
 OnePrompt = Field(min_length=1, max_length=1)
 PromptForms = Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], OnePrompt] | \
     TokenIds | Annotated[list[TokenIds], OnePrompt]  # what the schema declares for `prompt`
 
 
 class ChatCompletionRequest(SamplingRequest):
+    # top_logprobs above 0 needs logprobs: true (`_top_needs_logprobs`), stated in the schema too
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
+    max_completion_tokens: Integer(ge=1) | None = Field(None, description="preferred over max_tokens")
     logprobs: bool | None = Field(False, description="the model's log-probability of each generated token "
                                                       "(before temperature, top-k and top-p)")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_LOGPROBS,
-                                     description="with logprobs: the most likely tokens per position, with theirs")
+    top_logprobs: Integer(ge=0, le=MAX_CHAT_LOGPROBS) | None = Field(
+        None, description="with logprobs: the most likely tokens per position, with theirs")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -166,10 +180,9 @@ class CompletionRequest(SamplingRequest):
     # (validated by completion_prompt, whose messages say what is wrong better than a union's errors can)
     prompt: Annotated[str | list, WithJsonSchema(TypeAdapter(PromptForms).json_schema())] = Field(
         description="a string or a list of token ids; one prompt per request (a list holds one)")
-    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
-                                 description="the log-probability of each generated token and of this many of "
-                                             "the most likely tokens per position (the model's own: before "
-                                             "temperature, top-k and top-p)")
+    logprobs: Integer(ge=0, le=MAX_COMPLETION_LOGPROBS) | None = Field(
+        None, description="the log-probability of each generated token and of this many of the most likely "
+                          "tokens per position (the model's own: before temperature, top-k and top-p)")
 
     @property
     def top_logprobs_count(self) -> int | None:
@@ -325,7 +338,8 @@ def completion_prompt(prompt: str | list) -> Prompt:
         raise APIError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt, str):
         return Prompt(text=prompt)
-    if all(type(t) is int for t in prompt):
+    if all(type(_integral(t)) is int for t in prompt):
+        prompt = [_integral(t) for t in prompt]
         if min(prompt) < 0:
             raise APIError(400, f"token id {min(prompt)} is negative", param="prompt")
         return Prompt(ids=list(prompt))
