@@ -131,7 +131,8 @@ def _join(rank: int, pcfg: ParallelConfig, device: torch.device) -> tuple:
     patient = timedelta(seconds=PATIENT_TIMEOUT_S)
     dist.init_process_group(backend, init_method=f"tcp://{pcfg.dist_init_addr}", rank=rank,
                             world_size=pcfg.tensor_parallel_size, timeout=patient,
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+                            if device.type == "cuda" else None)
     control = dist.new_group(backend="gloo", timeout=patient)
     return control, dist.new_group(backend=backend, timeout=timedelta(seconds=pcfg.timeout_s))
 
