@@ -51,6 +51,8 @@ class ModelConfig:
     linear: LinearAttentionConfig | None = None
     rotary_dim: int | None = None  # None: the whole head
     attn_output_gate: bool = False
+    # Tensor parallelism: this rank's rows [start, end) of the embedding and the LM head (parallel/shard.py)
+    vocab_part: tuple[int, int] | None = None
 
     @property
     def is_hybrid(self) -> bool:

@@ -1,5 +1,6 @@
 """Tensor parallelism (ddtree/parallel/): the target split over 2 ranks (this process and a spawned worker,
 gloo on the CPU), against the same model on one rank and against transformers."""
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -18,9 +19,11 @@ ENGINE = dict(device="cpu", dtype="float32", page_size=4, num_pages=96)
 PROMPTS = [list(range(3, 40)), list(range(100, 107)), [5], list(range(200, 290, 3))]
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 SEEDED = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_p=0.9, seed=i) for i in range(4)]
-# (family, overrides): 2 KV heads over 2 ranks, 1 KV head on both ranks, and a hybrid (Gated DeltaNet heads split)
-TARGETS = {"qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}), "llama": ("llama", {}),
-           "qwen3-1kv": ("qwen3", dict(num_key_value_heads=1)), "qwen3_5": ("qwen3_5", {})}
+# (family, overrides): 2 KV heads over 2 ranks, 1 KV head on both ranks, and a hybrid (Gated DeltaNet heads
+# split). An even vocabulary is split between the ranks; the odd one (the tokenizer's 381) stays whole.
+EVEN = dict(vocab_size=384)
+TARGETS = {"qwen2": ("qwen2", EVEN), "qwen3": ("qwen3", EVEN), "llama": ("llama", EVEN),
+           "qwen3-1kv-odd-vocab": ("qwen3", dict(num_key_value_heads=1)), "qwen3_5": ("qwen3_5", EVEN)}
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
@@ -51,6 +54,8 @@ def test_two_ranks_equal_one_rank_and_transformers_under_ar_dflash_and_ddtree(ta
         hf_out = hf.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert want[0].token_ids == hf_out[0, len(PROMPTS[0]):].tolist()
     with LLM(model, draft=draft, spec="none", tensor_parallel_size=2, **ENGINE) as llm:
+        vocab = llm.config.vocab_size
+        assert llm.shard_config.vocab_part == (None if vocab % 2 else (0, vocab // 2))
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in want]
         assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == [o.token_ids for o in want_seeded]
         for spec, budget, topk in (("dflash", None, None), ("ddtree", 8, 2)):
@@ -95,8 +100,12 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_worker_star
         ParallelConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="dist_init_addr"):
         ParallelConfig(tensor_parallel_size=4, nnodes=2)
-    cfg = shard_config(ModelConfig.from_dir(tiny_qwen2), Shard(1, 2))
+    full = ModelConfig.from_dir(tiny_qwen2)
+    cfg = shard_config(full, Shard(1, 2))
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == (2, 1, 64)
+    assert full.vocab_size % 2 and cfg.vocab_part is None  # (ranks that do not divide the vocabulary: the
+    even = dataclasses.replace(full, vocab_size=384)  # embedding and the LM head stay whole)
+    assert shard_config(even, Shard(1, 2)).vocab_part == (192, 384)
 
 
 def worker() -> multiprocessing.Process:

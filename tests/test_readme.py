@@ -4,12 +4,10 @@ stays quick; each shortening is asserted, so an edited README fails here instead
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
 from ddtree.cli import build_parser, check_mode_args, check_serve_args
@@ -76,30 +74,13 @@ def test_the_python_example_runs_on_the_default_pair():
     assert accepts and all(n >= 0 for n in accepts)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_serving_examples_answer_curl_and_the_openai_client(tmp_path):
+    from test_server import STARTUP_S, launch, wait_healthy
     (serve,) = [c for c in commands() if c.startswith("bin/ddtree serve --spec ddtree") and "sekrit" in c]
-    port = free_port()
-    argv = shlex.split(serve)[1:] + ["--device", "cpu", "--port", str(port)]
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "ddtree.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
-                            env={k: v for k, v in os.environ.items() if k != "DDTREE_API_KEY"})
+    server = launch("readme", shlex.split(serve)[2:], tmp_path)
+    port = server.url.rsplit(":", 1)[1]
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, open(tmp_path / "serve.log").read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, open(tmp_path / "serve.log").read()
-            time.sleep(0.2)
+        wait_healthy(server, time.monotonic() + STARTUP_S)
         for curl in [c for c in commands() if c.startswith("curl ")]:
             curl = shortened(curl, "localhost:8000", f"localhost:{port}").replace('"max_tokens": 128', '"max_tokens": 8')
             r = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=120)
@@ -111,11 +92,8 @@ def test_the_serving_examples_answer_curl_and_the_openai_client(tmp_path):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and r.stdout.strip(), r.stderr
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.proc.terminate()
+        server.proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("line", ["bin/ddtree serve --spec ddtree --budget 0", "bin/ddtree serve --model /x --spec dflash"])

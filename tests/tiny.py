@@ -58,7 +58,7 @@ def make_tiny_model(path: str, family: str = "qwen2", seed: int = 0, with_tokeni
     from transformers import AutoModelForCausalLM
 
     tok = make_tokenizer() if with_tokenizer else None
-    vocab = len(tok) if tok is not None else 384
+    vocab = overrides.pop("vocab_size", len(tok) if tok is not None else 384)  # (more rows than tokens: padding)
     eos = tok.convert_tokens_to_ids("<|im_end|>") if tok is not None else None
     cfg = make_config(family, vocab, eos_token_id=eos, **overrides)
     torch.manual_seed(seed)

@@ -80,7 +80,7 @@ class LLMEngine:
                              "gpu_memory_utilization on GPU) or more pages")
         draft_runner = None
         if speculative:
-            draft_runner = DraftRunner(drafter, model, self.runner.num_slots, engine_cfg.page_size, device, dtype,
+            draft_runner = DraftRunner(drafter, self.runner, self.runner.num_slots, engine_cfg.page_size, device, dtype,
                                        self.runner.scratch_page * engine_cfg.page_size, self.runner.use_triton)
         self.ar = ARDecoder(self.runner, cfg, engine_cfg, self.scheduler, self.commit, self.timing, self.max_model_len,
                             use_graphs, max_pages, draft_runner, tap_free_graphs=auto)

@@ -54,6 +54,24 @@ class ModelRunner:
         with self.tp.guard():
             return self.model(input_ids, positions, batch, taps)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits of hidden states [T, D] (the target's, or a drafter's through the target's
+        head); every rank computes its rows when the vocabulary is split (parallel/shard.py)."""
+        if self.tp is None or self.model.lm_head.group is None:
+            return self.model.compute_logits(hidden)
+        self.tp.call("logits", self.tp_id, hidden)
+        with self.tp.guard():
+            return self.model.compute_logits(hidden)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's token embeddings of `ids` (a drafter's block inputs), as `logits`."""
+        embed_tokens = self.model.model.embed_tokens
+        if self.tp is None or embed_tokens.group is None:
+            return embed_tokens(ids)
+        self.tp.call("embed", self.tp_id, ids)
+        with self.tp.guard():
+            return embed_tokens(ids)
+
     def bind_cache(self) -> None:
         """Points the model's attention layers at this runner's KV cache (again: `LLM.switch_mode` keeps
         engines of several modes over one model; CUDA graphs hold their own engine's cache anyway)."""
@@ -143,7 +161,7 @@ class ModelRunner:
         for seq, n in chunks:
             seq.num_cached += n
         feats = torch.cat(tapped, dim=-1) if taps else None
-        return self.model.compute_logits(hidden[last]).float(), feats
+        return self.logits(hidden[last]).float(), feats
 
     def verify(self, block_tables: torch.Tensor, starts: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor,
                mask: torch.Tensor, taps: list[int] | None, state_slots: torch.Tensor | None = None):
@@ -164,7 +182,7 @@ class ModelRunner:
         hidden, tapped = self.forward(tokens.flatten(), positions, batch, taps)
         # In the model dtype: greedy verification only needs the argmax (exact in bf16), and fp32
         # logits of a large batch's trees would be gigabytes; the sampler converts what it samples.
-        logits = self.model.compute_logits(hidden).view(R, N, -1)
+        logits = self.logits(hidden).view(R, N, -1)
         return logits, torch.cat(tapped, dim=-1).view(R, N, -1) if taps else None
 
     def prefill_rows(self, ids: torch.Tensor, starts: torch.Tensor, block_tables: torch.Tensor, last: torch.Tensor,
@@ -181,7 +199,7 @@ class ModelRunner:
         hidden, tapped = self.forward(ids.flatten(), positions, batch, taps)
         at = hidden.view(R, T, -1).gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
         feats = torch.cat(tapped, dim=-1).view(R, T, -1) if taps else hidden.new_zeros(0)
-        return self.model.compute_logits(at).float(), feats
+        return self.logits(at).float(), feats
 
     @torch.inference_mode()
     def decode_logits(self, ids: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
@@ -197,7 +215,7 @@ class ModelRunner:
                               self.cfg.num_kv_heads)
         batch.state_slots = state_slots
         hidden, tapped = self.forward(ids, starts, batch, taps)
-        return self.model.compute_logits(hidden), torch.cat(tapped, dim=-1) if taps else None
+        return self.logits(hidden), torch.cat(tapped, dim=-1) if taps else None
 
     def commit_states(self, state_slots: torch.Tensor, nodes: torch.Tensor) -> None:
         """Hybrid models, after a verify: each request's recurrent state becomes the one its tree left at

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -175,7 +176,8 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.self_attn.store(ctx, positions, slots, use_triton)
 
-    def logits(self, hidden: torch.Tensor, lm_head: nn.Module, float32: bool = True) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor],
+               float32: bool = True) -> torch.Tensor:
         """Logits [..., V] of hidden states [..., D] through the target's LM head: float32, or with
         `float32=False` the head's own dtype where no multiplier or soft cap needs the float32 math
         (a draft reads them once, in ops/triton_topk.py; a float32 copy is gigabytes at a large batch)."""

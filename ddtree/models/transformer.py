@@ -53,6 +53,42 @@ class RowParallelLinear(nn.Linear):
         return y
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """The token embedding, its rows split across tensor-parallel ranks by vocabulary (parallel/shard.py):
+    each rank looks up the ids in its rows [start, start + rows) and gives zeros for the others, and an
+    all-reduce over `group` adds the parts. Without a group (one rank) it is a plain embedding."""
+    group = None
+
+    def __init__(self, rows: int, dim: int, start: int = 0):
+        super().__init__(rows, dim)
+        self.start = start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return super().forward(ids)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.num_embeddings)
+        out = nn.functional.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        out = out * inside[..., None].to(out.dtype)
+        torch.distributed.all_reduce(out, group=self.group)
+        return out
+
+
+class VocabParallelLMHead(nn.Linear):
+    """The LM head, its rows split across tensor-parallel ranks by vocabulary: each rank computes the
+    logits of its rows, and an all-gather over `group` puts the whole vocabulary's together, in order
+    (the rank's row ranges are consecutive). Without a group it is a plain linear layer."""
+    group = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = super().forward(hidden)
+        if self.group is None:
+            return local
+        parts = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(self.group))]
+        torch.distributed.all_gather(parts, local, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -241,7 +277,8 @@ class TransformerModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.rotary = Rotary(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        start, end = cfg.vocab_part or (0, cfg.vocab_size)
+        self.embed_tokens = VocabParallelEmbedding(end - start, cfg.hidden_size, start)
         self.layers = nn.ModuleList([decoder_layer(cfg, i, self.rotary) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -256,7 +293,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = TransformerModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        start, end = cfg.vocab_part or (0, cfg.vocab_size)
+        self.lm_head = VocabParallelLMHead(cfg.hidden_size, end - start, bias=False)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

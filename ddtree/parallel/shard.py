@@ -8,7 +8,9 @@ held by every rank whose query heads use it). q/k/v and gate/up are split by out
 partial sum, all-reduced to the full output (`RowParallelLinear` in models/transformer.py), and a
 row-parallel bias is added on rank 0 only. Gated DeltaNet layers (hybrid models) split their key and
 value heads alike, the convolution's channels with them, and their recurrent state with the heads.
-The embedding, the LM head and the norms are whole on every rank.
+The embedding and the LM head are split by vocabulary rows where the ranks divide the vocabulary
+(`VocabParallelEmbedding`, `VocabParallelLMHead`), and are whole on every rank otherwise; the norms are
+whole on every rank.
 """
 from __future__ import annotations
 
@@ -42,7 +44,16 @@ def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
                                                 num_v_heads=cfg.linear.num_v_heads // n)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=max(cfg.num_kv_heads // n, 1),
                                intermediate_size=cfg.intermediate_size // n, linear=linear,
-                               eos_token_ids=list(cfg.eos_token_ids))
+                               eos_token_ids=list(cfg.eos_token_ids), vocab_part=vocab_part(cfg, shard))
+
+
+def vocab_part(cfg: ModelConfig, shard: Shard) -> tuple[int, int] | None:
+    """Rank `shard.rank`'s rows of the embedding and the LM head; None (whole) if the ranks do not divide
+    the vocabulary."""
+    if shard.size == 1 or cfg.vocab_size % shard.size:
+        return None
+    rows = cfg.vocab_size // shard.size
+    return shard.rank * rows, (shard.rank + 1) * rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +69,9 @@ ZEROS = "zeros"  # a row-parallel bias on ranks other than 0
 def tensor_part(name: str, cfg: ModelConfig, shard: Shard) -> Take | str | None:
     """What rank `shard.rank` holds of the checkpoint tensor `name` (text-model names, as loaded): a
     `Take`, ZEROS, or None for the whole tensor. `cfg` is the full model's config."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        part = vocab_part(cfg, shard)
+        return part and Take(0, (part,))
     if shard.size == 1 or ".layers." not in name:
         return None
     r, n = shard.rank, shard.size

@@ -138,10 +138,13 @@ def _join(rank: int, pcfg: ParallelConfig, device: torch.device) -> tuple:
 
 
 def bind_group(model: torch.nn.Module, group) -> None:
-    """Points the model's row-parallel layers at the ranks' step group: their products are all-reduced."""
-    from ddtree.models.transformer import RowParallelLinear
+    """Points the model's row-parallel layers at the ranks' step group (their products are all-reduced),
+    and its embedding and LM head where they are split by vocabulary."""
+    from ddtree.models.transformer import RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
+    split_vocab = model.config.vocab_part is not None
     for module in model.modules():
-        if isinstance(module, RowParallelLinear):
+        if isinstance(module, RowParallelLinear) or \
+                (split_vocab and isinstance(module, VocabParallelEmbedding | VocabParallelLMHead)):
             module.group = group
 
 
@@ -184,7 +187,7 @@ def serve_rank(rank: int, pcfg: ParallelConfig, model_path: str, device_type: st
                     bound = rid
                 if method == "forward":
                     model(*rest)
-                else:  # move_kv, commit_states
+                else:  # move_kv, commit_states, logits, embed
                     getattr(runner, method)(*rest)
     except Exception:
         traceback.print_exc(file=sys.stderr)

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import COLUMNS, sampling_columns
 from ddtree.engine.sequence import Sequence
 from ddtree.spec.context import context_of
 from ddtree.models.dflash import DFlashDrafter
-from ddtree.models.transformer import CausalLM
 from ddtree.ops.attention import pack_rows, uniform_batch
 
 
@@ -116,7 +116,7 @@ def gaps(seqs: list[Sequence]) -> list[tuple[Sequence, int, int, int]]:
 
 
 class DraftRunner:
-    def __init__(self, drafter: DFlashDrafter, target: CausalLM, num_slots: int, page_size: int,
+    def __init__(self, drafter: DFlashDrafter, target: ModelRunner, num_slots: int, page_size: int,
                  device: torch.device, dtype: torch.dtype, scratch_slot: int, use_triton: bool = False):
         self.drafter, self.target, self.page_size, self.device = drafter, target, page_size, device
         cfg = drafter.dcfg.model
@@ -131,7 +131,7 @@ class DraftRunner:
         self.heads_per_kv = cfg.num_heads // cfg.num_kv_heads
         self.feat_dim = drafter.fc.in_features
         self.dtype = dtype
-        self.hybrid_target = target.config.is_hybrid  # (its requests hold recurrent-state slots)
+        self.hybrid_target = target.cfg.is_hybrid  # (its requests hold recurrent-state slots)
 
     def bind_cache(self) -> None:
         """Points the drafter's attention layers at this runner's cache (again: see `ModelRunner.bind_cache`)."""
@@ -237,12 +237,12 @@ class DraftRunner:
         R = inp.roots.shape[0]
         block_ids = torch.full((R, B), dc.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[:, 0] = inp.roots
-        embeds = self.target.model.embed_tokens(block_ids.flatten()) * dc.input_embedding_scale
+        embeds = self.target.embed(block_ids.flatten()) * dc.input_embedding_scale
         full = torch.ones(R, B, B, dtype=torch.bool, device=self.device)
         batch = uniform_batch(inp.block_tables, inp.starts, B, full, self.page_size, self.use_triton,
                               self.heads_per_kv, self.drafter.dcfg.model.num_kv_heads)
         block_pos = (inp.starts[:, None] + torch.arange(B, device=self.device)).flatten()
         hidden = self.drafter(embeds, block_pos, inp.ctx_feats.flatten(0, 1), inp.ctx_pos.flatten(),
                               inp.ctx_slots.flatten(), batch)
-        return self.drafter.logits(hidden.view(R, B, -1)[:, 1:], self.target.lm_head, float32=False)
+        return self.drafter.logits(hidden.view(R, B, -1)[:, 1:], self.target.logits, float32=False)
 
