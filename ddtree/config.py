@@ -7,8 +7,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_5_text")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_5_text", "qwen3_moe")
 HYBRID_MODEL_TYPES = ("qwen3_5_text",)  # Gated DeltaNet layers between full-attention ones (models/hybrid.py)
+
+
+@dataclass(slots=True)
+class MoEConfig:
+    """Routed experts (models/moe.py): `num_experts` SiLU-gated MLPs of width `intermediate_size`, of
+    which a router picks `top_k` per token, in the layers `layers` (the others have the dense MLP)."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    layers: list[int]
 
 
 @dataclass(slots=True)
@@ -51,6 +62,7 @@ class ModelConfig:
     linear: LinearAttentionConfig | None = None
     rotary_dim: int | None = None  # None: the whole head
     attn_output_gate: bool = False
+    moe: MoEConfig | None = None
     # Tensor parallelism: this rank's rows [start, end) of the embedding and the LM head (parallel/shard.py)
     vocab_part: tuple[int, int] | None = None
 
@@ -98,6 +110,13 @@ class ModelConfig:
                                              cfg["linear_conv_kernel_dim"]),
                 rotary_dim=int(head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
                 attn_output_gate=True)
+        if model_type == "qwen3_moe":
+            experts, step = cfg.get("num_experts") or cfg.get("num_local_experts"), cfg.get("decoder_sparse_step", 1)
+            dense = set(cfg.get("mlp_only_layers") or [])
+            extra["moe"] = MoEConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                                     cfg.get("norm_topk_prob", True),
+                                     [i for i in range(cfg["num_hidden_layers"])
+                                      if i not in dense and experts > 0 and (i + 1) % step == 0])
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -113,7 +132,7 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; Llama has them only with attention_bias; Qwen3 never.
             qkv_bias=model_type == "qwen2" or (model_type == "llama" and bool(cfg.get("attention_bias", False))),
-            qk_norm=model_type in ("qwen3", "qwen3_5_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_5_text", "qwen3_moe"),
             o_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
             rope_scaling=cfg.get("rope_scaling"),
             eos_token_ids=eos,

@@ -49,6 +49,11 @@ def make_config(family: str, vocab_size: int, **overrides):
                                  linear_value_head_dim=8, linear_conv_kernel_dim=4,
                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                   "partial_rotary_factor": 0.5}, **common)
+    if family == "qwen3_moe":  # routed experts in every other layer, dense MLPs between
+        from transformers import Qwen3MoeConfig
+        return Qwen3MoeConfig(head_dim=16, rope_theta=10000.0, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, decoder_sparse_step=2, norm_topk_prob=True,
+                              **{**common, "num_hidden_layers": overrides.get("num_hidden_layers", 4)})
     raise ValueError(family)
 
 
@@ -65,7 +70,7 @@ def make_tiny_model(path: str, family: str = "qwen2", seed: int = 0, with_tokeni
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # random init is tiny; scale up so logits are not all near-ties
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # (matrices, and the routed experts' stacked ones)
                 p.normal_(0, 0.08)
             elif "bias" in name and family != "qwen3_5":
                 p.normal_(0, 0.02)

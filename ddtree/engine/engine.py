@@ -107,8 +107,9 @@ class LLMEngine:
         return self.speculator or self.ar
 
     def _graphs_supported(self) -> bool:
-        # Graphs need the Triton kernels: the torch reference attention reads host values.
-        return self.device.type == "cuda" and self.runner.use_triton
+        # Graphs need the Triton kernels: the torch reference attention reads host values. Routed experts
+        # group their tokens on the host (models/moe.py) until a grouped kernel does it on the device.
+        return self.device.type == "cuda" and self.runner.use_triton and self.cfg.moe is None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
         """Queues a request. `stream=False` (offline use) detokenizes once at the end instead of per

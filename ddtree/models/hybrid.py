@@ -327,7 +327,7 @@ class HybridDecoderLayer(DecoderLayer):
             self.linear_attn = GatedDeltaNet(cfg)
         else:
             self.self_attn = GatedAttention(cfg, rotary)
-        self.add_norms_and_mlp(cfg)
+        self.add_norms_and_mlp(cfg, index)
 
     @property
     def mixer(self) -> nn.Module:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 from torch import nn
@@ -48,16 +49,29 @@ def iter_tensors(path: str, part=None):
                 yield name, torch.cat([sliced[index + (slice(a, b),)] for a, b in take.ranges], dim=take.dim)
 
 
+# A checkpoint tensor of one routed expert: model.layers.3.mlp.experts.17.up_proj.weight
+EXPERT_TENSOR = re.compile(r"(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+
+
 def load_weights(model: nn.Module, tensors, packed: dict[str, tuple[str, str]], source: str,
                  skip=lambda name: False) -> None:
     """Copies checkpoint tensors into `model`. `packed` maps a checkpoint leaf module name (q_proj)
     to (packed module name, shard) for matrices stacked into one PackedLinear. Every parameter must
     be filled exactly once and every checkpoint tensor must land somewhere."""
+    from ddtree.models.moe import Experts
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     seen = set()
     for name, tensor in tensors:
         if skip(name):
+            continue
+        expert = EXPERT_TENSOR.fullmatch(name)
+        if expert is not None:  # one expert's matrix, into the layer's stacked experts (models/moe.py)
+            module = modules.get(expert["experts"])
+            if not isinstance(module, Experts):
+                raise KeyError(f"unexpected tensor {name!r} in checkpoint {source}")
+            module.load_expert(int(expert["index"]), expert["proj"], tensor)
+            seen.add(f"{expert['experts']}:{expert['index']}:{expert['proj']}")
             continue
         parts = name.rsplit(".", 2)
         if len(parts) == 3 and parts[1] in packed:
@@ -79,8 +93,13 @@ def load_weights(model: nn.Module, tensors, packed: dict[str, tuple[str, str]], 
         seen.add(name)
     missing = []
     for pname in params:
-        module = modules[pname.rsplit(".", 1)[0]]
-        if isinstance(module, PackedLinear):
+        module_name = pname.rsplit(".", 1)[0]
+        module = modules[module_name]
+        if isinstance(module, Experts) and pname not in seen:  # (stacked in the checkpoint, or one per expert)
+            missing += [f"{module_name}:{e}:{proj}" for e in range(module.gate_up_proj.shape[0])
+                        for proj in ("gate_proj", "up_proj", "down_proj")
+                        if f"{module_name}:{e}:{proj}" not in seen and module.expert_slot(proj)[0] is params[pname]]
+        elif isinstance(module, PackedLinear):
             missing += [f"{pname}:{s}" for s in module.shard_offsets if f"{pname}:{s}" not in seen]
         elif pname not in seen:
             missing.append(pname)

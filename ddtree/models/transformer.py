@@ -225,13 +225,18 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     fused_few_rows = True  # few-token steps may take `few_rows` (it fuses this layer's projections)
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, index: int = 0):
         super().__init__()
         self.self_attn = Attention(cfg, rotary)
-        self.add_norms_and_mlp(cfg)
+        self.add_norms_and_mlp(cfg, index)
 
-    def add_norms_and_mlp(self, cfg: ModelConfig) -> None:
-        self.mlp = MLP(cfg)
+    def add_norms_and_mlp(self, cfg: ModelConfig, index: int) -> None:
+        if cfg.moe is not None and index in cfg.moe.layers:
+            from ddtree.models.moe import SparseMoE
+            self.mlp = SparseMoE(cfg)
+            self.fused_few_rows = False  # (the fused few-rows step packs the dense MLP's products)
+        else:
+            self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -270,7 +275,7 @@ def decoder_layer(cfg: ModelConfig, index: int, rotary: Rotary) -> nn.Module:
     if cfg.is_hybrid:
         from ddtree.models.hybrid import HybridDecoderLayer
         return HybridDecoderLayer(cfg, index, rotary)
-    return DecoderLayer(cfg, rotary)
+    return DecoderLayer(cfg, rotary, index)
 
 
 class TransformerModel(nn.Module):

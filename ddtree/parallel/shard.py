@@ -38,6 +38,8 @@ def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
         problems.append(f"intermediate_size {cfg.intermediate_size}")
     if cfg.linear is not None and (cfg.linear.num_k_heads % n or cfg.linear.num_v_heads % n):
         problems.append(f"linear attention heads {cfg.linear.num_k_heads}/{cfg.linear.num_v_heads}")
+    if cfg.moe is not None:
+        raise ValueError("tensor parallelism does not split routed experts yet: serve MoE models on one rank")
     if problems:
         raise ValueError(f"tensor_parallel_size {n} does not divide the model's {', '.join(problems)}")
     linear = cfg.linear and dataclasses.replace(cfg.linear, num_k_heads=cfg.linear.num_k_heads // n,

@@ -1,0 +1,82 @@
+"""Routed experts (Qwen3-MoE): the MLP of a mixture-of-experts layer.
+
+A router (`gate`, one logit per expert) scores each token; the token goes to its `top_k` experts by
+softmax probability, those probabilities renormalised over the k when the config says so
+(`norm_topk_prob`). Each expert is a SiLU-gated MLP; the layer's output is the weighted sum of the k
+experts' outputs. Experts act per token, so chain and tree verification need nothing more.
+
+The experts' weights are stacked, `gate_up_proj` [E, 2I, D] (gate rows, then up rows) and `down_proj`
+[E, D, I], as transformers stores them; checkpoints with one tensor per expert
+(`experts.{e}.gate_proj.weight`, ...) load into them through `load_expert`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddtree.config import ModelConfig
+from ddtree.ops.fused import silu_mul
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, width: int):
+        super().__init__()
+        self.width = width
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
+
+    # (checkpoint leaf name -> the parameter and the rows of an expert's matrix it fills)
+    def expert_slot(self, proj: str) -> tuple[nn.Parameter, slice]:
+        w = self.width
+        return {"gate_proj": (self.gate_up_proj, slice(0, w)), "up_proj": (self.gate_up_proj, slice(w, 2 * w)),
+                "down_proj": (self.down_proj, slice(None))}[proj]
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
+        param, rows = self.expert_slot(proj)
+        target = param.data[expert, rows]
+        if target.shape != tensor.shape:
+            raise ValueError(f"expert {expert} {proj}: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
+        target.copy_(tensor)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum over k of weights[t, k] * expert experts[t, k] (x[t]); x [T, D], experts and weights [T, k].
+        The token-expert pairs are sorted by expert, and each expert used runs once over its tokens."""
+        T, k = experts.shape
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        tokens = order // k
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs = order[start:start + n]
+            rows = tokens[start:start + n]
+            start += n
+            h = silu_mul(x[rows] @ self.gate_up_proj[e].t()) @ self.down_proj[e].t()
+            out.index_add_(0, rows, h * weights.flatten()[pairs, None])
+        return out
+
+
+class SparseMoE(nn.Module):
+    """The MoE layer's MLP: the router, then the chosen experts (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, experts, weights.to(x.dtype))
+
+    def after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, batch) -> tuple:
+        """(self(norm(x + residual)), x + residual): the dense MLP's fused few-rows hook, unfused here."""
+        x, residual = norm(x, residual)
+        return self(x), residual

@@ -1,0 +1,87 @@
+"""Routed experts (models/moe.py): a tiny Qwen3-MoE target against transformers, and DFlash / DDTree on it
+against plain AR."""
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ddtree import LLM, SamplingParams
+from ddtree.config import ModelConfig
+from tiny import make_tiny_model
+
+ENGINE = dict(device="cpu", dtype="float32", page_size=4, num_pages=96)
+PROMPTS = [list(range(3, 40)), [5, 9, 11], list(range(200, 290, 3)), [7]]
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+SEEDED = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_p=0.9, seed=i) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory) -> tuple[str, str]:
+    from ddtree.models.dflash import random_drafter, save_drafter
+    root = tmp_path_factory.mktemp("moe")
+    model = make_tiny_model(str(root / "target"), "qwen3_moe")
+    cfg = ModelConfig.from_dir(model)
+    save_drafter(random_drafter(cfg, num_layers=1, block_size=8, target_layer_ids=[0, cfg.num_layers - 1]),
+                 str(root / "drafter"))
+    return model, str(root / "drafter")
+
+
+def test_the_config_has_experts_in_every_other_layer(moe_pair):
+    moe = ModelConfig.from_dir(moe_pair[0]).moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.layers) == (8, 2, 32, [1, 3])
+
+
+def test_batched_greedy_generation_equals_transformers_prompt_by_prompt(moe_pair):
+    # Requests of different lengths share each forward, so one expert runs over several requests' tokens.
+    from transformers import AutoModelForCausalLM
+    model, _ = moe_pair
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    got = LLM(model, **ENGINE).generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, got):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert out.token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_dflash_and_ddtree_commit_exactly_ar_tokens_greedy_and_seeded(moe_pair):
+    from test_spec import continuation, noisy_oracle, plant
+    model, draft = moe_pair
+    llm = LLM(model, draft=draft, spec="none", **ENGINE)
+    want, want_seeded = llm.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, SEEDED)
+    for spec, budget, topk in (("dflash", None, None), ("ddtree", 8, 2)):
+        llm.set_mode(spec, budget, topk)
+        for params, ref in ((GREEDY, want), (SEEDED, want_seeded)):
+            plant(llm, noisy_oracle(continuation(PROMPTS, ref), vocab=llm.config.vocab_size))
+            got = llm.generate(PROMPTS, params)
+            assert [o.token_ids for o in got] == [o.token_ids for o in ref], (spec, params)
+            accepted = [n for o in got for n in o.accept_lengths]
+            assert sum(accepted) / len(accepted) > 1.5, accepted
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+
+
+def test_stacked_expert_checkpoints_load_alike_and_a_missing_expert_is_named(moe_pair, tmp_path):
+    # transformers may store the experts stacked ([E, 2I, D] gate|up, [E, D, I] down) or one tensor each.
+    model, _ = moe_pair
+    tensors = load_file(os.path.join(model, "model.safetensors"))
+    stacked, lone = {}, dict(tensors)
+    for layer in (1, 3):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        pick = {p: [lone.pop(f"{prefix}.{e}.{p}.weight") for e in range(8)] for p in ("gate_proj", "up_proj", "down_proj")}
+        stacked[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(pick["gate_proj"], pick["up_proj"])])
+        stacked[f"{prefix}.down_proj"] = torch.stack(pick["down_proj"])
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(model, name), "rb") as src, open(tmp_path / name, "wb") as dst:
+            dst.write(src.read())
+    save_file({**lone, **stacked}, str(tmp_path / "model.safetensors"))
+    assert LLM(str(tmp_path), **ENGINE).generate(PROMPTS[:2], GREEDY)[0].token_ids == \
+        LLM(model, **ENGINE).generate(PROMPTS[:2], GREEDY)[0].token_ids
+    del tensors["model.layers.3.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(KeyError, match=r"model.layers.3.mlp.experts:5:up_proj"):
+        LLM(str(tmp_path), **ENGINE)
+
+
+def test_tensor_parallelism_refuses_routed_experts_before_any_worker_starts(moe_pair):
+    with pytest.raises(ValueError, match="routed experts"):
+        LLM(moe_pair[0], tensor_parallel_size=2, **ENGINE)
