@@ -20,6 +20,9 @@ class MoEConfig:
     intermediate_size: int
     norm_topk_prob: bool
     layers: list[int]
+    # Tensor parallelism: the rank holds `held_experts` of them (None: all), from `first_expert` on
+    first_expert: int = 0
+    held_experts: int | None = None
 
 
 @dataclass(slots=True)

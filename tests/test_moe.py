@@ -80,8 +80,3 @@ def test_stacked_expert_checkpoints_load_alike_and_a_missing_expert_is_named(moe
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(KeyError, match=r"model.layers.3.mlp.experts:5:up_proj"):
         LLM(str(tmp_path), **ENGINE)
-
-
-def test_tensor_parallelism_refuses_routed_experts_before_any_worker_starts(moe_pair):
-    with pytest.raises(ValueError, match="routed experts"):
-        LLM(moe_pair[0], tensor_parallel_size=2, **ENGINE)

@@ -11,7 +11,7 @@ import torch
 
 from ddtree import LLM, SamplingParams
 from ddtree.config import ModelConfig, ParallelConfig
-from ddtree.parallel.shard import ZEROS, Shard, shard_config, tensor_part
+from ddtree.parallel.shard import ELSEWHERE, ZEROS, Shard, shard_config, tensor_part
 from ddtree.parallel.workers import WorkerError
 from tiny import make_tiny_model
 
@@ -22,8 +22,10 @@ SEEDED = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_p=
 # (family, overrides): 2 KV heads over 2 ranks, 1 KV head on both ranks, and a hybrid (Gated DeltaNet heads
 # split). An even vocabulary is split between the ranks; the odd one (the tokenizer's 381) stays whole.
 EVEN = dict(vocab_size=384)
+# And routed experts, 4 of 8 on each rank.
 TARGETS = {"qwen2": ("qwen2", EVEN), "qwen3": ("qwen3", EVEN), "llama": ("llama", EVEN),
-           "qwen3-1kv-odd-vocab": ("qwen3", dict(num_key_value_heads=1)), "qwen3_5": ("qwen3_5", EVEN)}
+           "qwen3-1kv-odd-vocab": ("qwen3", dict(num_key_value_heads=1)), "qwen3_5": ("qwen3_5", EVEN),
+           "qwen3_moe": ("qwen3_moe", EVEN)}
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
@@ -83,6 +85,9 @@ def test_each_rank_reads_a_tiling_share_of_every_split_tensor(target):
         if ZEROS in parts:
             assert parts == [None, ZEROS], name
             continue
+        if ELSEWHERE in parts:  # a routed expert's tensor: on exactly one rank
+            assert None in parts, name
+            continue
         dim = parts[0].dim
         got = sorted(rng for p in parts for rng in p.ranges)
         if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")) and cfg.num_kv_heads < 2:
@@ -106,6 +111,12 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_worker_star
     assert full.vocab_size % 2 and cfg.vocab_part is None  # (ranks that do not divide the vocabulary: the
     even = dataclasses.replace(full, vocab_size=384)  # embedding and the LM head stay whole)
     assert shard_config(even, Shard(1, 2)).vocab_part == (192, 384)
+    from ddtree.config import MoEConfig
+    moe = dataclasses.replace(full, moe=MoEConfig(num_experts=6, top_k=2, intermediate_size=32, norm_topk_prob=True,
+                                                  layers=[1]))
+    assert shard_config(moe, Shard(1, 2)).moe.first_expert == 3
+    with pytest.raises(ValueError, match="num_experts 6"):
+        shard_config(moe, Shard(0, 4))
 
 
 def worker() -> multiprocessing.Process:

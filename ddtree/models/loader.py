@@ -33,13 +33,15 @@ def safetensors_files(path: str) -> list[str]:
 def iter_tensors(path: str, part=None):
     """(name, tensor) for each checkpoint tensor; `part(name)` (tensor parallelism, parallel/shard.py)
     says which slices of it to read, so a rank reads only its own."""
-    from ddtree.parallel.shard import ZEROS
+    from ddtree.parallel.shard import ELSEWHERE, ZEROS
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 take = part(name) if part is not None else None
                 if take is None:
                     yield name, f.get_tensor(name)
+                    continue
+                if take == ELSEWHERE:
                     continue
                 sliced = f.get_slice(name)
                 if take == ZEROS:
@@ -71,7 +73,7 @@ def load_weights(model: nn.Module, tensors, packed: dict[str, tuple[str, str]], 
             if not isinstance(module, Experts):
                 raise KeyError(f"unexpected tensor {name!r} in checkpoint {source}")
             module.load_expert(int(expert["index"]), expert["proj"], tensor)
-            seen.add(f"{expert['experts']}:{expert['index']}:{expert['proj']}")
+            seen.add(f"{expert['experts']}:{int(expert['index']) - module.first}:{expert['proj']}")
             continue
         parts = name.rsplit(".", 2)
         if len(parts) == 3 and parts[1] in packed:

@@ -8,6 +8,9 @@ experts' outputs. Experts act per token, so chain and tree verification need not
 The experts' weights are stacked, `gate_up_proj` [E, 2I, D] (gate rows, then up rows) and `down_proj`
 [E, D, I], as transformers stores them; checkpoints with one tensor per expert
 (`experts.{e}.gate_proj.weight`, ...) load into them through `load_expert`.
+
+Under tensor parallelism each rank holds the experts `first` .. `first` + E - 1 (parallel/shard.py):
+it adds those experts' share of each token's output, and an all-reduce over `group` sums the shares.
 """
 from __future__ import annotations
 
@@ -19,9 +22,11 @@ from ddtree.ops.fused import silu_mul
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, width: int):
+    group = None  # a torch.distributed process group when the experts are split across ranks
+
+    def __init__(self, num_experts: int, hidden: int, width: int, first: int = 0):
         super().__init__()
-        self.width = width
+        self.width, self.first = width, first
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
 
@@ -32,19 +37,23 @@ class Experts(nn.Module):
                 "down_proj": (self.down_proj, slice(None))}[proj]
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
+        """Expert `expert` (the model's numbering)'s `proj` matrix from a checkpoint."""
         param, rows = self.expert_slot(proj)
-        target = param.data[expert, rows]
+        target = param.data[expert - self.first, rows]
         if target.shape != tensor.shape:
             raise ValueError(f"expert {expert} {proj}: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
         target.copy_(tensor)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum over k of weights[t, k] * expert experts[t, k] (x[t]); x [T, D], experts and weights [T, k].
-        The token-expert pairs are sorted by expert, and each expert used runs once over its tokens."""
+        """sum over k of weights[t, k] * expert experts[t, k] (x[t]); x [T, D], experts and weights [T, k]
+        (the model's expert numbers). The token-expert pairs are sorted by expert, and each expert used
+        runs once over its tokens; pairs of experts held by other ranks come last and are left out."""
         T, k = experts.shape
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        held = self.gate_up_proj.shape[0]
+        local = experts.flatten() - self.first
+        local = torch.where((local >= 0) & (local < held), local, held)
+        order = local.argsort(stable=True)
+        counts = torch.bincount(local, minlength=held + 1)[:held].tolist()
         tokens = order // k
         out = torch.zeros_like(x)
         start = 0
@@ -56,6 +65,8 @@ class Experts(nn.Module):
             start += n
             h = silu_mul(x[rows] @ self.gate_up_proj[e].t()) @ self.down_proj[e].t()
             out.index_add_(0, rows, h * weights.flatten()[pairs, None])
+        if self.group is not None:
+            torch.distributed.all_reduce(out, group=self.group)
         return out
 
 
@@ -67,7 +78,8 @@ class SparseMoE(nn.Module):
         moe = cfg.moe
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        self.experts = Experts(moe.held_experts or moe.num_experts, cfg.hidden_size, moe.intermediate_size,
+                               moe.first_expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)

@@ -8,6 +8,9 @@ held by every rank whose query heads use it). q/k/v and gate/up are split by out
 partial sum, all-reduced to the full output (`RowParallelLinear` in models/transformer.py), and a
 row-parallel bias is added on rank 0 only. Gated DeltaNet layers (hybrid models) split their key and
 value heads alike, the convolution's channels with them, and their recurrent state with the heads.
+Routed experts (MoE layers) are split whole: each rank holds E / N experts and adds its experts' share
+of each token's output, and an all-reduce sums the shares (the router is whole on every rank, and the
+tokens are already on every rank, so no all-to-all is needed).
 The embedding and the LM head are split by vocabulary rows where the ranks divide the vocabulary
 (`VocabParallelEmbedding`, `VocabParallelLMHead`), and are whole on every rank otherwise; the norms are
 whole on every rank.
@@ -38,14 +41,16 @@ def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
         problems.append(f"intermediate_size {cfg.intermediate_size}")
     if cfg.linear is not None and (cfg.linear.num_k_heads % n or cfg.linear.num_v_heads % n):
         problems.append(f"linear attention heads {cfg.linear.num_k_heads}/{cfg.linear.num_v_heads}")
-    if cfg.moe is not None:
-        raise ValueError("tensor parallelism does not split routed experts yet: serve MoE models on one rank")
+    if cfg.moe is not None and cfg.moe.num_experts % n:
+        problems.append(f"num_experts {cfg.moe.num_experts}")
     if problems:
         raise ValueError(f"tensor_parallel_size {n} does not divide the model's {', '.join(problems)}")
     linear = cfg.linear and dataclasses.replace(cfg.linear, num_k_heads=cfg.linear.num_k_heads // n,
                                                 num_v_heads=cfg.linear.num_v_heads // n)
+    moe = cfg.moe and dataclasses.replace(cfg.moe, held_experts=cfg.moe.num_experts // n,
+                                          first_expert=shard.rank * cfg.moe.num_experts // n)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=max(cfg.num_kv_heads // n, 1),
-                               intermediate_size=cfg.intermediate_size // n, linear=linear,
+                               intermediate_size=cfg.intermediate_size // n, linear=linear, moe=moe,
                                eos_token_ids=list(cfg.eos_token_ids), vocab_part=vocab_part(cfg, shard))
 
 
@@ -66,6 +71,7 @@ class Take:
 
 
 ZEROS = "zeros"  # a row-parallel bias on ranks other than 0
+ELSEWHERE = "elsewhere"  # a routed expert's tensor that another rank holds
 
 
 def tensor_part(name: str, cfg: ModelConfig, shard: Shard) -> Take | str | None:
@@ -83,6 +89,12 @@ def tensor_part(name: str, cfg: ModelConfig, shard: Shard) -> Take | str | None:
     def rows(start: int, size: int, dim: int = 0) -> Take:  # the rank's share of `size` rows after `start`
         return Take(dim, ((start + r * size // n, start + (r + 1) * size // n),))
 
+    if ".experts." in name:  # routed experts: whole experts, E / n a rank (expert parallelism)
+        per = cfg.moe.num_experts // n
+        index = name.split(".experts.", 1)[1].split(".", 1)[0]
+        if index.isdigit():  # (one tensor per expert)
+            return None if r * per <= int(index) < (r + 1) * per else ELSEWHERE
+        return Take(0, ((r * per, (r + 1) * per),))  # (stacked: [E, ...])
     D = cfg.head_dim
     if module == "q_proj":  # (gated attention: each head's query, then its gate)
         return rows(0, cfg.num_heads * D * (2 if cfg.attn_output_gate else 1))

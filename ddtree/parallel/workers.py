@@ -138,12 +138,13 @@ def _join(rank: int, pcfg: ParallelConfig, device: torch.device) -> tuple:
 
 
 def bind_group(model: torch.nn.Module, group) -> None:
-    """Points the model's row-parallel layers at the ranks' step group (their products are all-reduced),
-    and its embedding and LM head where they are split by vocabulary."""
+    """Points the model's row-parallel layers and routed experts at the ranks' step group (their outputs
+    are all-reduced), and its embedding and LM head where they are split by vocabulary."""
+    from ddtree.models.moe import Experts
     from ddtree.models.transformer import RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
     split_vocab = model.config.vocab_part is not None
     for module in model.modules():
-        if isinstance(module, RowParallelLinear) or \
+        if isinstance(module, RowParallelLinear | Experts) or \
                 (split_vocab and isinstance(module, VocabParallelEmbedding | VocabParallelLMHead)):
             module.group = group
 
