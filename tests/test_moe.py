@@ -80,3 +80,18 @@ def test_stacked_expert_checkpoints_load_alike_and_a_missing_expert_is_named(moe
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(KeyError, match=r"model.layers.3.mlp.experts:5:up_proj"):
         LLM(str(tmp_path), **ENGINE)
+
+
+def test_train_drafter_trains_against_an_moe_target_and_its_drafter_is_lossless(moe_pair, tmp_path):
+    from ddtree.cli import main
+    model, _ = moe_pair
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nWrite a loop\n")
+    out = tmp_path / "drafter"
+    rc = main(["train-drafter", "--target", model, "--out", str(out), "--prompt-file", str(prompts),
+               "--max-new-tokens", "8", "--steps", "3", "--batch-size", "2", "--block-size", "4",
+               "--num-features", "2", "--device", "cpu", "--dtype", "float32"])
+    assert rc == 0
+    want = LLM(model, **ENGINE).generate(PROMPTS, GREEDY)
+    got = LLM(model, draft=str(out), spec="ddtree", budget=6, topk=2, **ENGINE).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
