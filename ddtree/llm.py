@@ -94,8 +94,8 @@ class LLM:
         self.kept: dict[tuple, LLMEngine] = {}  # engines of other modes (`switch_mode`)
         if default_pair and self.device.type == "cpu":
             # On the CPU the default pair's speculation is slower than AR (every speculative mode in the
-            # README's CPU rows): AR from the start, without measuring a cost table first. The drafter
-            # stays loaded for set_mode; an explicit spec is honoured.
+            # CPU rows of docs/performance-history.md): AR from the start, without measuring a cost table
+            # first. The drafter stays loaded for set_mode; an explicit spec is honoured.
             spec = "none"
         self.set_mode(spec or ("ddtree" if draft is not None else "none"), budget, topk, cost_table)
         self.last_stats: dict = {}
