@@ -8,7 +8,7 @@ import torch
 from ddtree.config import ModelConfig
 from ddtree.models.dflash import load_drafter, random_drafter, save_drafter
 from ddtree.models.loader import load_model
-from ddtree.train.drafter import draft_logits
+from ddtree.train.blocks import draft_logits
 from ddtree.train.grow import grow_drafter, layer_places
 from tiny import make_tiny_model
 

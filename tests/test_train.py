@@ -11,7 +11,8 @@ from ddtree.config import ModelConfig
 from ddtree.models.dflash import load_drafter, random_drafter, save_drafter
 from ddtree.models.loader import load_model
 from ddtree.train.data import generate_dataset, iter_json_array, load_dataset, pack_dataset
-from ddtree.train.drafter import LOG_FILE, STATE_FILE, TrainConfig, draft_logits, train
+from ddtree.train.blocks import draft_logits
+from ddtree.train.drafter import LOG_FILE, STATE_FILE, TrainConfig, train
 from ddtree.train.features import target_features
 from tiny import make_tiny_model
 

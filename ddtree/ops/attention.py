@@ -8,6 +8,7 @@ ancestor-or-self mask, or all-ones for the drafter's non-causal block).
 
 Two implementations read the same `AttentionBatch`: the torch reference below (CPU, and the
 oracle in tests) and the Triton kernels in `triton_attention.py` (GPU, CUDA-graph safe).
+The Triton modules are imported where a Triton path runs, so that the package imports without triton.
 """
 from __future__ import annotations
 

@@ -9,11 +9,14 @@ launch can be captured in a CUDA graph. Under TRITON_INTERPRET=1 the kernels run
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from ddtree.ops.attention import AttentionBatch  # noqa: F401  (the metadata these kernels read)
+if TYPE_CHECKING:
+    from ddtree.ops.attention import AttentionBatch  # (the metadata these kernels read)
 
 
 def plan_blocks(q_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:

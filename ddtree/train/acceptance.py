@@ -24,6 +24,7 @@ from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
 from ddtree.spec.tree import build_tree
 from ddtree.spec.verify import walk
+from ddtree.train.blocks import block_logits, fuse_features
 from ddtree.train.features import target_features
 
 
@@ -60,7 +61,6 @@ def replay(drafter: DFlashDrafter, target: CausalLM, records: list[dict], modes:
     starts = [int(r["loss_mask"].int().argmax()) for r in records]
     if features is None:
         features, _ = target_features(target, seqs, dc.target_layer_ids)
-    from ddtree.train.drafter import fuse_features  # (drafter.py imports this module)
     ctx = [fuse_features(drafter, f) for f in features]
     # One replay per (record, mode): its next root position.
     rows = [(i, m) for i in range(len(records)) if records[i]["loss_mask"].any() and starts[i] >= 1 for m in modes]
@@ -76,7 +76,6 @@ def replay(drafter: DFlashDrafter, target: CausalLM, records: list[dict], modes:
 
 def _step(drafter, target, chunk, pos, seqs, ctx, B, dev, out) -> None:
     """One replayed verify step for each (record, mode) row of `chunk`: draft, build, accept, advance."""
-    from ddtree.train.drafter import block_logits
     R = len(chunk)
     L = max(seqs[i].shape[0] for i, _ in chunk)
     ids = torch.zeros(R, L, dtype=torch.long, device=dev)
