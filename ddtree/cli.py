@@ -79,6 +79,8 @@ def llm_from_args(args):
 
 def cmd_generate(args) -> int:
     from ddtree import SamplingParams
+    if parallel_from_args(args).node_rank > 0:
+        return run_other_node(args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)

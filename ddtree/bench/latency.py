@@ -143,8 +143,9 @@ def accept_hist(accepts: list[int]) -> dict[str, int]:
     return {str(k): counts[k] for k in sorted(counts)}
 
 
-def time_graph(fn, inputs, reps: int = 30) -> float:
-    """Median milliseconds of one replay of fn's CUDA graph (eager wall time on CPU)."""
+def time_graph(fn, inputs, reps: int = 30, tp=None) -> float:
+    """Median milliseconds of one replay of fn's CUDA graph (eager wall time on CPU); `tp`: the
+    tensor-parallel ranks that replay their side of it."""
     from ddtree.engine.graphs import GraphPool
     if not torch.cuda.is_available():
         times = []
@@ -153,18 +154,21 @@ def time_graph(fn, inputs, reps: int = 30) -> float:
             fn(inputs)
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
-    pool = GraphPool(fn, inputs_rows(inputs))
+    rows = inputs_rows(inputs)
+    pool = GraphPool(fn, rows, tp=tp)
     pool.run(inputs)
-    return median_replay_ms(pool.graphs[pool.buckets[-1]][0], reps)
+    return median_replay_ms(pool if tp is not None else pool.graphs[pool.buckets[-1]][0], reps, rows)
 
 
-def median_replay_ms(graph, reps: int) -> float:
-    """Median milliseconds of one replay of a captured CUDA graph, over `reps` replays (CUDA events)."""
+def median_replay_ms(graph, reps: int, rows: int = 0) -> float:
+    """Median milliseconds of one replay of a captured CUDA graph, or of a GraphPool's graph for `rows`,
+    over `reps` replays (CUDA events)."""
+    replay = graph.replay if isinstance(graph, torch.cuda.CUDAGraph) else lambda: graph.replay(rows)
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        graph.replay()
+        replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
@@ -188,6 +192,7 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
 
     eng = llm.engine
     runner, rows = eng.runner, []
+    tp = runner.tp
     dev = llm.device
     for bs in batch_sizes:
         seqs = [Sequence(list(range(100, 100 + context)), SamplingParams(), None) for _ in range(bs)]
@@ -203,7 +208,7 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
         row = {"concurrency": bs, "context": context}
         row["ar_step_ms"] = time_graph(
             lambda i: runner.decode_features(i.ids, i.block_tables, i.starts, None, i.state_slots)[0],
-            DecodeInputs(ids, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots))
+            DecodeInputs(ids, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots), tp=tp)
         if eng.speculator is not None:
             dr = eng.speculator.drafter
             C = dr.block_size
@@ -211,10 +216,10 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
                              (starts[:, None] - C + torch.arange(C, device=dev)),
                              torch.full((bs, C), dr.scratch_slot, device=dev),
                              torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots)
-            row["draft_step_ms"] = time_graph(dr.logits, inp)
+            row["draft_step_ms"] = time_graph(dr.logits, inp, tp=tp)
             if not isinstance(eng.speculator, AdaptiveSpeculator):  # a fixed budget: the whole step (draft, tree, verify,
                 # accept, K/V compaction), as the engine replays it
-                row["spec_step_ms"] = time_graph(eng.speculator._graph_step, inp)
+                row["spec_step_ms"] = time_graph(eng.speculator._graph_step, inp, tp=tp)
             taps = dr.layer_ids
             for n in widths:
                 depth = torch.arange(n, device=dev).expand(bs, n).contiguous()
@@ -223,7 +228,7 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
                 vin = DecodeInputs(toks, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots)
                 row[f"verify_{n}_ms"] = time_graph(
                     lambda i, d=depth, m=mask: runner.verify(i.block_tables, i.starts, i.ids, d, m, taps,
-                                                             i.state_slots)[0], vin)
+                                                             i.state_slots)[0], vin, tp=tp)
         for s in seqs:
             eng.allocator.release(s)
         rows.append(row)

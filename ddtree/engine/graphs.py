@@ -105,9 +105,15 @@ class GraphPool:
         view = self._view(bs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with graphing(), torch.cuda.stream(stream):  # warm up: compile kernels, settle allocator state
-            for _ in range(2):
-                self.fn(view)
+        if self.tp is not None:  # (the workers warm up as this rank does: what compiles, compiles now)
+            self.tp.call("warm_up", True)
+        try:
+            with graphing(), torch.cuda.stream(stream):  # warm up: compile kernels, settle allocator state
+                for _ in range(2):
+                    self.fn(view)
+        finally:
+            if self.tp is not None:
+                self.tp.call("warm_up", False)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         key = self.tp.begin_capture() if self.tp is not None else None

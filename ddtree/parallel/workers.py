@@ -171,18 +171,20 @@ def serve_rank(rank: int, pcfg: ParallelConfig, model_path: str, device_type: st
                 method, args = channel.receive()
                 if method == "stop":
                     break
-                if method in ("begin_capture", "end_capture", "replay"):
+                if method in ("warm_up", "begin_capture", "end_capture", "replay"):
                     getattr(graphs, method)(*args)
                     continue
                 if method == "runner":  # a new engine's caches; engines rank 0 dropped are dropped here
                     rid, engine_cfg, live = args
                     for old in [r for r in runners if r not in live]:
                         del runners[old]
+                    graphs.keep_only(live)
                     bound = None
                     runners[rid] = ModelRunner(model, cfg, engine_cfg, device, dtype)
                     continue
                 rid, *rest = args
                 runner = runners[rid]
+                graphs.uses(rid)
                 if bound != rid:
                     runner.bind_cache()
                     bound = rid
@@ -198,29 +200,48 @@ def serve_rank(rank: int, pcfg: ParallelConfig, model_path: str, device_type: st
 
 
 class Graphs:
-    """A worker's CUDA graphs: its side of each graph rank 0 captures (engine/graphs.py), by key. They share
-    one memory pool: a worker replays one graph at a time and reads none of their outputs."""
+    """A worker's CUDA graphs: its side of each graph rank 0 captures (engine/graphs.py), by key, with the
+    runners (engines) their calls use. They share one memory pool: a worker replays one graph at a time
+    and reads none of their outputs. Rank 0's warm-up before a capture runs here under `graphing` too, so
+    that the fused ops compile there and not inside the capture."""
 
     def __init__(self):
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool, self.capturing = None, None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, set[int]]] = {}
+        self.pool, self.capturing, self.warming = None, None, None
+
+    def warm_up(self, on: bool) -> None:
+        from ddtree.ops.fused import graphing
+        if on:
+            self.warming = ExitStack()
+            self.warming.enter_context(graphing())
+        else:
+            self.warming.close()
 
     def begin_capture(self, key: int) -> None:
         from ddtree.ops.fused import graphing
         graph, stack = torch.cuda.CUDAGraph(), ExitStack()
         stack.enter_context(graphing())
         stack.enter_context(torch.cuda.graph(graph, pool=self.pool))
-        self.capturing = (key, graph, stack)
+        self.capturing = (key, graph, stack, set())
+
+    def uses(self, runner_id: int) -> None:
+        if self.capturing is not None:
+            self.capturing[3].add(runner_id)
 
     def end_capture(self, keep: bool) -> None:
-        key, graph, stack = self.capturing
+        key, graph, stack, runners = self.capturing
         self.capturing = None
         stack.close()
         if keep:
-            self.graphs[key], self.pool = graph, graph.pool()
+            self.graphs[key], self.pool = (graph, runners), graph.pool()
 
     def replay(self, key: int) -> None:
-        self.graphs[key].replay()
+        self.graphs[key][0].replay()
+
+    def keep_only(self, live: list[int]) -> None:
+        """Frees the graphs of engines rank 0 has dropped (their caches are gone with them)."""
+        for key in [k for k, (_, runners) in self.graphs.items() if not runners <= set(live)]:
+            del self.graphs[key]
 
 
 def free_port() -> int:
