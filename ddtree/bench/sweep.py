@@ -7,9 +7,9 @@ topk are fastest at each concurrency". With `--with-auto` an adaptive-budget row
 (MT-Bench), per-category results; all rows are appended as JSON lines.
 
 `--interleave` keeps every mode's engine (`LLM.switch_mode`) and, at each concurrency, runs the modes in
-turn, run by run: on the H200 a mode's three runs, a minute apart from the next mode's, read up to 5%
-apart from one grid to the next at C=32-128 (AR at C=128: 39,927 tok/s at 2fba951, 42,897 at a112e10),
-where auto and AR run the same AR steps; in turn, a drift falls on every mode alike. Every other round
+turn, run by run: run a mode at a time and a machine's drift over minutes (several percent between
+grids at high concurrency) reads as a difference between modes; in turn, a drift falls on every mode
+alike. Every other round
 runs in reverse order. Each mode keeps its own KV cache: `--num-pages` sizes them.
 """
 from __future__ import annotations

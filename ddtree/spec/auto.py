@@ -117,8 +117,8 @@ class AdaptiveSpeculator(Speculator):
 
     def _warm_refeed(self, max_batch: int) -> None:
         """Refeeds on the scratch page, ahead of serving, of the shapes that compile every variant of
-        the attention kernel a refeed can pick (a first one mid-run took 0.5-1 s on the H200: at
-        53abc1a, one refeed of 4,512 rows 942 ms). Then a small refeed and a large one (one forward, as
+        the attention kernel a refeed can pick (a first compile mid-run stalls serving for up to a
+        second). Then a small refeed and a large one (one forward, as
         wide as the runner feeds at once) timed again, the best of three each: the policy's refeed
         cost, a fixed part per forward and a part per row."""
         from ddtree.ops.triton_attention import variant_shapes  # (GPU only: Triton)
@@ -180,9 +180,8 @@ class AdaptiveSpeculator(Speculator):
 
     def tap_free_prefill(self, batch: int) -> bool:
         """A prefill joining a decode batch of `batch` requests skips reading out the drafter's context
-        too (a gap, as tap-free AR steps leave): the policy sees no chance for speculation there. On the
-        H200 (61b7355) prefills that read it out at C=64-128, where every AR burst was tap-free, took 5%
-        longer than plain AR's."""
+        too (a gap, as tap-free AR steps leave): the policy sees no chance for speculation there, and reading
+        the context out would slow the prefill for nothing."""
         return self.policy.hopeless_at(batch)
 
     def _refeed_gaps(self, seqs: list[Sequence]) -> float:

@@ -77,9 +77,8 @@ STORE_WARM_ROWS = 160  # pending rows a request may hold at a store: auto.PENDIN
 def store_shape(rows: int) -> int:
     """`rows` rounded up to a store's shape: a multiple of 16 up to 128, then one of 4 shapes an octave
     (at most a quarter more rows). A product over a row count cuBLAS has not seen yet costs milliseconds of
-    host time on the H200: at ca1dc39 switches' stores of 34-67 rows took 1.8-8.8 ms, nearly all of it
-    in `linear`, where the start-up table's, of 64 rows, took 0.7. Padded, stores come in few shapes,
-    each run once ahead of serving (`DraftRunner.warm_stores`)."""
+    host time; padded, stores come in few shapes, each run once ahead of serving
+    (`DraftRunner.warm_stores`)."""
     step = max(16, 1 << max(0, (rows - 1).bit_length() - 3))
     return -(-rows // step) * step
 

@@ -35,12 +35,9 @@ import torch
 from ddtree.ops.fused import compiled_on_cuda
 
 # On the GPU the candidate levels run as one Triton kernel (ops/triton_tree.py) instead of the torch
-# sorts (DDTREE_TREE_KERNEL=0: the sorts). On the H200 (8171212, benchmarks/tree_kernel_ab.py) it equals
-# them bit for bit on real drafter logits and makes a graphed DDTree step 0.21-0.26 ms shorter at batch
-# 1-32 (budget 8 at batch 1: 1.73 -> 1.52 ms). Width 64 (budget 64) on the H200: its step 2.06 ms with
-# the sorts (6425cdb), 1.74 with the kernel (6da880a, DDTREE_TREE_KERNEL_MAX_WIDTH=64), and greedy float32
-# DDTree equal to AR on 40 HumanEval prompts with it. Wider (DDTREE_TREE_KERNEL_MAX_WIDTH) or top-k
-# past 4 is unmeasured (the sort in registers: build time, spills) and takes the sorts.
+# sorts (DDTREE_TREE_KERNEL=0: the sorts): it equals them bit for bit and shortens a graphed DDTree step
+# (docs/performance-history.md, "tree kernel"). It is used up to the widths and top-k it was measured
+# at; wider trees or top-k past 4 (the sort held in registers: build time, spills) take the sorts.
 TREE_KERNEL = os.environ.get("DDTREE_TREE_KERNEL", "1") == "1"
 TREE_KERNEL_MAX_WIDTH = int(os.environ.get("DDTREE_TREE_KERNEL_MAX_WIDTH", "64"))
 TREE_KERNEL_MAX_TOPK = 4

@@ -86,7 +86,7 @@ def sharegpt_prompts(limit: int | None = None, max_index: int = SHAREGPT_MAX_IND
 # of the every-turn ShareGPT prompts), used to give code more weight in the default drafter's data: its
 # target is a coder model, and a drafter this small cannot be equally good at everything. Some prose is
 # caught too ("zip code", "select the best answer"), and "C++" before punctuation is not: kept as it is,
-# since run 7's data was chosen with it.
+# since the shipped drafter's data was chosen with it.
 _CODE_HINTS = re.compile(
     r"```|\bdef |\bfunction\b|\bclass \w|\bimport \w|#include|[{};]\s*\n|\b(python|javascript|typescript|java|"
     r"c\+\+|code|sql|select|script|api|html|css|react|node|bash|regex|json|error|program\w*|compil\w+|debug\w*|"
@@ -124,7 +124,7 @@ def generate_dataset(target: str, prompts: Iterable[str], out: str | None = None
     the drafts are the drafter's argmax). `temperature` > 0 samples instead, the i-th prompt kept (not
     over `max_prompt_tokens`) with the seed `seed` * 2^32 + i (the same answers again from the same
     seed): other answers to prompts already answered greedily, new contexts where the prompts run out
-    (the default drafter had used every ShareGPT prompt it may by run 6); training labels them with
+    (the shipped drafter uses every ShareGPT prompt it may); training labels them with
     the target's argmax (`train-drafter --labels target`), not the draws. An `out` ending in .npz is
     written packed (`pack_dataset`, no metadata)."""
     from ddtree import LLM, SamplingParams

@@ -58,8 +58,8 @@ class TrainConfig:
     time_budget_s: float = 0.0  # > 0: the cosine schedule spans this much training time instead of `steps`
     # Target features precomputed and kept on the device up to this many GB, shortest records first (the
     # rest are computed each time a batch draws them); None: on CUDA the free memory less
-    # FEATURE_RESERVE_GB, elsewhere no cap. (4 x 896 bf16 values a token for the default target: run 5's
-    # 35,000 answers made ~68 GB; all 50,863 every-turn prompts would make ~98 GB.)
+    # FEATURE_RESERVE_GB, elsewhere no cap. (4 x 896 bf16 values a token for the default target: 35,000
+    # answers make ~68 GB; all 50,863 every-turn prompts would make ~98 GB.)
     feature_cache_gb: float | None = None
     # Past the device cache, features kept in pinned host memory up to this many GB and copied in per
     # batch (~80 MB a step: a few ms, against a target forward per batch). Off by default: a machine's
@@ -80,10 +80,8 @@ class TrainConfig:
     val_every: int = 1000
 
 
-# Device memory left for training steps when the feature cache is sized by itself. At 16 GB the run 6
-# resume on the H200 (no data generation before it: the cache took all but 16 GB) ran out of memory in
-# its first backward (103 GB allocated, 35 GB reserved but unallocated); a cache of 60 GB (set by hand,
-# ~79 GB left) worked. 64 GB leaves about that; this default itself is not yet run on the GPU.
+# Device memory left for training steps when the feature cache is sized by itself: the default drafter's
+# training ran out of memory with 16 GB left for its steps and ran with about 79 GB (docs/training.md).
 FEATURE_RESERVE_GB = 64.0
 
 
