@@ -45,19 +45,11 @@ def test_batched_greedy_generation_equals_transformers_prompt_by_prompt(moe_pair
 
 
 def test_dflash_and_ddtree_commit_exactly_ar_tokens_greedy_and_seeded(moe_pair):
-    from test_spec import continuation, noisy_oracle, plant
+    from test_spec import speculation_commits_ar_tokens
     model, draft = moe_pair
     llm = LLM(model, draft=draft, spec="none", **ENGINE)
-    want, want_seeded = llm.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, SEEDED)
-    for spec, budget, topk in (("dflash", None, None), ("ddtree", 8, 2)):
-        llm.set_mode(spec, budget, topk)
-        for params, ref in ((GREEDY, want), (SEEDED, want_seeded)):
-            plant(llm, noisy_oracle(continuation(PROMPTS, ref), vocab=llm.config.vocab_size))
-            got = llm.generate(PROMPTS, params)
-            assert [o.token_ids for o in got] == [o.token_ids for o in ref], (spec, params)
-            accepted = [n for o in got for n in o.accept_lengths]
-            assert sum(accepted) / len(accepted) > 1.5, accepted
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+    speculation_commits_ar_tokens(llm, PROMPTS, [(GREEDY, llm.generate(PROMPTS, GREEDY)),
+                                                 (SEEDED, llm.generate(PROMPTS, SEEDED))])
 
 
 def test_stacked_expert_checkpoints_load_alike_and_a_missing_expert_is_named(moe_pair, tmp_path):

@@ -47,7 +47,7 @@ def test_two_ranks_equal_one_rank_and_transformers_under_ar_dflash_and_ddtree(ta
     # branches, so K/V moves and hybrid state commits run on every rank), commit exactly AR's tokens.
     from transformers import AutoModelForCausalLM
 
-    from test_spec import continuation, noisy_oracle, plant
+    from test_spec import speculation_commits_ar_tokens
     model, draft = target
     one = LLM(model, **ENGINE)
     want, want_seeded = one.generate(PROMPTS, GREEDY), one.generate(PROMPTS, SEEDED)
@@ -60,15 +60,7 @@ def test_two_ranks_equal_one_rank_and_transformers_under_ar_dflash_and_ddtree(ta
         assert llm.shard_config.vocab_part == (None if vocab % 2 else (0, vocab // 2))
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in want]
         assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == [o.token_ids for o in want_seeded]
-        for spec, budget, topk in (("dflash", None, None), ("ddtree", 8, 2)):
-            llm.set_mode(spec, budget, topk)
-            for params, ref in ((GREEDY, want), (SEEDED, want_seeded)):
-                plant(llm, noisy_oracle(continuation(PROMPTS, ref), vocab=llm.config.vocab_size))
-                got = llm.generate(PROMPTS, params)
-                assert [o.token_ids for o in got] == [o.token_ids for o in ref], (spec, params)
-                accepted = [n for o in got for n in o.accept_lengths]
-                assert sum(accepted) / len(accepted) > 1.5, accepted
-        assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+        speculation_commits_ar_tokens(llm, PROMPTS, [(GREEDY, want), (SEEDED, want_seeded)])
 
 
 def test_each_rank_reads_a_tiling_share_of_every_split_tensor(target):

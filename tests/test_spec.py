@@ -646,6 +646,20 @@ def tv_and_bound(samples: list[tuple], p: dict, delta: float = 1e-4) -> tuple[fl
     return tv, bound
 
 
+
+def speculation_commits_ar_tokens(llm: LLM, prompts, runs) -> None:
+    """DFlash and DDTree (budget 8, top-2) on `llm`, its drafter a noisy oracle of each run's AR output
+    (accepts deep and along side branches), commit exactly those tokens: `runs` is [(params, AR outputs)]."""
+    for spec, budget, topk in (("dflash", None, None), ("ddtree", 8, 2)):
+        llm.set_mode(spec, budget, topk)
+        for params, ref in runs:
+            plant(llm, noisy_oracle(continuation(prompts, ref), vocab=llm.config.vocab_size))
+            got = llm.generate(prompts, params)
+            assert [o.token_ids for o in got] == [o.token_ids for o in ref], (spec, params)
+            accepted = [n for o in got for n in o.accept_lengths]
+            assert sum(accepted) / len(accepted) > 1.5, accepted
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+
 def plant_greedy_rollout(llm: LLM, hf) -> None:
     """Drafts the target's own logits along its greedy continuation of each request's tokens (cached by
     prefix): depth 1 is exactly the target's next-token distribution, so sampled tokens are often in
