@@ -1,8 +1,17 @@
-"""Tensor parallelism's CUDA graphs on one GPU: a world of one rank (ParallelConfig with dist_init_addr),
-so that every target call is announced, its inputs broadcast and each row-parallel layer all-reduced
-over NCCL inside the captured graphs, against the plain engine on the same random model.
+"""Tensor parallelism on the GPU, on random models (no weights to download).
 
     python benchmarks/tp_gpu.py OUT.json [--layers 16]
+    python benchmarks/tp_gpu.py OUT.jsonl --tp 1,2,4,8 [--shape llama-3-8b] [--dtype bfloat16]
+
+The first form runs on one GPU: a world of one rank (ParallelConfig with dist_init_addr), so that every
+target call is announced, its inputs broadcast and each row-parallel layer all-reduced over NCCL inside
+the captured graphs, against the plain engine on the same random model.
+
+The second is the multi-GPU run (one rank a GPU): for each tensor-parallel size, AR and DDTree (budget
+32, top-4, a random drafter) at C=1 and C=64, the step times at 512 cached tokens, verify-33 over an AR
+step and the all-reduces' share of an AR step; one JSON line a row with the fields device,
+tensor_parallel_size, model, mode, concurrency, output_tok_per_s and command. `--shape llama-3-8b` has
+32 query heads and 8 KV heads, so sizes up to 8 divide it.
 
 The model is random, with Llama-3.2-1B's shapes (32 query heads, 8 KV heads) and `--layers` layers, and
 a random one-layer drafter: outputs must be equal (bf16; an all-reduce over one rank is the identity),
@@ -27,14 +36,16 @@ from ddtree.parallel.workers import free_port
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
                 num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
                 tie_word_embeddings=True, attention_bias=False)
+SHAPES = {"llama-3.2-1b": (LLAMA_1B, 16),
+          "llama-3-8b": ({**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "tie_word_embeddings": False}, 32)}
 
 
-def build(out: str, layers: int) -> tuple[str, str]:
+def build(out: str, layers: int, shape: dict = LLAMA_1B) -> tuple[str, str]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from ddtree.models.dflash import random_drafter, save_drafter
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=layers, **LLAMA_1B), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=layers, **shape), dtype=torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -82,13 +93,47 @@ def runs(target: str, drafter: str, parallel: ParallelConfig | None) -> dict:
     return res
 
 
+def sizes_run(target: str, drafter: str, sizes: list[int], shape: str, dtype: str, out: str) -> None:
+    """The multi-GPU rows (module docstring), appended to `out` as each size finishes."""
+    from ddtree.bench.latency import step_times
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(1)
+    for tp in sizes:
+        with LLM(target, draft=drafter, spec="none", dtype=dtype, num_pages=16384, max_num_seqs=64,
+                 tensor_parallel_size=tp) as llm:
+            rows = []
+            for mode in ("none", "ddtree"):
+                llm.set_mode(mode, 32 if mode == "ddtree" else None, 4 if mode == "ddtree" else None)
+                for C, tokens in ((1, 256), (64, 128)):
+                    prompts = [torch.randint(0, 128000, (64,), generator=g).tolist() for _ in range(C)]
+                    outs, dt = timed_generate(llm, prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+                    rows.append({"mode": "ar" if mode == "none" else "ddtree b32 k4", "concurrency": C,
+                                 "output_tok_per_s": round(sum(len(o.token_ids) for o in outs) / dt, 1)})
+            steps = step_times(llm, [1, 64], [33], context=512)
+            for s in steps:
+                s["verify_33_over_ar"] = s["verify_33_ms"] / s["ar_step_ms"]
+        with open(out, "a") as f:
+            for row in rows:
+                f.write(json.dumps({"device": device, "tensor_parallel_size": tp, "model": f"random {shape}",
+                                    **row, "step_times": steps, "dtype": dtype, "torch": torch.__version__,
+                                    "command": " ".join(sys.argv)}) + "\n")
+        print(tp, json.dumps(rows), json.dumps(steps), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=None, help="(default: the shape's)")
+    ap.add_argument("--tp", default=None, help="tensor-parallel sizes, e.g. 1,2,4,8: the multi-GPU run")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
-    target, drafter = build(tempfile.mkdtemp(), args.layers)
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
+    shape, layers = SHAPES[args.shape]
+    target, drafter = build(tempfile.mkdtemp(), args.layers or layers, shape)
+    if args.tp:
+        sizes_run(target, drafter, [int(n) for n in args.tp.split(",")], args.shape, args.dtype, args.out)
+        return
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers or layers,
            "model": "random Llama-3.2-1B shapes", "command": " ".join(sys.argv)}
     out["plain"] = runs(target, drafter, None)
     out["world_of_one"] = runs(target, drafter, ParallelConfig(dist_init_addr=f"127.0.0.1:{free_port()}"))

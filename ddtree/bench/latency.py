@@ -229,10 +229,19 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
                 row[f"verify_{n}_ms"] = time_graph(
                     lambda i, d=depth, m=mask: runner.verify(i.block_tables, i.starts, i.ids, d, m, taps,
                                                              i.state_slots)[0], vin, tp=tp)
+        if tp is not None:  # the row-parallel layers' all-reduces of one AR step (two a layer), alone
+            hidden = AllReduceInputs(torch.zeros(bs, llm.config.hidden_size, dtype=llm.dtype, device=dev))
+            row["all_reduce_ms"] = time_graph(lambda i: runner.all_reduce(i.x, 2 * llm.config.num_layers), hidden, tp=tp)
+            row["all_reduce_share"] = row["all_reduce_ms"] / row["ar_step_ms"]
         for s in seqs:
             eng.allocator.release(s)
         rows.append(row)
     return rows
+
+
+@dataclasses.dataclass
+class AllReduceInputs:
+    x: torch.Tensor
 
 
 def run_peers(llm: LLM, prompts: list[list[int]], max_tokens: int, draft: str | None) -> list[dict]:

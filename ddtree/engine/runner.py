@@ -5,6 +5,7 @@ written to the paged cache at positions num_cached .. num_cached + n - 1.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -71,6 +72,20 @@ class ModelRunner:
         self.tp.call("embed", self.tp_id, ids)
         with self.tp.guard():
             return embed_tokens(ids)
+
+    def all_reduce(self, x: torch.Tensor, times: int = 1) -> torch.Tensor:
+        """Sums `x` over the tensor-parallel ranks `times` times, as the row-parallel layers of a step do
+        (the collectives' share of a step is measured with it: bench/latency.py)."""
+        from ddtree.models.transformer import RowParallelLinear
+        group = next((m.group for m in self.model.modules() if isinstance(m, RowParallelLinear)), None)
+        if group is None:
+            return x
+        if self.tp is not None:
+            self.tp.call("all_reduce", self.tp_id, x, times)
+        with self.tp.guard() if self.tp is not None else contextlib.nullcontext():
+            for _ in range(times):
+                torch.distributed.all_reduce(x, group=group)
+        return x
 
     def bind_cache(self) -> None:
         """Points the model's attention layers at this runner's KV cache (again: `LLM.switch_mode` keeps
