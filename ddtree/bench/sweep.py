@@ -9,8 +9,7 @@ topk are fastest at each concurrency". With `--with-auto` an adaptive-budget row
 `--interleave` keeps every mode's engine (`LLM.switch_mode`) and, at each concurrency, runs the modes in
 turn, run by run: run a mode at a time and a machine's drift over minutes (several percent between
 grids at high concurrency) reads as a difference between modes; in turn, a drift falls on every mode
-alike. Every other round
-runs in reverse order. Each mode keeps its own KV cache: `--num-pages` sizes them.
+alike. Every other round runs in reverse order. Each mode keeps its own KV cache: `--num-pages` sizes them.
 """
 from __future__ import annotations
 

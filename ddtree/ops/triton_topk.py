@@ -2,8 +2,8 @@
 
 A draft needs, per block position, only its k best tokens and their log-probs, but done in torch
 that is a float32 copy of the logits, a radix top-k and a logsumexp: five or six passes over
-[rows, vocab] (at 128 requests x 15 positions x 151,936 tokens, 1.2 GB each). Here one kernel reads each tile of a row once (in the logits' own dtype)
-and writes, per tile, its k best (value, index) and its max and sum of exponentials; a top-k over
+[rows, vocab] (at 128 requests x 15 positions x 151,936 tokens, 1.2 GB each). Here one kernel reads
+each tile of a row once (in the logits' own dtype) and writes, per tile, its k best (value, index) and its max and sum of exponentials; a top-k over
 the few per-tile candidates and a log-sum-exp over the per-tile partials finish the row.
 """
 from __future__ import annotations

@@ -129,10 +129,11 @@ def _join(rank: int, pcfg: ParallelConfig, device: torch.device) -> tuple:
     (device tensors and the layers' all-reduces), which fail after `timeout_s`."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     patient = timedelta(seconds=PATIENT_TIMEOUT_S)
+    device_id = None  # (NCCL: the rank's GPU, with its index)
+    if device.type == "cuda":
+        device_id = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     dist.init_process_group(backend, init_method=f"tcp://{pcfg.dist_init_addr}", rank=rank,
-                            world_size=pcfg.tensor_parallel_size, timeout=patient,
-                            device_id=torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-                            if device.type == "cuda" else None)
+                            world_size=pcfg.tensor_parallel_size, timeout=patient, device_id=device_id)
     control = dist.new_group(backend="gloo", timeout=patient)
     return control, dist.new_group(backend=backend, timeout=timedelta(seconds=pcfg.timeout_s))
 

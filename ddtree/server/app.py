@@ -41,7 +41,8 @@ def answers(model: type, chunk: str) -> dict:
     data = {"type": "string", "contentMediaType": "application/json",
             "description": f"a {chunk} as JSON (an error object if the engine fails mid-stream), then [DONE]"}
     event = {"type": "object", "required": ["data"], "properties": {"data": data}}
-    return {**ERRORS, 404: {"model": P.ErrorResponse}, 200: {"model": model, "content": {"text/event-stream": {"schema": event}}}}
+    return {**ERRORS, 404: {"model": P.ErrorResponse},  # (a model this server does not serve)
+            200: {"model": model, "content": {"text/event-stream": {"schema": event}}}}
 
 
 @dataclass(slots=True)

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, WithJsonSchema, model_serializer, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, WithJsonSchema, model_serializer,
+                      model_validator)
 
 from ddtree.sampling_params import SamplingParams
 
@@ -66,6 +67,7 @@ def Integer(**bounds):
     """An integer field: strict (no "5", no true), but 5.0 is 5, so that the schema's "integer" is what is
     accepted. The bounds sit on the integer itself, where the schema shows them."""
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
 
 MAX_STOPS, MAX_STOP_CHARS = 64, 1024  # stop strings a request may give, and the characters of each
 
