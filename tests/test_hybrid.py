@@ -283,30 +283,73 @@ def test_step_times_run_on_a_hybrid_target(hybrid, drafter):
     assert_idle(llm)
 
 
+def random_tree(n: int, g: torch.Generator) -> tuple[list[int], list[int]]:
+    """Parents (-1: the root, node 0) and depths of n nodes, ancestors first, many siblings at a depth."""
+    parents, depth = [-1], [0]
+    for i in range(1, n):
+        parents.append(int(torch.randint(0, i, (1,), generator=g)) if i > 2 else 0)
+        depth.append(depth[parents[-1]] + 1)
+    return parents, depth
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="Triton needs a GPU or its interpreter")
-def test_the_triton_delta_step_updates_states_in_place_like_the_recurrence():
-    # One decode step for 3 requests: each one's state updated in its slot (the fresh one from zeros),
-    # the other slots untouched, and the outputs those of the token-by-token recurrence.
-    from ddtree.models.hybrid import gated_delta_rule
-    from ddtree.ops.triton_delta import delta_step
-    g = torch.Generator().manual_seed(0)
-    R, H, K, V, slots_n = 3, 4, 16, 8, 6
-    state = torch.randn(slots_n, H, K, V, generator=g)
-    slots, fresh = torch.tensor([4, 0, 2]), torch.tensor([False, True, False])
-    q, k, v = torch.randn(R, H, K, generator=g), torch.randn(R, H, K, generator=g), torch.randn(R, H, V, generator=g)
-    decay, beta = -torch.rand(R, H, generator=g), torch.rand(R, H, generator=g)
-    qn = q / q.norm(dim=-1, keepdim=True) / K ** 0.5
-    kn = k / k.norm(dim=-1, keepdim=True)
-    before = state.clone()
-    out = delta_step(state, slots, fresh, qn, kn, v, decay, beta)
-    for r in range(R):
-        start = torch.zeros(H, K, V) if fresh[r] else before[slots[r]]
-        want, want_state = gated_delta_rule(q[r:r + 1], k[r:r + 1], v[r:r + 1], decay[r:r + 1], beta[r:r + 1], start)
-        torch.testing.assert_close(out[r], want[0], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(state[slots[r]], want_state, atol=1e-4, rtol=1e-4)
-    for s in (1, 3, 5):
-        assert torch.equal(state[s], before[s])
+def test_the_triton_kernels_equal_the_torch_path_for_decode_steps_trees_and_commits(hybrid):
+    # One Gated DeltaNet layer of the tiny model, its slots filled with random windows and states: a
+    # decode step (one request fresh), then a tree per request (a chain, and random trees with siblings)
+    # whose accepted path ends at a random node. The kernels (ops/triton_gdn.py) and the torch path give
+    # the same outputs, the same slot windows and states after each, and leave the other slots alone.
+    import copy
+
+    from ddtree.models.loader import load_model
+    from ddtree.ops.attention import uniform_batch
+    model, cfg = load_model(hybrid, "cpu", torch.float32)
+    layer = model.model.layers[cfg.linear_layers[1]].linear_attn
+    g = torch.Generator().manual_seed(5)
+    lin, R, slots_n = cfg.linear, 3, 6
+    layer.conv_state = torch.randn(slots_n, lin.conv_dim, lin.conv_kernel - 1, generator=g)
+    layer.recurrent_state = torch.randn(slots_n, lin.num_v_heads, lin.k_head_dim, lin.v_head_dim, generator=g) * 0.3
+    ours = copy.deepcopy(layer)
+    slots, tables = torch.tensor([4, 0, 2]), torch.zeros(R, 32, dtype=torch.int32)
+
+    def run(mod, x, positions, batch, triton):
+        batch = copy.copy(batch)
+        batch.use_triton = triton
+        return mod(x, positions, batch)
+
+    starts = torch.tensor([9, 0, 30])  # the second request's first token: a fresh slot
+    x = torch.randn(R, cfg.hidden_size, generator=g)
+    batch = uniform_batch(tables, starts, 1, None, 4)
+    batch.state_slots = slots
+    torch.testing.assert_close(run(ours, x, starts, batch, True), run(layer, x, starts, batch, False),
+                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ours.conv_state, layer.conv_state, atol=0, rtol=0)
+    torch.testing.assert_close(ours.recurrent_state, layer.recurrent_state, atol=1e-5, rtol=1e-4)
+    for N, chain in ((5, True), (11, False), (20, False)):
+        mask = torch.zeros(R, N, N, dtype=torch.bool)
+        depths = torch.zeros(R, N, dtype=torch.long)
+        parents = []
+        for r in range(R):
+            par, dep = (list(range(-1, N - 1)), list(range(N))) if chain else random_tree(N, g)
+            parents.append(par)
+            depths[r] = torch.tensor(dep)
+            for i in range(N):
+                j = i
+                while j >= 0:
+                    mask[r, i, j] = True
+                    j = par[j]
+        starts = torch.tensor([12, 3, 40])
+        positions = (starts[:, None] + depths).flatten()
+        x = torch.randn(R * N, cfg.hidden_size, generator=g)
+        batch = uniform_batch(tables, starts, N, mask, 4)
+        batch.state_slots, batch.commit_states = slots, False
+        torch.testing.assert_close(run(ours, x, positions, batch, True), run(layer, x, positions, batch, False),
+                                   atol=1e-5, rtol=1e-4)
+        ends = torch.randint(0, N, (R,), generator=g)
+        ours.commit(slots, ends)
+        layer.commit(slots, ends)
+        torch.testing.assert_close(ours.conv_state, layer.conv_state, atol=0, rtol=0)
+        torch.testing.assert_close(ours.recurrent_state, layer.recurrent_state, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

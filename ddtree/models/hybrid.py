@@ -28,6 +28,8 @@ with device ops only. `gated_delta_rule`, the plain token-by-token recurrence, i
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -146,6 +148,17 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return torch.cat(out), state
 
 
+class KernelTree(NamedTuple):
+    """What the Triton tree step (`GatedDeltaNet._triton_step`) keeps for `commit`."""
+    mixed: torch.Tensor  # [R * N, conv_dim] the convolution's outputs (float32)
+    qkv: torch.Tensor  # [R * N, conv_dim] its inputs
+    d: torch.Tensor  # [R, Hv, N, Dv] the delta rule's updates
+    G: torch.Tensor  # [R, Hv, N] the decay sums
+    above: torch.Tensor  # [R, N, N] ancestor-or-self
+    parents: torch.Tensor  # [R, N]
+    fresh: torch.Tensor  # [R] nonzero: the slot held nothing before the tree
+
+
 class GatedDeltaNet(nn.Module):
     """A linear-attention layer (gated delta rule) with a causal convolution; state in per-request slots."""
 
@@ -154,10 +167,9 @@ class GatedDeltaNet(nn.Module):
         lin = cfg.linear
         self.cfg, self.eps = lin, cfg.rms_norm_eps
         self.key_dim, self.value_dim = lin.num_k_heads * lin.k_head_dim, lin.num_v_heads * lin.v_head_dim
-        self.in_proj_qkv = nn.Linear(cfg.hidden_size, lin.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(cfg.hidden_size, lin.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(cfg.hidden_size, lin.num_v_heads, bias=False)
+        # the checkpoint's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a, stacked: one matrix product
+        self.in_proj = PackedLinear(cfg.hidden_size, {"qkv": lin.conv_dim, "z": self.value_dim, "b": lin.num_v_heads,
+                                                      "a": lin.num_v_heads}, bias=False)
         self.conv1d = nn.Conv1d(lin.conv_dim, lin.conv_dim, lin.conv_kernel, groups=lin.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(lin.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(lin.num_v_heads))
@@ -169,12 +181,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         lin = self.cfg
-        qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        if batch.commit_states and x.shape[0] == batch.state_slots.shape[0]:  # one token a request: decode
-            return self._output(self._decode(qkv, g, beta, batch.state_slots, batch.prefix_lens, batch.use_triton), z,
-                                x.dtype)
+        qkv, z, b, a = self.in_proj(x).split([lin.conv_dim, self.value_dim, lin.num_v_heads, lin.num_v_heads], dim=-1)
+        decode = batch.commit_states and x.shape[0] == batch.state_slots.shape[0]  # one token a request
+        if batch.use_triton and (decode or not batch.commit_states):
+            return self.out_proj(self._triton_step(qkv, z, b, a, positions, batch, decode))
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if decode:
+            return self._output(self._decode(qkv, g, beta, batch.state_slots, batch.prefix_lens), z, x.dtype)
         if not batch.commit_states:  # a verified tree: every request's nodes at once
             return self._output(self._tree(qkv, g, beta, positions, batch), z, x.dtype)
         out = x.new_empty(x.shape[0], lin.num_v_heads, lin.v_head_dim)
@@ -190,25 +204,38 @@ class GatedDeltaNet(nn.Module):
             out[span] = o.to(out.dtype)
         return self._output(out, z, x.dtype)
 
+    def _triton_step(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                     positions: torch.Tensor, batch: AttentionBatch, decode: bool) -> torch.Tensor:
+        """A decode step or a verified tree in Triton kernels (ops/triton_gdn.py), device ops only. Returns
+        the gated, normed outputs [T, Hv * Dv] in the model dtype."""
+        from ddtree.ops import triton_gdn
+        slots, fresh = batch.state_slots, (batch.prefix_lens == 0).int()
+        weight = self.conv1d.weight[:, 0]
+        common = (self.A_log, self.dt_bias, z, self.norm.weight, self.eps, self.cfg.num_k_heads)
+        if decode:
+            mixed = triton_gdn.conv_step(self.conv_state, slots, fresh, qkv, weight)
+            return triton_gdn.delta_step(self.recurrent_state, slots, fresh, mixed, b, a, *common)
+        above, depth, parents = tree_shape(batch, positions)
+        mixed = triton_gdn.tree_conv(self.conv_state, slots, fresh, qkv, parents, weight)
+        out, d, G = triton_gdn.tree_delta(self.recurrent_state, slots, fresh, mixed, b, a, *common, above, depth)
+        self.pending = KernelTree(mixed, qkv, d, G, above, parents, fresh)
+        return out
+
     def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         gated = _rms_norm(out.to(dtype), self.norm.weight, self.eps).float() * F.silu(z.float().view_as(out))
         return self.out_proj(gated.to(dtype).flatten(1))
 
     def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
-                prefix_lens: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
-        """One token per request, every request at once and with device ops only (CUDA graphs): the
-        windows and states are gathered from the requests' slots (zeros for a request's first token),
-        advanced by one token and written back; with Triton the state is updated in place in its slot
-        by one kernel (ops/triton_delta.py). Returns the outputs [R, Hv, Dv] (float32)."""
+                prefix_lens: torch.Tensor) -> torch.Tensor:
+        """One token per request, every request at once and with device ops only: the windows and
+        states are gathered from the requests' slots (zeros for a request's first token), advanced by
+        one token and written back. Returns the outputs [R, Hv, Dv] (float32)."""
         kept = (prefix_lens > 0)[:, None, None]  # (a one-token prompt: nothing before it)
         window = torch.where(kept, self.conv_state[slots], 0)
         seq = torch.cat([window, qkv[:, :, None].to(window.dtype)], dim=-1)  # [R, C, K]
         mixed = F.silu((seq.float() * self.conv1d.weight[:, 0].float()).sum(-1))
         self.conv_state[slots] = seq[:, :, 1:]
         q, k, v = self._heads(mixed)  # [R, H, D]
-        if use_triton:
-            from ddtree.ops.triton_delta import delta_step
-            return delta_step(self.recurrent_state, slots, prefix_lens == 0, q, k, v, g, beta)
         state = torch.where(kept[..., None], self.recurrent_state[slots], 0) * g.float().exp()[:, :, None, None]
         delta = (v - torch.einsum("rhkv,rhk->rhv", state, k)) * beta.float()[..., None]
         state = state + k[..., None] * delta[:, :, None, :]
@@ -260,10 +287,9 @@ class GatedDeltaNet(nn.Module):
         R = batch.state_slots.shape[0]
         N = qkv.shape[0] // R
         dev = qkv.device
-        above = tree_ancestors(batch, positions, R, N)  # [R, N, N] ancestor-or-self
+        above, _, parent = tree_shape(batch, positions)  # [R, N, N] ancestor-or-self; [R, N]
         window, state = self._slot_states(batch.state_slots, batch.prefix_lens)
         # Each node's inputs at lags 0 .. K - 1: a node index (>= 0), or -m for the slot window's m-th last.
-        parent = tree_parent(above, positions.view(R, N) - batch.prefix_lens[:, None].long())
         x = qkv.view(R, N, -1).float()
         src = torch.arange(N, device=dev).expand(R, N)
         conv = torch.zeros_like(x)
@@ -283,6 +309,13 @@ class GatedDeltaNet(nn.Module):
     def commit(self, state_slots: torch.Tensor, nodes: torch.Tensor) -> None:
         """After a verified tree: each request's slot takes the state at the end of its accepted path,
         nodes[r] (`end_state`), and the path's last K - 1 convolution inputs."""
+        if isinstance(self.pending, KernelTree):
+            from ddtree.ops.triton_gdn import tree_commit
+            p = self.pending
+            tree_commit(self.recurrent_state, self.conv_state, state_slots, p.fresh, p.mixed, p.qkv, p.d, p.G, p.above,
+                        p.parents, nodes, self.cfg.conv_kernel, self.cfg.num_k_heads)
+            self.pending = None
+            return
         k, d, G, above, x, window, lags, kept = self.pending
         state = torch.where(kept[:, None, None, None], self.recurrent_state[state_slots], 0)
         rows = torch.arange(nodes.shape[0], device=nodes.device)
@@ -300,6 +333,18 @@ def lag_inputs(x: torch.Tensor, window: torch.Tensor, src: torch.Tensor) -> torc
     from_x = x.gather(1, src.clamp(min=0)[..., None].expand(-1, -1, x.shape[2])).float()
     from_window = window.gather(2, (K - 1 + src).clamp(0, K - 2)[:, None, :].expand(-1, x.shape[2], -1))
     return torch.where((src >= 0)[..., None], from_x, from_window.transpose(1, 2).float())
+
+
+def tree_shape(batch: AttentionBatch, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verified tree's ancestor-or-self relation [R, N, N], depths [R, N] and parents [R, N] (-1: a
+    root), computed by the first linear layer and kept on the batch for the others."""
+    if batch.tree is None:
+        R = batch.state_slots.shape[0]
+        N = positions.shape[0] // R
+        above = tree_ancestors(batch, positions, R, N)
+        depth = positions.view(R, N) - batch.prefix_lens[:, None].long()
+        batch.tree = (above, depth, tree_parent(above, depth))
+    return batch.tree
 
 
 def tree_ancestors(batch: AttentionBatch, positions: torch.Tensor, R: int, N: int) -> torch.Tensor:

@@ -292,7 +292,9 @@ class CausalLM(nn.Module):
     """The target model. Parameter names follow Hugging Face, with q/k/v and gate/up packed."""
 
     packed = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-              "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+              "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+              "in_proj_qkv": ("in_proj", "qkv"), "in_proj_z": ("in_proj", "z"), "in_proj_b": ("in_proj", "b"),
+              "in_proj_a": ("in_proj", "a")}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

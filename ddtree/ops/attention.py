@@ -39,6 +39,7 @@ class AttentionBatch:
     # Hybrid models: whether every new token is committed (prompt chunks, AR steps), so the recurrent
     # state slots advance; a verified tree keeps a state per node until the walk picks a path.
     commit_states: bool = True
+    tree: tuple | None = None  # hybrid models: a verified tree's shape, kept by models/hybrid.py's tree_shape
 
 
 def slots_for(block_table: list[int] | torch.Tensor, start: int, end: int, page_size: int,

@@ -1,0 +1,329 @@
+"""Gated DeltaNet layers (hybrid models, models/hybrid.py) on the GPU: a decode step, a verified tree
+and the commit of its accepted path, each in a few kernels that read and write the requests' state
+slots in place.
+
+The layer's in-projection yields, per token, the q|k|v stream x [conv_dim] and the raw b and a [Hv]
+(beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)). Then:
+
+- the convolution: mixed = silu(sum over lags j of w[K - 1 - j] * input j tokens back), where the
+  inputs before the step's own come from the slot's window (its last K - 1 inputs). In a tree, "back"
+  walks the parent chain, so a node never reads a sibling's input (`conv_step`, `tree_conv`).
+- the gated delta rule per value head h, with S the [Dk, Dv] state (float32) and q, k L2-normalised
+  (q also scaled by 1 / sqrt(Dk)):  S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q.
+  A tree solves every node at once from the slot's S0 (models/hybrid.py's `delta_rule_over`): with G
+  the sum of g over a node's ancestors and itself and D[t, i] = exp(G[t] - G[i]) over ancestors i,
+  the updates d solve (I + A) d = beta (v - exp(G) K S0), A[t, i] = beta_t D[t, i] (k_t . k_i) over
+  strict ancestors. A is zero outside the ancestor relation, so the system is solved a depth at a
+  time: every node of depth t takes its final d from its ancestors' (`tree_delta`).
+- the output: RMS norm of o (over Dv) times the norm weight, gated by silu(z), in the model dtype.
+
+A program takes one (request, value head) and walks the value columns BLOCK_V at a time: columns of
+S are independent, and the norm needs the whole head. A request whose state is fresh (nothing cached
+before the step) starts from zero windows and states, whatever its slot holds.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gate_inputs(B, A, ALog, DtBias, row, h, ok):
+    """beta and g of tokens `row` (where `ok`) and value head h from the raw in-projection outputs b and a."""
+    beta = tl.sigmoid(tl.load(B + row, mask=ok, other=0.0).to(tl.float32))
+    a = tl.load(A + row, mask=ok, other=0.0).to(tl.float32) + tl.load(DtBias + h).to(tl.float32)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+    return beta, -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus
+
+
+@triton.jit
+def _unit_rows(x, scale):
+    """Rows of x [M, D] divided by sqrt(|row|^2 + 1e-6), times `scale`."""
+    return x * (tl.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) + 1e-6) * scale)
+
+
+@triton.jit
+def _gated_norm(Out, Z, NormW, rows, row_ok, stride_out, stride_z, col0, eps, DV: tl.constexpr,
+                BLOCK_V: tl.constexpr, sumsq):
+    """Out[rows, col0:col0 + DV] (model dtype, the raw outputs) becomes rms_norm(o) * w * silu(z)."""
+    inv = tl.rsqrt(sumsq / DV + eps)
+    for vb in tl.static_range(DV // BLOCK_V):
+        dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        ok = row_ok[:, None] & (dv[None, :] < DV)
+        ptrs = Out + rows[:, None] * stride_out + col0 + dv[None, :]
+        o = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(NormW + dv).to(tl.float32)
+        normed = (o * inv[:, None]).to(Out.dtype.element_ty).to(tl.float32) * w[None, :]
+        z = tl.load(Z + rows[:, None] * stride_z + col0 + dv[None, :], mask=ok, other=0.0).to(tl.float32)
+        gated = normed.to(Out.dtype.element_ty).to(tl.float32) * (z * tl.sigmoid(z))
+        tl.store(ptrs, gated.to(Out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _conv_step_kernel(Window, Slots, Fresh, X, W, Out, stride_slot, stride_x, C,
+                      K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < C
+    j = tl.arange(0, KP)  # window columns, oldest first
+    base = Window + tl.load(Slots + r).to(tl.int64) * stride_slot + c[:, None] * (K - 1)
+    keep = tl.load(Fresh + r) == 0
+    in_window = ok[:, None] & (j[None, :] < K - 1)
+    window = tl.where(keep, tl.load(base + j[None, :], mask=in_window, other=0.0).to(tl.float32), 0.0)
+    shifted = tl.load(base + j[None, :] + 1, mask=in_window & (j[None, :] + 1 < K - 1), other=0.0)
+    shifted = tl.where(keep, shifted, tl.zeros_like(shifted))
+    x = tl.load(X + r * stride_x + c, mask=ok, other=0.0)
+    w = tl.load(W + c[:, None] * K + j[None, :], mask=ok[:, None] & (j[None, :] < K - 1), other=0.0).to(tl.float32)
+    xw = x.to(Window.dtype.element_ty).to(tl.float32)
+    acc = tl.sum(window * w, 1) + xw * tl.load(W + c * K + K - 1, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Out + r * C + c, acc * tl.sigmoid(acc), mask=ok)
+    new = tl.where(j[None, :] == K - 2, x[:, None].to(Window.dtype.element_ty), shifted.to(Window.dtype.element_ty))
+    tl.store(base + j[None, :], new, mask=ok[:, None] & (j[None, :] < K - 1))
+
+
+def conv_step(window: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, x: torch.Tensor,
+              weight: torch.Tensor) -> torch.Tensor:
+    """One token per request: x [R, C] (rows of the in-projection, strided), windows [slots, C, K - 1]
+    updated in place at `slots`; weight [C, K]. Returns silu(conv) [R, C] float32."""
+    R, C = x.shape[0], window.shape[1]
+    K = weight.shape[-1]
+    out = torch.empty(R, C, dtype=torch.float32, device=x.device)
+    block_c = 128
+    _conv_step_kernel[(R, triton.cdiv(C, block_c))](
+        window, slots, fresh, x, weight.contiguous(), out, window.stride(0), x.stride(0), C,
+        K=K, KP=triton.next_power_of_2(K - 1), BLOCK_C=block_c)
+    return out
+
+
+@triton.jit
+def _delta_step_kernel(State, Slots, Fresh, Mixed, B, A, stride_ba, ALog, DtBias, Z, stride_z, NormW, Out,
+                       stride_out, eps, stride_slot, stride_head, HV, REPEAT, KEY_DIM, VALUE_OFF, C,
+                       DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    dk = tl.arange(0, DK)
+    hk = h // REPEAT
+    q = _unit_rows(tl.load(Mixed + r * C + hk * DK + dk)[None, :], 1.0 / tl.sqrt(DK * 1.0))
+    k = _unit_rows(tl.load(Mixed + r * C + KEY_DIM + hk * DK + dk)[None, :], 1.0)
+    beta, g = _gate_inputs(B, A, ALog, DtBias, r * stride_ba + h, h, True)
+    base = State + tl.load(Slots + r).to(tl.int64) * stride_slot + h * stride_head
+    keep = tl.load(Fresh + r) == 0
+    sumsq = tl.zeros([1], dtype=tl.float32)
+    for vb in tl.static_range(DV // BLOCK_V):
+        dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        ptrs = base + dk[:, None] * DV + dv[None, :]
+        s = tl.where(keep, tl.load(ptrs, mask=dv[None, :] < DV, other=0.0), 0.0) * tl.exp(g)
+        v = tl.load(Mixed + r * C + VALUE_OFF + h * DV + dv)
+        delta = (v - tl.sum(s * tl.trans(k), 0)) * beta
+        s = s + tl.trans(k) * delta[None, :]
+        tl.store(ptrs, s)
+        o = tl.sum(s * tl.trans(q), 0).to(Out.dtype.element_ty)
+        tl.store(Out + r * stride_out + h * DV + dv, o)
+        of = o.to(tl.float32)
+        sumsq += tl.sum(of * of, 0)
+    tl.debug_barrier()
+    rows = r + tl.zeros([1], dtype=tl.int32)
+    _gated_norm(Out, Z, NormW, rows, rows >= 0, stride_out, stride_z, h * DV, eps, DV, BLOCK_V, sumsq)
+
+
+def delta_step(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, mixed: torch.Tensor, b: torch.Tensor,
+               a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
+               eps: float, num_k_heads: int) -> torch.Tensor:
+    """One token per request. state [slots, Hv, Dk, Dv] float32, updated in place at `slots` [R]; fresh
+    [R] (nonzero: start from zeros); mixed [R, 2 Hk Dk + Hv Dv] the convolution's outputs (float32); b, a
+    [R, Hv] and z [R, Hv Dv] rows of the in-projection (strided). Returns the gated, normed outputs
+    [R, Hv Dv] in z's dtype."""
+    R, H, DK, DV = mixed.shape[0], state.shape[1], state.shape[2], state.shape[3]
+    assert state.dtype == torch.float32 and state.stride(3) == 1 and state.stride(2) == DV
+    out = torch.empty(R, H * DV, dtype=z.dtype, device=z.device)
+    _delta_step_kernel[(R, H)](
+        state, slots, fresh, mixed, b, a, b.stride(0), A_log, dt_bias, z, z.stride(0), norm_weight, out, out.stride(0),
+        eps, state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK, 2 * num_k_heads * DK,
+        mixed.shape[1], DK=DK, DV=DV, BLOCK_V=min(DV, 32), num_warps=4)
+    return out
+
+
+@triton.jit
+def _tree_conv_kernel(Window, Slots, Fresh, X, stride_x, Parents, W, Out, stride_slot, N, C,
+                      K: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0)
+    node = tl.program_id(1)
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < C
+    base = Window + tl.load(Slots + r).to(tl.int64) * stride_slot + c * (K - 1)
+    keep = tl.load(Fresh + r) == 0
+    src = node
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):  # input j tokens back along the ancestor chain
+        # (both read, from clamped places: the interpreter takes no scalar conditions in masks)
+        from_x = tl.load(X + (r * N + tl.maximum(src, 0)) * stride_x + c, mask=ok, other=0.0)
+        from_window = tl.load(base + tl.minimum(tl.maximum(K - 1 + src, 0), K - 2), mask=ok, other=0.0)
+        from_window = tl.where(keep, from_window.to(tl.float32), 0.0)
+        x = tl.where(src >= 0, from_x.to(Window.dtype.element_ty).to(tl.float32), from_window)
+        acc += x * tl.load(W + c * K + K - 1 - j, mask=ok, other=0.0).to(tl.float32)
+        src = tl.where(src >= 0, tl.load(Parents + r * N + tl.maximum(src, 0)), src - 1)
+    tl.store(Out + (r * N + node) * C + c, acc * tl.sigmoid(acc), mask=ok)
+
+
+def tree_conv(window: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, x: torch.Tensor, parents: torch.Tensor,
+              weight: torch.Tensor) -> torch.Tensor:
+    """A tree of N nodes per request: x [R * N, C] (strided rows), parents [R, N] (-1: the root). Each
+    node's convolution reads its ancestor chain, then the slot's window; nothing is written back.
+    Returns silu(conv) [R * N, C] float32."""
+    R, N = parents.shape
+    C, K = window.shape[1], weight.shape[-1]
+    out = torch.empty(R * N, C, dtype=torch.float32, device=x.device)
+    block_c = 256
+    _tree_conv_kernel[(R, N, triton.cdiv(C, block_c))](
+        window, slots, fresh, x, x.stride(0), parents.int().contiguous(), weight.contiguous(), out, window.stride(0),
+        N, C, K=K, BLOCK_C=block_c)
+    return out
+
+
+@triton.jit
+def _tree_delta_kernel(State, Slots, Fresh, Mixed, B, A, stride_ba, ALog, DtBias, Z, stride_z, NormW, Out, stride_out,
+                       Mask, stride_mask_r, stride_mask_q, Depth, Dbuf, Gbuf, eps, stride_slot, stride_head,
+                       HV, REPEAT, KEY_DIM, VALUE_OFF, C, N,
+                       DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, BLOCK_V: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, NP)
+    valid = i < N
+    rows = r * N + i
+    dk = tl.arange(0, DK)
+    hk = h // REPEAT
+    q = tl.load(Mixed + rows[:, None] * C + hk * DK + dk[None, :], mask=valid[:, None], other=0.0)
+    k = tl.load(Mixed + rows[:, None] * C + KEY_DIM + hk * DK + dk[None, :], mask=valid[:, None], other=0.0)
+    q = _unit_rows(q, 1.0 / tl.sqrt(DK * 1.0))
+    k = _unit_rows(k, 1.0)
+    beta, g = _gate_inputs(B, A, ALog, DtBias, rows * stride_ba + h, h, valid)
+    beta = tl.where(valid, beta, 0.0)
+    g = tl.where(valid, g, 0.0)
+    above = tl.load(Mask + r * stride_mask_r + i[:, None] * stride_mask_q + i[None, :],
+                    mask=valid[:, None] & valid[None, :], other=0) != 0
+    G = tl.sum(tl.where(above, g[None, :], 0.0), 1)
+    D = tl.where(above, tl.exp(G[:, None] - G[None, :]), 0.0)
+    kk = tl.dot(k, tl.trans(k), input_precision="ieee")
+    strict = above & (i[:, None] != i[None, :])
+    Amat = tl.where(strict, beta[:, None] * D * kk, 0.0)
+    P = D * tl.dot(q, tl.trans(k), input_precision="ieee")
+    depth = tl.load(Depth + r * N + i, mask=valid, other=0)
+    deepest = tl.max(depth, 0)
+    eG = tl.exp(G)
+    base = State + tl.load(Slots + r).to(tl.int64) * stride_slot + h * stride_head
+    keep = tl.load(Fresh + r) == 0
+    sumsq = tl.zeros([NP], dtype=tl.float32)
+    for vb in tl.static_range(DV // BLOCK_V):
+        dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        s0 = tl.where(keep, tl.load(base + dk[:, None] * DV + dv[None, :], mask=dv[None, :] < DV, other=0.0), 0.0)
+        v = tl.load(Mixed + rows[:, None] * C + VALUE_OFF + h * DV + dv[None, :], mask=valid[:, None], other=0.0)
+        rhs = beta[:, None] * (v - eG[:, None] * tl.dot(k, s0, input_precision="ieee"))
+        d = rhs
+        for t in range(1, deepest + 1):  # depth t: its ancestors' updates are final
+            d = tl.where((depth == t)[:, None], rhs - tl.dot(Amat, d, input_precision="ieee"), d)
+        o = eG[:, None] * tl.dot(q, s0, input_precision="ieee") + tl.dot(P, d, input_precision="ieee")
+        ok = valid[:, None] & (dv[None, :] < DV)
+        tl.store(Dbuf + ((r * HV + h) * N + i[:, None]) * DV + dv[None, :], d, mask=ok)
+        o = o.to(Out.dtype.element_ty)
+        tl.store(Out + rows[:, None] * stride_out + h * DV + dv[None, :], o, mask=ok)
+        of = o.to(tl.float32)
+        sumsq += tl.sum(of * of, 1)
+    tl.store(Gbuf + (r * HV + h) * N + i, G, mask=valid)
+    tl.debug_barrier()
+    _gated_norm(Out, Z, NormW, rows, valid, stride_out, stride_z, h * DV, eps, DV, BLOCK_V, sumsq)
+
+
+def tree_delta(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, mixed: torch.Tensor, b: torch.Tensor,
+               a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
+               eps: float, num_k_heads: int, above: torch.Tensor, depth: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tree of N nodes per request (ancestors first; above [R, >=N, >=N] the ancestor-or-self mask, depth
+    [R, N]), solved from the slots' states, which are only read. Arguments as `delta_step`'s, with R * N
+    rows. Returns the gated, normed outputs [R * N, Hv Dv] (z's dtype), the updates d [R, Hv, N, Dv] and
+    the decay sums G [R, Hv, N] (float32) that `tree_commit` needs."""
+    R, N = depth.shape
+    H, DK, DV = state.shape[1], state.shape[2], state.shape[3]
+    assert above.stride(2) == 1
+    out = torch.empty(R * N, H * DV, dtype=z.dtype, device=z.device)
+    d = torch.empty(R, H, N, DV, dtype=torch.float32, device=z.device)
+    G = torch.empty(R, H, N, dtype=torch.float32, device=z.device)
+    _tree_delta_kernel[(R, H)](
+        state, slots, fresh, mixed, b, a, b.stride(0), A_log, dt_bias, z, z.stride(0), norm_weight, out, out.stride(0),
+        above, above.stride(0), above.stride(1), depth.int().contiguous(), d, G, eps, state.stride(0), state.stride(1),
+        H, H // num_k_heads, num_k_heads * DK, 2 * num_k_heads * DK, mixed.shape[1], N,
+        DK=DK, DV=DV, NP=max(16, triton.next_power_of_2(N)), BLOCK_V=min(DV, 32), num_warps=8)
+    return out, d, G
+
+
+@triton.jit
+def _commit_state_kernel(State, Slots, Fresh, Mixed, Dbuf, Gbuf, Mask, stride_mask_r, stride_mask_q, Nodes,
+                         stride_slot, stride_head, HV, REPEAT, KEY_DIM, C, N,
+                         DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, BLOCK_V: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, NP)
+    valid = i < N
+    dk = tl.arange(0, DK)
+    end = tl.load(Nodes + r)
+    on_path = tl.load(Mask + r * stride_mask_r + end * stride_mask_q + i, mask=valid, other=0) != 0
+    G = tl.load(Gbuf + (r * HV + h) * N + i, mask=valid, other=0.0)
+    Ge = tl.sum(tl.where(i == end, G, 0.0), 0)
+    k = tl.load(Mixed + (r * N + i[:, None]) * C + KEY_DIM + (h // REPEAT) * DK + dk[None, :], mask=valid[:, None],
+                other=0.0)
+    k = _unit_rows(k, 1.0) * tl.where(on_path, tl.exp(Ge - G), 0.0)[:, None]
+    base = State + tl.load(Slots + r).to(tl.int64) * stride_slot + h * stride_head
+    keep = tl.load(Fresh + r) == 0
+    for vb in tl.static_range(DV // BLOCK_V):
+        dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        ptrs = base + dk[:, None] * DV + dv[None, :]
+        s0 = tl.where(keep, tl.load(ptrs, mask=dv[None, :] < DV, other=0.0), 0.0)
+        d = tl.load(Dbuf + ((r * HV + h) * N + i[:, None]) * DV + dv[None, :], mask=valid[:, None], other=0.0)
+        new = tl.exp(Ge) * s0 + tl.dot(tl.trans(k), d, input_precision="ieee")
+        tl.debug_barrier()
+        tl.store(ptrs, new)
+
+
+@triton.jit
+def _commit_window_kernel(Window, Slots, Fresh, X, stride_x, Parents, Nodes, stride_slot, N, C,
+                          K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < C
+    j = tl.arange(0, KP)  # window columns, oldest first
+    src = tl.load(Nodes + r)
+    srcs = tl.zeros([KP], dtype=tl.int32)
+    for lag in tl.static_range(K - 1):  # column K - 2 - lag holds the input `lag` tokens back
+        srcs = tl.where(j == K - 2 - lag, src, srcs)
+        src = tl.where(src >= 0, tl.load(Parents + r * N + tl.maximum(src, 0)), src - 1)
+    base = Window + tl.load(Slots + r).to(tl.int64) * stride_slot + c[:, None] * (K - 1)
+    keep = tl.load(Fresh + r) == 0
+    col = j[None, :] < K - 1
+    from_x = tl.load(X + (r * N + tl.maximum(srcs, 0))[None, :] * stride_x + c[:, None],
+                     mask=ok[:, None] & col & (srcs >= 0)[None, :], other=0.0)
+    from_window = tl.load(base + tl.maximum(K - 1 + srcs, 0)[None, :], mask=ok[:, None] & col & (srcs < 0)[None, :],
+                          other=0.0)
+    from_window = tl.where(keep, from_window, tl.zeros_like(from_window))
+    new = tl.where((srcs >= 0)[None, :], from_x.to(Window.dtype.element_ty), from_window)
+    tl.debug_barrier()
+    tl.store(base + j[None, :], new, mask=ok[:, None] & col)
+
+
+def tree_commit(state: torch.Tensor, window: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+                mixed: torch.Tensor, x: torch.Tensor, d: torch.Tensor, G: torch.Tensor, above: torch.Tensor,
+                parents: torch.Tensor, nodes: torch.Tensor, weight_K: int, num_k_heads: int) -> None:
+    """After a verified tree: each request's slot takes the state and window at the end of its accepted
+    path, node nodes[r]: exp(G_end) S0 + sum over the path of exp(G_end - G_i) k_i d_i^T, and the path's
+    last K - 1 convolution inputs."""
+    R, H, N, DV = d.shape
+    DK = state.shape[2]
+    nodes = nodes.int().contiguous()
+    _commit_state_kernel[(R, H)](
+        state, slots, fresh, mixed, d, G, above, above.stride(0), above.stride(1), nodes, state.stride(0),
+        state.stride(1), H, H // num_k_heads, num_k_heads * DK, mixed.shape[1], N,
+        DK=DK, DV=DV, NP=max(16, triton.next_power_of_2(N)), BLOCK_V=min(DV, 32), num_warps=4)
+    C = window.shape[1]
+    block_c = 256
+    _commit_window_kernel[(R, triton.cdiv(C, block_c))](
+        window, slots, fresh, x, x.stride(0), parents.int().contiguous(), nodes, window.stride(0), N, C,
+        K=weight_K, KP=triton.next_power_of_2(weight_K - 1), BLOCK_C=block_c)
