@@ -310,7 +310,8 @@ def test_the_triton_kernels_equal_the_torch_path_for_decode_steps_trees_and_comm
     layer.conv_state = torch.randn(slots_n, lin.conv_dim, lin.conv_kernel - 1, generator=g)
     layer.recurrent_state = torch.randn(slots_n, lin.num_v_heads, lin.k_head_dim, lin.v_head_dim, generator=g) * 0.3
     ours = copy.deepcopy(layer)
-    slots, tables = torch.tensor([4, 0, 2]), torch.zeros(R, 32, dtype=torch.int32)
+    slots = torch.tensor([[4, 9], [0, 9], [2, 9]])[:, 0]  # (strided, as the engine's columns are)
+    tables = torch.zeros(R, 32, dtype=torch.int32)
 
     def run(mod, x, positions, batch, triton):
         batch = copy.copy(batch)
@@ -354,11 +355,18 @@ def test_the_triton_kernels_equal_the_torch_path_for_decode_steps_trees_and_comm
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="Triton needs a GPU or its interpreter")
-def test_the_triton_path_generates_like_the_torch_path(hybrid, prompts):
-    # The GPU's kernels (paged attention and K/V stores at partial rotary, the in-place delta step),
-    # run by the interpreter: the same greedy tokens as the torch path.
-    llm = LLM(hybrid, **ENGINE, num_pages=64)
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    want = [o.token_ids for o in llm.generate(prompts[:3], params)]
-    llm.engine.runner.use_triton = True
-    assert [o.token_ids for o in llm.generate(prompts[:3], params)] == want
+def test_the_triton_path_generates_like_the_torch_path(hybrid, drafter, prompts):
+    # The GPU's kernels (paged attention and K/V stores at partial rotary, the Gated DeltaNet decode step,
+    # tree solve and commit), run by the interpreter: AR and DDTree under a noisy oracle (side branches
+    # accepted) give the torch path's greedy tokens.
+    from test_spec import continuation, noisy_oracle, plant
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ar = LLM(hybrid, **ENGINE, num_pages=64).generate(prompts[:3], params)
+    for spec in (None, "ddtree"):
+        llm = LLM(hybrid, draft=drafter if spec else None, spec=spec, budget=8, topk=2, **ENGINE, num_pages=64)
+        llm.engine.runner.use_triton = True
+        if spec:
+            plant(llm, noisy_oracle(continuation(prompts[:3], ar), vocab=llm.config.vocab_size))
+        got = llm.generate(prompts[:3], params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in ar], spec
+        assert_idle(llm)

@@ -156,7 +156,7 @@ class KernelTree(NamedTuple):
     G: torch.Tensor  # [R, Hv, N] the decay sums
     above: torch.Tensor  # [R, N, N] ancestor-or-self
     parents: torch.Tensor  # [R, N]
-    fresh: torch.Tensor  # [R] nonzero: the slot held nothing before the tree
+    prefix: torch.Tensor  # [R] tokens cached before the tree (0: the slot held nothing)
 
 
 class GatedDeltaNet(nn.Module):
@@ -209,16 +209,16 @@ class GatedDeltaNet(nn.Module):
         """A decode step or a verified tree in Triton kernels (ops/triton_gdn.py), device ops only. Returns
         the gated, normed outputs [T, Hv * Dv] in the model dtype."""
         from ddtree.ops import triton_gdn
-        slots, fresh = batch.state_slots, (batch.prefix_lens == 0).int()
+        slots, prefix = batch.state_slots, batch.prefix_lens
         weight = self.conv1d.weight[:, 0]
         common = (self.A_log, self.dt_bias, z, self.norm.weight, self.eps, self.cfg.num_k_heads)
         if decode:
-            mixed = triton_gdn.conv_step(self.conv_state, slots, fresh, qkv, weight)
-            return triton_gdn.delta_step(self.recurrent_state, slots, fresh, mixed, b, a, *common)
+            mixed = triton_gdn.conv_step(self.conv_state, slots, prefix, qkv, weight)
+            return triton_gdn.delta_step(self.recurrent_state, slots, prefix, mixed, b, a, *common)
         above, depth, parents = tree_shape(batch, positions)
-        mixed = triton_gdn.tree_conv(self.conv_state, slots, fresh, qkv, parents, weight)
-        out, d, G = triton_gdn.tree_delta(self.recurrent_state, slots, fresh, mixed, b, a, *common, above, depth)
-        self.pending = KernelTree(mixed, qkv, d, G, above, parents, fresh)
+        mixed = triton_gdn.tree_conv(self.conv_state, slots, prefix, qkv, parents, weight)
+        out, d, G = triton_gdn.tree_delta(self.recurrent_state, slots, prefix, mixed, b, a, *common, above, depth)
+        self.pending = KernelTree(mixed, qkv, d, G, above, parents, prefix)
         return out
 
     def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -288,6 +288,7 @@ class GatedDeltaNet(nn.Module):
         N = qkv.shape[0] // R
         dev = qkv.device
         above, _, parent = tree_shape(batch, positions)  # [R, N, N] ancestor-or-self; [R, N]
+        parent = parent.long()
         window, state = self._slot_states(batch.state_slots, batch.prefix_lens)
         # Each node's inputs at lags 0 .. K - 1: a node index (>= 0), or -m for the slot window's m-th last.
         x = qkv.view(R, N, -1).float()
@@ -312,7 +313,7 @@ class GatedDeltaNet(nn.Module):
         if isinstance(self.pending, KernelTree):
             from ddtree.ops.triton_gdn import tree_commit
             p = self.pending
-            tree_commit(self.recurrent_state, self.conv_state, state_slots, p.fresh, p.mixed, p.qkv, p.d, p.G, p.above,
+            tree_commit(self.recurrent_state, self.conv_state, state_slots, p.prefix, p.mixed, p.qkv, p.d, p.G, p.above,
                         p.parents, nodes, self.cfg.conv_kernel, self.cfg.num_k_heads)
             self.pending = None
             return
@@ -337,13 +338,13 @@ def lag_inputs(x: torch.Tensor, window: torch.Tensor, src: torch.Tensor) -> torc
 
 def tree_shape(batch: AttentionBatch, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A verified tree's ancestor-or-self relation [R, N, N], depths [R, N] and parents [R, N] (-1: a
-    root), computed by the first linear layer and kept on the batch for the others."""
+    root; both int32), computed by the first linear layer and kept on the batch for the others."""
     if batch.tree is None:
         R = batch.state_slots.shape[0]
         N = positions.shape[0] // R
         above = tree_ancestors(batch, positions, R, N)
         depth = positions.view(R, N) - batch.prefix_lens[:, None].long()
-        batch.tree = (above, depth, tree_parent(above, depth))
+        batch.tree = (above, depth.int(), tree_parent(above, depth).int())
     return batch.tree
 
 

@@ -61,14 +61,14 @@ def _gated_norm(Out, Z, NormW, rows, row_ok, stride_out, stride_z, col0, eps, DV
 
 
 @triton.jit
-def _conv_step_kernel(Window, Slots, Fresh, X, W, Out, stride_slot, stride_x, C,
+def _conv_step_kernel(Window, Slots, stride_slots, Prefix, X, W, Out, stride_slot, stride_x, C,
                       K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
     j = tl.arange(0, KP)  # window columns, oldest first
-    base = Window + tl.load(Slots + r).to(tl.int64) * stride_slot + c[:, None] * (K - 1)
-    keep = tl.load(Fresh + r) == 0
+    base = Window + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + c[:, None] * (K - 1)
+    keep = tl.load(Prefix + r) != 0
     in_window = ok[:, None] & (j[None, :] < K - 1)
     window = tl.where(keep, tl.load(base + j[None, :], mask=in_window, other=0.0).to(tl.float32), 0.0)
     shifted = tl.load(base + j[None, :] + 1, mask=in_window & (j[None, :] + 1 < K - 1), other=0.0)
@@ -82,22 +82,23 @@ def _conv_step_kernel(Window, Slots, Fresh, X, W, Out, stride_slot, stride_x, C,
     tl.store(base + j[None, :], new, mask=ok[:, None] & (j[None, :] < K - 1))
 
 
-def conv_step(window: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, x: torch.Tensor,
+def conv_step(window: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, x: torch.Tensor,
               weight: torch.Tensor) -> torch.Tensor:
     """One token per request: x [R, C] (rows of the in-projection, strided), windows [slots, C, K - 1]
-    updated in place at `slots`; weight [C, K]. Returns silu(conv) [R, C] float32."""
+    updated in place at `slots` [R] (a request with prefix[r] == 0 cached tokens starts from zeros);
+    weight [C, K]. Returns silu(conv) [R, C] float32."""
     R, C = x.shape[0], window.shape[1]
     K = weight.shape[-1]
     out = torch.empty(R, C, dtype=torch.float32, device=x.device)
     block_c = 128
     _conv_step_kernel[(R, triton.cdiv(C, block_c))](
-        window, slots, fresh, x, weight.contiguous(), out, window.stride(0), x.stride(0), C,
+        window, slots, slots.stride(0), prefix, x, weight.contiguous(), out, window.stride(0), x.stride(0), C,
         K=K, KP=triton.next_power_of_2(K - 1), BLOCK_C=block_c)
     return out
 
 
 @triton.jit
-def _delta_step_kernel(State, Slots, Fresh, Mixed, B, A, stride_ba, ALog, DtBias, Z, stride_z, NormW, Out,
+def _delta_step_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_ba, ALog, DtBias, Z, stride_z, NormW, Out,
                        stride_out, eps, stride_slot, stride_head, HV, REPEAT, KEY_DIM, VALUE_OFF, C,
                        DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr):
     r = tl.program_id(0)
@@ -107,8 +108,8 @@ def _delta_step_kernel(State, Slots, Fresh, Mixed, B, A, stride_ba, ALog, DtBias
     q = _unit_rows(tl.load(Mixed + r * C + hk * DK + dk)[None, :], 1.0 / tl.sqrt(DK * 1.0))
     k = _unit_rows(tl.load(Mixed + r * C + KEY_DIM + hk * DK + dk)[None, :], 1.0)
     beta, g = _gate_inputs(B, A, ALog, DtBias, r * stride_ba + h, h, True)
-    base = State + tl.load(Slots + r).to(tl.int64) * stride_slot + h * stride_head
-    keep = tl.load(Fresh + r) == 0
+    base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
+    keep = tl.load(Prefix + r) != 0
     sumsq = tl.zeros([1], dtype=tl.float32)
     for vb in tl.static_range(DV // BLOCK_V):
         dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -127,32 +128,32 @@ def _delta_step_kernel(State, Slots, Fresh, Mixed, B, A, stride_ba, ALog, DtBias
     _gated_norm(Out, Z, NormW, rows, rows >= 0, stride_out, stride_z, h * DV, eps, DV, BLOCK_V, sumsq)
 
 
-def delta_step(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, mixed: torch.Tensor, b: torch.Tensor,
+def delta_step(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, mixed: torch.Tensor, b: torch.Tensor,
                a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
                eps: float, num_k_heads: int) -> torch.Tensor:
-    """One token per request. state [slots, Hv, Dk, Dv] float32, updated in place at `slots` [R]; fresh
-    [R] (nonzero: start from zeros); mixed [R, 2 Hk Dk + Hv Dv] the convolution's outputs (float32); b, a
+    """One token per request. state [slots, Hv, Dk, Dv] float32, updated in place at `slots` [R]; prefix
+    [R] the tokens cached before the step (0: start from zeros); mixed [R, 2 Hk Dk + Hv Dv] the convolution's outputs (float32); b, a
     [R, Hv] and z [R, Hv Dv] rows of the in-projection (strided). Returns the gated, normed outputs
     [R, Hv Dv] in z's dtype."""
     R, H, DK, DV = mixed.shape[0], state.shape[1], state.shape[2], state.shape[3]
     assert state.dtype == torch.float32 and state.stride(3) == 1 and state.stride(2) == DV
     out = torch.empty(R, H * DV, dtype=z.dtype, device=z.device)
     _delta_step_kernel[(R, H)](
-        state, slots, fresh, mixed, b, a, b.stride(0), A_log, dt_bias, z, z.stride(0), norm_weight, out, out.stride(0),
+        state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, z, z.stride(0), norm_weight, out, out.stride(0),
         eps, state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK, 2 * num_k_heads * DK,
         mixed.shape[1], DK=DK, DV=DV, BLOCK_V=min(DV, 32), num_warps=4)
     return out
 
 
 @triton.jit
-def _tree_conv_kernel(Window, Slots, Fresh, X, stride_x, Parents, W, Out, stride_slot, N, C,
+def _tree_conv_kernel(Window, Slots, stride_slots, Prefix, X, stride_x, Parents, W, Out, stride_slot, N, C,
                       K: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0)
     node = tl.program_id(1)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
-    base = Window + tl.load(Slots + r).to(tl.int64) * stride_slot + c * (K - 1)
-    keep = tl.load(Fresh + r) == 0
+    base = Window + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + c * (K - 1)
+    keep = tl.load(Prefix + r) != 0
     src = node
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(K):  # input j tokens back along the ancestor chain
@@ -166,9 +167,9 @@ def _tree_conv_kernel(Window, Slots, Fresh, X, stride_x, Parents, W, Out, stride
     tl.store(Out + (r * N + node) * C + c, acc * tl.sigmoid(acc), mask=ok)
 
 
-def tree_conv(window: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, x: torch.Tensor, parents: torch.Tensor,
+def tree_conv(window: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, x: torch.Tensor, parents: torch.Tensor,
               weight: torch.Tensor) -> torch.Tensor:
-    """A tree of N nodes per request: x [R * N, C] (strided rows), parents [R, N] (-1: the root). Each
+    """A tree of N nodes per request: x [R * N, C] (strided rows), parents [R, N] int32 (-1: the root). Each
     node's convolution reads its ancestor chain, then the slot's window; nothing is written back.
     Returns silu(conv) [R * N, C] float32."""
     R, N = parents.shape
@@ -176,13 +177,13 @@ def tree_conv(window: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, x:
     out = torch.empty(R * N, C, dtype=torch.float32, device=x.device)
     block_c = 256
     _tree_conv_kernel[(R, N, triton.cdiv(C, block_c))](
-        window, slots, fresh, x, x.stride(0), parents.int().contiguous(), weight.contiguous(), out, window.stride(0),
+        window, slots, slots.stride(0), prefix, x, x.stride(0), parents, weight.contiguous(), out, window.stride(0),
         N, C, K=K, BLOCK_C=block_c)
     return out
 
 
 @triton.jit
-def _tree_delta_kernel(State, Slots, Fresh, Mixed, B, A, stride_ba, ALog, DtBias, Z, stride_z, NormW, Out, stride_out,
+def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_ba, ALog, DtBias, Z, stride_z, NormW, Out, stride_out,
                        Mask, stride_mask_r, stride_mask_q, Depth, Dbuf, Gbuf, eps, stride_slot, stride_head,
                        HV, REPEAT, KEY_DIM, VALUE_OFF, C, N,
                        DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -203,7 +204,7 @@ def _tree_delta_kernel(State, Slots, Fresh, Mixed, B, A, stride_ba, ALog, DtBias
     above = tl.load(Mask + r * stride_mask_r + i[:, None] * stride_mask_q + i[None, :],
                     mask=valid[:, None] & valid[None, :], other=0) != 0
     G = tl.sum(tl.where(above, g[None, :], 0.0), 1)
-    D = tl.where(above, tl.exp(G[:, None] - G[None, :]), 0.0)
+    D = tl.where(above, tl.exp(tl.where(above, G[:, None] - G[None, :], 0.0)), 0.0)  # (no overflow off the relation)
     kk = tl.dot(k, tl.trans(k), input_precision="ieee")
     strict = above & (i[:, None] != i[None, :])
     Amat = tl.where(strict, beta[:, None] * D * kk, 0.0)
@@ -211,8 +212,8 @@ def _tree_delta_kernel(State, Slots, Fresh, Mixed, B, A, stride_ba, ALog, DtBias
     depth = tl.load(Depth + r * N + i, mask=valid, other=0)
     deepest = tl.max(depth, 0)
     eG = tl.exp(G)
-    base = State + tl.load(Slots + r).to(tl.int64) * stride_slot + h * stride_head
-    keep = tl.load(Fresh + r) == 0
+    base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
+    keep = tl.load(Prefix + r) != 0
     sumsq = tl.zeros([NP], dtype=tl.float32)
     for vb in tl.static_range(DV // BLOCK_V):
         dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -234,12 +235,12 @@ def _tree_delta_kernel(State, Slots, Fresh, Mixed, B, A, stride_ba, ALog, DtBias
     _gated_norm(Out, Z, NormW, rows, valid, stride_out, stride_z, h * DV, eps, DV, BLOCK_V, sumsq)
 
 
-def tree_delta(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, mixed: torch.Tensor, b: torch.Tensor,
+def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, mixed: torch.Tensor, b: torch.Tensor,
                a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
                eps: float, num_k_heads: int, above: torch.Tensor, depth: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A tree of N nodes per request (ancestors first; above [R, >=N, >=N] the ancestor-or-self mask, depth
-    [R, N]), solved from the slots' states, which are only read. Arguments as `delta_step`'s, with R * N
+    [R, N] int32), solved from the slots' states, which are only read. Arguments as `delta_step`'s, with R * N
     rows. Returns the gated, normed outputs [R * N, Hv Dv] (z's dtype), the updates d [R, Hv, N, Dv] and
     the decay sums G [R, Hv, N] (float32) that `tree_commit` needs."""
     R, N = depth.shape
@@ -249,15 +250,15 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, mi
     d = torch.empty(R, H, N, DV, dtype=torch.float32, device=z.device)
     G = torch.empty(R, H, N, dtype=torch.float32, device=z.device)
     _tree_delta_kernel[(R, H)](
-        state, slots, fresh, mixed, b, a, b.stride(0), A_log, dt_bias, z, z.stride(0), norm_weight, out, out.stride(0),
-        above, above.stride(0), above.stride(1), depth.int().contiguous(), d, G, eps, state.stride(0), state.stride(1),
+        state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, z, z.stride(0), norm_weight, out, out.stride(0),
+        above, above.stride(0), above.stride(1), depth, d, G, eps, state.stride(0), state.stride(1),
         H, H // num_k_heads, num_k_heads * DK, 2 * num_k_heads * DK, mixed.shape[1], N,
         DK=DK, DV=DV, NP=max(16, triton.next_power_of_2(N)), BLOCK_V=min(DV, 32), num_warps=8)
     return out, d, G
 
 
 @triton.jit
-def _commit_state_kernel(State, Slots, Fresh, Mixed, Dbuf, Gbuf, Mask, stride_mask_r, stride_mask_q, Nodes,
+def _commit_state_kernel(State, Slots, stride_slots, Prefix, Mixed, Dbuf, Gbuf, Mask, stride_mask_r, stride_mask_q, Nodes,
                          stride_slot, stride_head, HV, REPEAT, KEY_DIM, C, N,
                          DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, BLOCK_V: tl.constexpr):
     r = tl.program_id(0)
@@ -265,15 +266,15 @@ def _commit_state_kernel(State, Slots, Fresh, Mixed, Dbuf, Gbuf, Mask, stride_ma
     i = tl.arange(0, NP)
     valid = i < N
     dk = tl.arange(0, DK)
-    end = tl.load(Nodes + r)
+    end = tl.load(Nodes + r).to(tl.int32)
     on_path = tl.load(Mask + r * stride_mask_r + end * stride_mask_q + i, mask=valid, other=0) != 0
     G = tl.load(Gbuf + (r * HV + h) * N + i, mask=valid, other=0.0)
     Ge = tl.sum(tl.where(i == end, G, 0.0), 0)
     k = tl.load(Mixed + (r * N + i[:, None]) * C + KEY_DIM + (h // REPEAT) * DK + dk[None, :], mask=valid[:, None],
                 other=0.0)
-    k = _unit_rows(k, 1.0) * tl.where(on_path, tl.exp(Ge - G), 0.0)[:, None]
-    base = State + tl.load(Slots + r).to(tl.int64) * stride_slot + h * stride_head
-    keep = tl.load(Fresh + r) == 0
+    k = _unit_rows(k, 1.0) * tl.where(on_path, tl.exp(tl.where(on_path, Ge - G, 0.0)), 0.0)[:, None]
+    base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
+    keep = tl.load(Prefix + r) != 0
     for vb in tl.static_range(DV // BLOCK_V):
         dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         ptrs = base + dk[:, None] * DV + dv[None, :]
@@ -285,19 +286,19 @@ def _commit_state_kernel(State, Slots, Fresh, Mixed, Dbuf, Gbuf, Mask, stride_ma
 
 
 @triton.jit
-def _commit_window_kernel(Window, Slots, Fresh, X, stride_x, Parents, Nodes, stride_slot, N, C,
+def _commit_window_kernel(Window, Slots, stride_slots, Prefix, X, stride_x, Parents, Nodes, stride_slot, N, C,
                           K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
     j = tl.arange(0, KP)  # window columns, oldest first
-    src = tl.load(Nodes + r)
+    src = tl.load(Nodes + r).to(tl.int32)
     srcs = tl.zeros([KP], dtype=tl.int32)
     for lag in tl.static_range(K - 1):  # column K - 2 - lag holds the input `lag` tokens back
         srcs = tl.where(j == K - 2 - lag, src, srcs)
         src = tl.where(src >= 0, tl.load(Parents + r * N + tl.maximum(src, 0)), src - 1)
-    base = Window + tl.load(Slots + r).to(tl.int64) * stride_slot + c[:, None] * (K - 1)
-    keep = tl.load(Fresh + r) == 0
+    base = Window + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + c[:, None] * (K - 1)
+    keep = tl.load(Prefix + r) != 0
     col = j[None, :] < K - 1
     from_x = tl.load(X + (r * N + tl.maximum(srcs, 0))[None, :] * stride_x + c[:, None],
                      mask=ok[:, None] & col & (srcs >= 0)[None, :], other=0.0)
@@ -309,7 +310,7 @@ def _commit_window_kernel(Window, Slots, Fresh, X, stride_x, Parents, Nodes, str
     tl.store(base + j[None, :], new, mask=ok[:, None] & col)
 
 
-def tree_commit(state: torch.Tensor, window: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+def tree_commit(state: torch.Tensor, window: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor,
                 mixed: torch.Tensor, x: torch.Tensor, d: torch.Tensor, G: torch.Tensor, above: torch.Tensor,
                 parents: torch.Tensor, nodes: torch.Tensor, weight_K: int, num_k_heads: int) -> None:
     """After a verified tree: each request's slot takes the state and window at the end of its accepted
@@ -317,13 +318,13 @@ def tree_commit(state: torch.Tensor, window: torch.Tensor, slots: torch.Tensor, 
     last K - 1 convolution inputs."""
     R, H, N, DV = d.shape
     DK = state.shape[2]
-    nodes = nodes.int().contiguous()
+    nodes = nodes.contiguous()
     _commit_state_kernel[(R, H)](
-        state, slots, fresh, mixed, d, G, above, above.stride(0), above.stride(1), nodes, state.stride(0),
+        state, slots, slots.stride(0), prefix, mixed, d, G, above, above.stride(0), above.stride(1), nodes, state.stride(0),
         state.stride(1), H, H // num_k_heads, num_k_heads * DK, mixed.shape[1], N,
         DK=DK, DV=DV, NP=max(16, triton.next_power_of_2(N)), BLOCK_V=min(DV, 32), num_warps=4)
     C = window.shape[1]
     block_c = 256
     _commit_window_kernel[(R, triton.cdiv(C, block_c))](
-        window, slots, fresh, x, x.stride(0), parents.int().contiguous(), nodes, window.stride(0), N, C,
+        window, slots, slots.stride(0), prefix, x, x.stride(0), parents, nodes, window.stride(0), N, C,
         K=weight_K, KP=triton.next_power_of_2(weight_K - 1), BLOCK_C=block_c)
