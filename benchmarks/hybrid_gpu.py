@@ -12,8 +12,10 @@
    depth ("siblings": whole blocks accepted, so the deepest nodes are verified), or the right token
    at rank 0, 1, 2 or missing ("noisy": accepts along side branches). Then the graphed DDTree path
    with the random drafter (acceptance near 1) against the same AR outputs.
+   Before those, float32 greedy output against transformers' on the same GPU (4 prompts).
 4. flash-linear-attention's chunked delta rule, if importable, against ours (models/hybrid.py) on
    variable-length prompts with initial states: agreement and time.
+5. `profile`: kernel time by name over replays of an AR step and a verify of 33 nodes at C=1.
 """
 from __future__ import annotations
 
@@ -108,6 +110,45 @@ def bf16_runs(target: str, drafter: str, vocab: int, out: dict) -> None:
         row["verify_33_over_ar"] = round(row["verify_33_ms"] / row["ar_step_ms"], 3)
     print(json.dumps(out["bf16_step_times"]), flush=True)
     del llm
+    torch.cuda.empty_cache()
+
+
+def profile(target: str, drafter: str, out: dict) -> None:
+    """Kernel time by name over `step_times`' replays of an AR step and a verify of 33 nodes at C=1
+    (bfloat16, CUDA graphs): where a step's time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from ddtree.bench.latency import step_times
+    llm = LLM(target, draft=drafter, spec="ddtree", budget=32, topk=4, dtype="bfloat16", num_pages=2048, max_num_seqs=1)
+    step_times(llm, [1], [33], context=512)  # warm: graphs captured, kernels compiled
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step_times(llm, [1], [33], context=512)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    out["profile_C1"] = table
+    print(table, flush=True)
+    del llm
+    torch.cuda.empty_cache()
+
+
+def hf_check(target: str, vocab: int, out: dict) -> None:
+    """float32 greedy output of ddtree (flash-linear-attention prompts if installed, Triton decode steps,
+    CUDA graphs) against transformers' on the same GPU: 4 prompts, 32 tokens."""
+    from transformers import AutoModelForCausalLM
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in (7, 64, 150, 300)]
+    got = LLM(target, dtype="float32", num_pages=1024, max_num_seqs=4).generate(
+        prompts, SamplingParams(max_tokens=32, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).cuda().eval()
+    rows = []
+    for p, o in zip(prompts, got):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=32, min_new_tokens=32,
+                               do_sample=False)[0, len(p):].tolist()
+        rows.append(want == o.token_ids)
+    out["fp32_equal_transformers"] = rows
+    print("transformers", rows, flush=True)
+    del hf
     torch.cuda.empty_cache()
 
 
@@ -225,7 +266,13 @@ def main() -> None:
     if "fp32" in parts:
         built = build(args.config, os.path.join(work, "fp32"), "float32", sharpen=args.sharpen)
         vocab = json.load(open(os.path.join(built["target"], "config.json")))["vocab_size"]
+        hf_check(built["target"], vocab, out)
+        save()
         fp32_runs(built["target"], built["drafter"], vocab, args.prompts, args.max_tokens, out)
+        save()
+    if "profile" in parts:
+        built = build(args.config, os.path.join(work, "bf16"), "bfloat16")
+        profile(built["target"], built["drafter"], out)
         save()
     print(json.dumps(out, indent=1))
 

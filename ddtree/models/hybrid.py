@@ -21,13 +21,16 @@ yields a per-head output gate (sigmoid), only the first `rotary_dim` channels of
 and the q/k norms, like every norm of these models except the gated one, scale by 1 + weight
 (`fold_norm_offsets` stores 1 + weight at load time).
 
-This is the torch path (the CPU, and the GPU until kernels exist): prompt chunks are walked request by
-request, their tokens through the recurrence a chunk at a time (`chunked_delta_rule`); a verified
-tree (`_tree`) and a decode step (`_decode`, one Triton kernel on the GPU) take every request at once,
-with device ops only. `gated_delta_rule`, the plain token-by-token recurrence, is the oracle in tests.
+Three paths compute the same thing. The torch path (the CPU) walks prompt chunks request by request,
+their tokens through the recurrence a chunk at a time (`chunked_delta_rule`), and takes a verified tree
+(`_tree`) or a decode step (`_decode`) for every request at once with device ops only. On the GPU a
+decode step, a tree and its commit run as Triton kernels (ops/triton_gdn.py, `_triton_step`), and
+prompt chunks go to flash-linear-attention's chunked delta rule where that package is installed
+(`_chunks_fla`). `gated_delta_rule`, the plain token-by-token recurrence, is the oracle in tests.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -148,6 +151,17 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return torch.cat(out), state
 
 
+@functools.cache
+def fla_chunk_rule():
+    """flash-linear-attention's `chunk_gated_delta_rule` (the chunked delta rule in Triton, for prompts on
+    the GPU; `pip install ddtree[hybrid]`), or None where it is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
 class KernelTree(NamedTuple):
     """What the Triton tree step (`GatedDeltaNet._triton_step`) keeps for `commit`."""
     mixed: torch.Tensor  # [R * N, conv_dim] the convolution's outputs (float32)
@@ -191,6 +205,8 @@ class GatedDeltaNet(nn.Module):
             return self._output(self._decode(qkv, g, beta, batch.state_slots, batch.prefix_lens), z, x.dtype)
         if not batch.commit_states:  # a verified tree: every request's nodes at once
             return self._output(self._tree(qkv, g, beta, positions, batch), z, x.dtype)
+        if x.is_cuda and fla_chunk_rule() is not None:
+            return self._output(self._chunks_fla(qkv, g, beta, batch), z, x.dtype)
         out = x.new_empty(x.shape[0], lin.num_v_heads, lin.v_head_dim)
         rows = zip(batch.q_starts.tolist(), batch.q_lens.tolist(), batch.prefix_lens.tolist(),
                    batch.state_slots.tolist())
@@ -203,6 +219,27 @@ class GatedDeltaNet(nn.Module):
                                                                                 window, state)
             out[span] = o.to(out.dtype)
         return self._output(out, z, x.dtype)
+
+    def _chunks_fla(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Prompt chunks (and mixed steps) on the GPU: each request's convolution over its slot's window,
+        then one flash-linear-attention call solves every request's chunk from its slot's state
+        (`chunk_gated_delta_rule` over variable lengths). Returns the outputs [T, Hv, Dv] (float32)."""
+        lin = self.cfg
+        slots, prefix = batch.state_slots, batch.prefix_lens
+        lens = batch.q_lens.long()
+        mixed = torch.empty(qkv.shape[0], lin.conv_dim, dtype=torch.float32, device=qkv.device)
+        windows, states = self._slot_states(slots, prefix)
+        weight = self.conv1d.weight.float()
+        for r, (start, n) in enumerate(zip(batch.q_starts.tolist(), lens.tolist())):
+            seq = torch.cat([windows[r], qkv[start:start + n].T.float()], dim=-1)  # [conv_dim, K - 1 + n]
+            mixed[start:start + n] = F.silu(F.conv1d(seq[None], weight, groups=lin.conv_dim)[0]).T
+            self.conv_state[slots[r]] = seq[:, seq.shape[1] - windows.shape[2]:].to(self.conv_state.dtype)
+        q, k, v = self._heads(mixed)
+        cu = F.pad(lens.cumsum(0), (1, 0))
+        out, final = fla_chunk_rule()(q[None], k[None], v[None], g.float()[None], beta.float()[None], scale=1.0,
+                                      initial_state=states, output_final_state=True, cu_seqlens=cu)
+        self.recurrent_state[slots] = final.float()
+        return out[0]
 
     def _triton_step(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                      positions: torch.Tensor, batch: AttentionBatch, decode: bool) -> torch.Tensor:

@@ -13,19 +13,25 @@ The layer's in-projection yields, per token, the q|k|v stream x [conv_dim] and t
   A tree solves every node at once from the slot's S0 (models/hybrid.py's `delta_rule_over`): with G
   the sum of g over a node's ancestors and itself and D[t, i] = exp(G[t] - G[i]) over ancestors i,
   the updates d solve (I + A) d = beta (v - exp(G) K S0), A[t, i] = beta_t D[t, i] (k_t . k_i) over
-  strict ancestors. A is zero outside the ancestor relation, so the system is solved a depth at a
-  time: every node of depth t takes its final d from its ancestors' (`tree_delta`).
+  strict ancestors, by forward substitution (ancestors come first), and o = exp(G) Q S0 + (D o QK^T) d
+  (`tree_delta`). The commit rebuilds the accepted path's end state from d (`tree_commit`).
 - the output: RMS norm of o (over Dv) times the norm weight, gated by silu(z), in the model dtype.
 
-A program takes one (request, value head) and walks the value columns BLOCK_V at a time: columns of
-S are independent, and the norm needs the whole head. A request whose state is fresh (nothing cached
-before the step) starts from zero windows and states, whatever its slot holds.
+A decode program takes one (request, value head) and walks the value columns BLOCK_V at a time (the
+columns of S are independent, and the norm needs the whole head). A tree program takes one (request,
+value head, BLOCK_V columns), so a single request's tree still spreads over Hv * Dv / BLOCK_V programs;
+its outputs are normed by a second kernel. A request whose state is fresh (nothing cached before the
+step: prefix 0) starts from zero windows and states, whatever its slot holds.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+# Matrix products in float32 on tensor cores: three TF32 products carry float32's precision (the
+# interpreter computes them exactly).
+PRECISION: tl.constexpr = tl.constexpr("tf32x3")
 
 
 @triton.jit
@@ -44,20 +50,11 @@ def _unit_rows(x, scale):
 
 
 @triton.jit
-def _gated_norm(Out, Z, NormW, rows, row_ok, stride_out, stride_z, col0, eps, DV: tl.constexpr,
-                BLOCK_V: tl.constexpr, sumsq):
-    """Out[rows, col0:col0 + DV] (model dtype, the raw outputs) becomes rms_norm(o) * w * silu(z)."""
-    inv = tl.rsqrt(sumsq / DV + eps)
-    for vb in tl.static_range(DV // BLOCK_V):
-        dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        ok = row_ok[:, None] & (dv[None, :] < DV)
-        ptrs = Out + rows[:, None] * stride_out + col0 + dv[None, :]
-        o = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-        w = tl.load(NormW + dv).to(tl.float32)
-        normed = (o * inv[:, None]).to(Out.dtype.element_ty).to(tl.float32) * w[None, :]
-        z = tl.load(Z + rows[:, None] * stride_z + col0 + dv[None, :], mask=ok, other=0.0).to(tl.float32)
-        gated = normed.to(Out.dtype.element_ty).to(tl.float32) * (z * tl.sigmoid(z))
-        tl.store(ptrs, gated.to(Out.dtype.element_ty), mask=ok)
+def _norm_and_gate(o, inv_rms, w, z, dtype: tl.constexpr):
+    """rms_norm(o) * w * silu(z), rounded to the model dtype where the torch path rounds (o arrives
+    rounded; inv_rms is 1 / sqrt(mean(o^2) + eps))."""
+    normed = (o * inv_rms).to(dtype).to(tl.float32) * w
+    return (normed.to(dtype).to(tl.float32) * (z * tl.sigmoid(z))).to(dtype)
 
 
 @triton.jit
@@ -110,7 +107,7 @@ def _delta_step_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     beta, g = _gate_inputs(B, A, ALog, DtBias, r * stride_ba + h, h, True)
     base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
     keep = tl.load(Prefix + r) != 0
-    sumsq = tl.zeros([1], dtype=tl.float32)
+    sumsq = 0.0
     for vb in tl.static_range(DV // BLOCK_V):
         dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         ptrs = base + dk[:, None] * DV + dv[None, :]
@@ -124,8 +121,13 @@ def _delta_step_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
         of = o.to(tl.float32)
         sumsq += tl.sum(of * of, 0)
     tl.debug_barrier()
-    rows = r + tl.zeros([1], dtype=tl.int32)
-    _gated_norm(Out, Z, NormW, rows, rows >= 0, stride_out, stride_z, h * DV, eps, DV, BLOCK_V, sumsq)
+    inv_rms = tl.rsqrt(sumsq / DV + eps)
+    for vb in tl.static_range(DV // BLOCK_V):
+        dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        o = tl.load(Out + r * stride_out + h * DV + dv).to(tl.float32)
+        z = tl.load(Z + r * stride_z + h * DV + dv).to(tl.float32)
+        gated = _norm_and_gate(o, inv_rms, tl.load(NormW + dv).to(tl.float32), z, Out.dtype.element_ty)
+        tl.store(Out + r * stride_out + h * DV + dv, gated)
 
 
 def delta_step(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, mixed: torch.Tensor, b: torch.Tensor,
@@ -136,7 +138,7 @@ def delta_step(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     [R, Hv] and z [R, Hv Dv] rows of the in-projection (strided). Returns the gated, normed outputs
     [R, Hv Dv] in z's dtype."""
     R, H, DK, DV = mixed.shape[0], state.shape[1], state.shape[2], state.shape[3]
-    assert state.dtype == torch.float32 and state.stride(3) == 1 and state.stride(2) == DV
+    assert state.dtype == torch.float32 and state.stride(3) == 1 and state.stride(2) == DV and DV & (DV - 1) == 0
     out = torch.empty(R, H * DV, dtype=z.dtype, device=z.device)
     _delta_step_kernel[(R, H)](
         state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, z, z.stride(0), norm_weight, out, out.stride(0),
@@ -183,12 +185,12 @@ def tree_conv(window: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, x
 
 
 @triton.jit
-def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_ba, ALog, DtBias, Z, stride_z, NormW, Out, stride_out,
-                       Mask, stride_mask_r, stride_mask_q, Depth, Dbuf, Gbuf, eps, stride_slot, stride_head,
-                       HV, REPEAT, KEY_DIM, VALUE_OFF, C, N,
-                       DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, BLOCK_V: tl.constexpr):
+def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_ba, ALog, DtBias, Out, Mask,
+                       stride_mask_r, stride_mask_q, Dbuf, Gbuf, stride_slot, stride_head, HV, REPEAT, KEY_DIM,
+                       VALUE_OFF, C, N, DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, BLOCK_V: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
+    vb = tl.program_id(2)
     i = tl.arange(0, NP)
     valid = i < N
     rows = r * N + i
@@ -205,34 +207,37 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
                     mask=valid[:, None] & valid[None, :], other=0) != 0
     G = tl.sum(tl.where(above, g[None, :], 0.0), 1)
     D = tl.where(above, tl.exp(tl.where(above, G[:, None] - G[None, :], 0.0)), 0.0)  # (no overflow off the relation)
-    kk = tl.dot(k, tl.trans(k), input_precision="ieee")
     strict = above & (i[:, None] != i[None, :])
-    Amat = tl.where(strict, beta[:, None] * D * kk, 0.0)
-    P = D * tl.dot(q, tl.trans(k), input_precision="ieee")
-    depth = tl.load(Depth + r * N + i, mask=valid, other=0)
-    deepest = tl.max(depth, 0)
+    Amat = tl.where(strict, beta[:, None] * D * tl.dot(k, tl.trans(k), input_precision=PRECISION), 0.0)
+    P = D * tl.dot(q, tl.trans(k), input_precision=PRECISION)
     eG = tl.exp(G)
-    base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
+    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     keep = tl.load(Prefix + r) != 0
-    sumsq = tl.zeros([NP], dtype=tl.float32)
-    for vb in tl.static_range(DV // BLOCK_V):
-        dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        s0 = tl.where(keep, tl.load(base + dk[:, None] * DV + dv[None, :], mask=dv[None, :] < DV, other=0.0), 0.0)
-        v = tl.load(Mixed + rows[:, None] * C + VALUE_OFF + h * DV + dv[None, :], mask=valid[:, None], other=0.0)
-        rhs = beta[:, None] * (v - eG[:, None] * tl.dot(k, s0, input_precision="ieee"))
-        d = rhs
-        for t in range(1, deepest + 1):  # depth t: its ancestors' updates are final
-            d = tl.where((depth == t)[:, None], rhs - tl.dot(Amat, d, input_precision="ieee"), d)
-        o = eG[:, None] * tl.dot(q, s0, input_precision="ieee") + tl.dot(P, d, input_precision="ieee")
-        ok = valid[:, None] & (dv[None, :] < DV)
-        tl.store(Dbuf + ((r * HV + h) * N + i[:, None]) * DV + dv[None, :], d, mask=ok)
-        o = o.to(Out.dtype.element_ty)
-        tl.store(Out + rows[:, None] * stride_out + h * DV + dv[None, :], o, mask=ok)
-        of = o.to(tl.float32)
-        sumsq += tl.sum(of * of, 1)
-    tl.store(Gbuf + (r * HV + h) * N + i, G, mask=valid)
-    tl.debug_barrier()
-    _gated_norm(Out, Z, NormW, rows, valid, stride_out, stride_z, h * DV, eps, DV, BLOCK_V, sumsq)
+    base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
+    s0 = tl.where(keep, tl.load(base + dk[:, None] * DV + dv[None, :]), 0.0)
+    v = tl.load(Mixed + rows[:, None] * C + VALUE_OFF + h * DV + dv[None, :], mask=valid[:, None], other=0.0)
+    d = beta[:, None] * (v - eG[:, None] * tl.dot(k, s0, input_precision=PRECISION))
+    for t in range(1, N):  # forward substitution: node t's ancestors come before it and are final
+        a_t = tl.sum(tl.where(i[:, None] == t, Amat, 0.0), 0)  # row t of A, over the nodes
+        d = tl.where(i[:, None] == t, d - tl.sum(a_t[:, None] * d, 0)[None, :], d)
+    o = eG[:, None] * tl.dot(q, s0, input_precision=PRECISION) + tl.dot(P, d, input_precision=PRECISION)
+    ok = valid[:, None]
+    tl.store(Dbuf + ((r * HV + h) * N + i[:, None]) * DV + dv[None, :], d, mask=ok)
+    tl.store(Out + rows[:, None] * (HV * DV) + h * DV + dv[None, :], o, mask=ok)
+    if vb == 0:
+        tl.store(Gbuf + (r * HV + h) * N + i, G, mask=valid)
+
+
+@triton.jit
+def _gated_norm_kernel(O, Z, stride_z, NormW, Out, eps, HV, DV: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    dv = tl.arange(0, DV)
+    o = tl.load(O + row * HV * DV + h * DV + dv).to(Out.dtype.element_ty).to(tl.float32)
+    z = tl.load(Z + row * stride_z + h * DV + dv).to(tl.float32)
+    gated = _norm_and_gate(o, tl.rsqrt(tl.sum(o * o, 0) / DV + eps), tl.load(NormW + dv).to(tl.float32), z,
+                           Out.dtype.element_ty)
+    tl.store(Out + row * HV * DV + h * DV + dv, gated)
 
 
 def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, mixed: torch.Tensor, b: torch.Tensor,
@@ -240,20 +245,24 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
                eps: float, num_k_heads: int, above: torch.Tensor, depth: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A tree of N nodes per request (ancestors first; above [R, >=N, >=N] the ancestor-or-self mask, depth
-    [R, N] int32), solved from the slots' states, which are only read. Arguments as `delta_step`'s, with R * N
+    [R, N]), solved from the slots' states, which are only read. Arguments as `delta_step`'s, with R * N
     rows. Returns the gated, normed outputs [R * N, Hv Dv] (z's dtype), the updates d [R, Hv, N, Dv] and
-    the decay sums G [R, Hv, N] (float32) that `tree_commit` needs."""
+    the decay sums G [R, Hv, N] (float32) that `tree_commit` needs. One program per (request, head,
+    BLOCK_V value columns); then one per (node, head) norms and gates the outputs."""
     R, N = depth.shape
     H, DK, DV = state.shape[1], state.shape[2], state.shape[3]
-    assert above.stride(2) == 1
-    out = torch.empty(R * N, H * DV, dtype=z.dtype, device=z.device)
+    assert above.stride(2) == 1 and state.stride(3) == 1 and state.stride(2) == DV and DV & (DV - 1) == 0
+    raw = torch.empty(R * N, H * DV, dtype=torch.float32, device=z.device)
     d = torch.empty(R, H, N, DV, dtype=torch.float32, device=z.device)
     G = torch.empty(R, H, N, dtype=torch.float32, device=z.device)
-    _tree_delta_kernel[(R, H)](
-        state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, z, z.stride(0), norm_weight, out, out.stride(0),
-        above, above.stride(0), above.stride(1), depth, d, G, eps, state.stride(0), state.stride(1),
-        H, H // num_k_heads, num_k_heads * DK, 2 * num_k_heads * DK, mixed.shape[1], N,
-        DK=DK, DV=DV, NP=max(16, triton.next_power_of_2(N)), BLOCK_V=min(DV, 32), num_warps=8)
+    block_v = min(DV, 32)
+    _tree_delta_kernel[(R, H, triton.cdiv(DV, block_v))](
+        state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, raw, above, above.stride(0),
+        above.stride(1), d, G, state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK,
+        2 * num_k_heads * DK, mixed.shape[1], N, DK=DK, DV=DV, NP=max(16, triton.next_power_of_2(N)),
+        BLOCK_V=block_v, num_warps=4)
+    out = torch.empty(R * N, H * DV, dtype=z.dtype, device=z.device)
+    _gated_norm_kernel[(R * N, H)](raw, z, z.stride(0), norm_weight, out, eps, H, DV=DV)
     return out, d, G
 
 
@@ -263,6 +272,7 @@ def _commit_state_kernel(State, Slots, stride_slots, Prefix, Mixed, Dbuf, Gbuf, 
                          DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, BLOCK_V: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
+    vb = tl.program_id(2)
     i = tl.arange(0, NP)
     valid = i < N
     dk = tl.arange(0, DK)
@@ -275,14 +285,13 @@ def _commit_state_kernel(State, Slots, stride_slots, Prefix, Mixed, Dbuf, Gbuf, 
     k = _unit_rows(k, 1.0) * tl.where(on_path, tl.exp(tl.where(on_path, Ge - G, 0.0)), 0.0)[:, None]
     base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
     keep = tl.load(Prefix + r) != 0
-    for vb in tl.static_range(DV // BLOCK_V):
-        dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        ptrs = base + dk[:, None] * DV + dv[None, :]
-        s0 = tl.where(keep, tl.load(ptrs, mask=dv[None, :] < DV, other=0.0), 0.0)
-        d = tl.load(Dbuf + ((r * HV + h) * N + i[:, None]) * DV + dv[None, :], mask=valid[:, None], other=0.0)
-        new = tl.exp(Ge) * s0 + tl.dot(tl.trans(k), d, input_precision="ieee")
-        tl.debug_barrier()
-        tl.store(ptrs, new)
+    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    ptrs = base + dk[:, None] * DV + dv[None, :]
+    s0 = tl.where(keep, tl.load(ptrs), 0.0)
+    d = tl.load(Dbuf + ((r * HV + h) * N + i[:, None]) * DV + dv[None, :], mask=valid[:, None], other=0.0)
+    new = tl.exp(Ge) * s0 + tl.dot(tl.trans(k), d, input_precision=PRECISION)
+    tl.debug_barrier()
+    tl.store(ptrs, new)
 
 
 @triton.jit
@@ -319,10 +328,11 @@ def tree_commit(state: torch.Tensor, window: torch.Tensor, slots: torch.Tensor, 
     R, H, N, DV = d.shape
     DK = state.shape[2]
     nodes = nodes.contiguous()
-    _commit_state_kernel[(R, H)](
+    block_v = min(DV, 32)
+    _commit_state_kernel[(R, H, triton.cdiv(DV, block_v))](
         state, slots, slots.stride(0), prefix, mixed, d, G, above, above.stride(0), above.stride(1), nodes, state.stride(0),
         state.stride(1), H, H // num_k_heads, num_k_heads * DK, mixed.shape[1], N,
-        DK=DK, DV=DV, NP=max(16, triton.next_power_of_2(N)), BLOCK_V=min(DV, 32), num_warps=4)
+        DK=DK, DV=DV, NP=max(16, triton.next_power_of_2(N)), BLOCK_V=block_v, num_warps=4)
     C = window.shape[1]
     block_c = 256
     _commit_window_kernel[(R, triton.cdiv(C, block_c))](
