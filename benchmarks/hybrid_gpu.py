@@ -15,7 +15,7 @@
    Before those, float32 greedy output against transformers' on the same GPU (4 prompts).
 4. flash-linear-attention's chunked delta rule, if importable, against ours (models/hybrid.py) on
    variable-length prompts with initial states: agreement and time.
-5. `profile`: kernel time by name over replays of an AR step and a verify of 33 nodes at C=1.
+5. `profile` (with `bf16`): kernel time by name over replays of an AR step and a verify of 33 nodes at C=1.
 """
 from __future__ import annotations
 
@@ -254,26 +254,35 @@ def main() -> None:
     def save():  # after each part: a run cut short keeps what it measured
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
-    if "fla" in parts:
-        fla_probe(out)
+    def part(name, fn):  # a part that fails is reported, and the others still run
+        if name not in parts:
+            return
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            out[f"{name}_error"] = repr(e)
         save()
-    if "bf16" in parts:
+
+    def bf16():
         built = build(args.config, os.path.join(work, "bf16"), "bfloat16")
         out["model"] = {k: built[k] for k in ("layers", "linear_layers", "params")}
         vocab = json.load(open(os.path.join(built["target"], "config.json")))["vocab_size"]
+        if "profile" in parts:
+            profile(built["target"], built["drafter"], out)
         bf16_runs(built["target"], built["drafter"], vocab, out)
-        save()
-    if "fp32" in parts:
+
+    def fp32():
         built = build(args.config, os.path.join(work, "fp32"), "float32", sharpen=args.sharpen)
         vocab = json.load(open(os.path.join(built["target"], "config.json")))["vocab_size"]
         hf_check(built["target"], vocab, out)
         save()
         fp32_runs(built["target"], built["drafter"], vocab, args.prompts, args.max_tokens, out)
-        save()
-    if "profile" in parts:
-        built = build(args.config, os.path.join(work, "bf16"), "bfloat16")
-        profile(built["target"], built["drafter"], out)
-        save()
+
+    part("fla", lambda: fla_probe(out))
+    part("bf16", bf16)
+    part("fp32", fp32)
     print(json.dumps(out, indent=1))
 
 
