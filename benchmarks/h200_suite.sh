@@ -17,14 +17,8 @@
 #   bash benchmarks/h200_suite.sh autocheck 1,32,64,128   # AR and auto only, continuous, one run each (~2 min:
 #                                           # a policy change checked with what device time is left)
 #   bash benchmarks/h200_suite.sh checks    # greedy DDTree and DFlash vs AR on HumanEval in float32
-#   bash benchmarks/h200_suite.sh ab        # bench latency at C=1 without, then with, graphed prefill
 #   bash benchmarks/h200_suite.sh table     # auto's cost table on the scratch page vs distinct pages, longer
 #                                           # contexts (random model of the default shapes: wheels only, ~2 min)
-#   bash benchmarks/h200_suite.sh kernels   # the tree kernels against torch (real shapes), draft times with the
-#                                           # candidate-levels kernel off and on (random model)
-#   bash benchmarks/h200_suite.sh tree64    # budget 64 at C=1 with the torch sorts (kernel width 32), then
-#                                           # with the tree kernel at width 64 (the default); greedy DDTree
-#                                           # b64 vs AR in float32 with it (~4 min)
 set -u
 cli=(python3 -m ddtree.cli)
 sweep=("${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4
@@ -70,29 +64,4 @@ case $1 in
   checks)  # float32: every kernel rounds alike, so a divergence is a real near-tie or a bug
     python3 benchmarks/gpu_checks.py --draft ddtree/models/default_drafter --dtype float32 \
       --skip kernels,transformers --out "$OUT/gpu_checks_fp32.jsonl" > "$OUT/checks_fp32.log" 2>&1 ;;
-  kernels)
-    DDTREE_TREE_KERNEL=1 timeout 150 python3 benchmarks/gpu_checks.py --draft ddtree/models/default_drafter \
-      --skip transformers,dflash --num-prompts 16 --max-tokens 128 --out "$OUT/gpu_checks_tree.jsonl" \
-      > "$OUT/checks_tree.log" 2>&1
-    for on in 0 1; do
-      mkdir -p "$OUT/draft_$on"
-      DDTREE_TREE_KERNEL=$on timeout 150 python3 benchmarks/draft_profile.py "$OUT/draft_$on" 1,16,128 \
-        > "$OUT/draft_profile_$on.log" 2>&1
-      rm -f "$OUT"/draft_$on/kernels_*.txt
-    done ;;
-  tree64)  # width 32: budget 64 takes the torch sorts; 64 (the default since c3da3d6): the tree kernel
-    for w in 32 64; do
-      DDTREE_TREE_KERNEL_MAX_WIDTH=$w "${cli[@]}" bench latency --dataset humaneval --num-prompts 40 --concurrency 1 \
-        --budget 32,64 --topk 4 --repeats 1 --step-times --out "$OUT/latency_tree$w.jsonl" \
-        > "$OUT/latency_tree$w.log" 2>&1
-    done
-    DDTREE_TREE_KERNEL_MAX_WIDTH=64 timeout 200 python3 benchmarks/gpu_checks.py --draft ddtree/models/default_drafter \
-      --dtype float32 --skip kernels,transformers,dflash --budget 64 --num-prompts 40 --max-tokens 128 \
-      --out "$OUT/gpu_checks_tree64.jsonl" > "$OUT/checks_tree64.log" 2>&1 ;;
-  ab)
-    for graphs in 0 1; do
-      DDTREE_PREFILL_GRAPHS=$graphs "${cli[@]}" bench latency --dataset humaneval --num-prompts 40 --concurrency 1 \
-        --budget 32,auto --topk 4 --repeats 1 --out "$OUT/latency_prefill_graphs_$graphs.jsonl" \
-        > "$OUT/latency_prefill_graphs_$graphs.log" 2>&1
-    done ;;
 esac

@@ -11,8 +11,7 @@ OUT_DIR, and prints):
 - the host time of a burst split by part: graph launches (`GraphPool.run`: input copies + launch),
   the next step's inputs (`_next_inputs`), waits for read-backs, and commits. If the waits are near
   zero the host is the bottleneck; if they are large, the GPU is.
-- per-request time outside decode steps: a 1-token generation (prefill + first step), with the
-  graphed prefill on and off.
+- per-request time outside decode steps: a 1-token generation (prefill + first step).
 """
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ from auto_overhead import timed_parts  # noqa: E402
 from gpu_profile import busy_share, default_shaped_model, emit  # noqa: E402
 
 from ddtree import LLM, SamplingParams  # noqa: E402
-from ddtree.engine import ar as ar_mod  # noqa: E402
 from ddtree.models.hub import DEFAULT_DRAFT_DIR  # noqa: E402
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
@@ -68,14 +66,11 @@ def main() -> int:
     d = default_shaped_model()
     emit("env", gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     prompt = [(17 * j) % 150000 + 100 for j in range(128)]
-    ar_mod.PREFILL_GRAPHS = False
     llm = LLM(d, draft=DEFAULT_DRAFT_DIR, spec="none", max_num_seqs=16, dtype="bfloat16")
-    request_overhead(llm, prompt, "ar-prefill-graphs-0")
     if len(sys.argv) > 2:  # modes to skip
         skip = set(sys.argv[2].split(","))
     else:
         skip = set()
-    ar_mod.PREFILL_GRAPHS = True
     P = SamplingParams(max_tokens=256, ignore_eos=True)
     for mode, budget, topk in (("none", None, None), ("dflash", None, None), ("ddtree", 32, 4)):
         if mode in skip:

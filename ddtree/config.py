@@ -188,6 +188,20 @@ class EngineConfig:
     kv_cache_gb: float = 2.0  # CPU: memory for the KV cache when num_pages is None
     gpu_memory_utilization: float = 0.85
     cuda_graphs: bool = True  # decode steps replay CUDA graphs on GPU (eager is for debugging only)
+    # The kernels: "auto" (Triton on a GPU, torch ops elsewhere), "torch" (the reference ops everywhere, to
+    # debug) or "triton" (also on the CPU, in Triton's interpreter: TRITON_INTERPRET=1 set before start).
+    kernels: str = "auto"
+
+    def __post_init__(self):
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {self.kernels!r}")
+
+    def use_triton(self, device: torch.device) -> bool:
+        """Whether the Triton kernels run on `device`."""
+        if self.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kernels='triton' off a GPU runs Triton's interpreter: set TRITON_INTERPRET=1 "
+                             "before starting")
+        return self.kernels == "triton" or (self.kernels == "auto" and device.type == "cuda")
 
 
 @dataclass(slots=True)

@@ -57,10 +57,11 @@ class LLM:
                  budget: int | None = None, topk: int | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, page_size: int = 16, num_pages: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 kv_cache_gb: float = 1.0, cuda_graphs: bool = True, tokenizer=None, cost_table=None,
-                 tensor_parallel_size: int = 1, parallel: ParallelConfig | None = None):
+                 kv_cache_gb: float = 1.0, cuda_graphs: bool = True, kernels: str = "auto", tokenizer=None,
+                 cost_table=None, tensor_parallel_size: int = 1, parallel: ParallelConfig | None = None):
         """`tensor_parallel_size` > 1 splits the target over that many ranks (processes) on this host;
-        `parallel` sets more (several hosts: parallel/workers.py). `close()` stops them."""
+        `parallel` sets more (several hosts: parallel/workers.py). `close()` stops them. `kernels`:
+        EngineConfig's (the reference torch ops with "torch")."""
         from ddtree.models.hub import default_draft, is_default_model, resolve_model
         from ddtree.models.loader import load_model
 
@@ -80,7 +81,7 @@ class LLM:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
         self.engine_cfg = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                       kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs)
+                                       kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs, kernels=kernels)
         self.drafter = None
         default_pair = draft is None and spec is None and is_default_model(model)
         if draft is None and spec != "none" and is_default_model(model):
@@ -209,10 +210,7 @@ class LLM:
         return {"format": 1, "device": device, "torch": torch.__version__, "dtype": str(self.dtype),
                 "model": files(self.model_path), "drafter": files(self.draft_path), "topk": self.topk,
                 "budgets": candidate_budgets(self.drafter.dcfg.block_size - 1, self.topk),
-                "engine": asdict(self.engine_cfg), "tensor_parallel_size": self.parallel.tensor_parallel_size,
-                # (the switches that change what a step costs)
-                "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DDTREE_")
-                             and k not in ("DDTREE_CACHE", "DDTREE_COST_CACHE", "DDTREE_API_KEY")}}
+                "engine": asdict(self.engine_cfg), "tensor_parallel_size": self.parallel.tensor_parallel_size}
 
 
     def _mode(self, spec: str, budget: int | str | None, topk: int | None) -> tuple[str, int | str, int]:

@@ -363,8 +363,8 @@ def test_the_triton_path_generates_like_the_torch_path(hybrid, drafter, prompts)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     ar = LLM(hybrid, **ENGINE, num_pages=64).generate(prompts[:3], params)
     for spec in (None, "ddtree"):
-        llm = LLM(hybrid, draft=drafter if spec else None, spec=spec, budget=8, topk=2, **ENGINE, num_pages=64)
-        llm.engine.runner.use_triton = True
+        llm = LLM(hybrid, draft=drafter if spec else None, spec=spec, budget=8, topk=2, **ENGINE, num_pages=64,
+                  kernels="triton")
         if spec:
             plant(llm, noisy_oracle(continuation(prompts[:3], ar), vocab=llm.config.vocab_size))
         got = llm.generate(prompts[:3], params)

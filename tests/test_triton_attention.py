@@ -139,11 +139,11 @@ def test_model_with_triton_kernels_generates_like_the_torch_path(family, tmp_pat
     from tiny import make_tiny_model
 
     from ddtree import LLM, SamplingParams
-    llm = LLM(make_tiny_model(str(tmp_path), family), device="cpu", dtype="float32", spec="none", num_pages=64)
+    model = make_tiny_model(str(tmp_path), family)
     prompts = [[5, 9, 11, 40, 2, 7], [100, 3]]
     P = SamplingParams(max_tokens=6, ignore_eos=True)
-    want = [o.token_ids for o in llm.generate(prompts, P)]
-    llm.engine.runner.use_triton = True
+    want = [o.token_ids for o in LLM(model, device="cpu", dtype="float32", spec="none", num_pages=64).generate(prompts, P)]
+    llm = LLM(model, device="cpu", dtype="float32", spec="none", num_pages=64, kernels="triton")
     got = [o.token_ids for o in llm.generate(prompts, P)]
     assert got == want
 
@@ -227,12 +227,13 @@ def test_few_token_steps_take_the_fused_layer(tmp_path, monkeypatch, fused_rows)
     monkeypatch.setattr(transformer.DecoderLayer, "few_rows", lambda self, h, *a: calls.append(h.shape[0]) or
                         real(self, h, *a))
     monkeypatch.setattr(transformer, "FUSED_ROWS", fused_rows)
-    llm = LLM(make_tiny_model(str(tmp_path), "qwen2"), device="cpu", dtype="float32", spec="none", num_pages=64)
+    model = make_tiny_model(str(tmp_path), "qwen2")
     P = SamplingParams(max_tokens=5, ignore_eos=True)
     prompts = [[5, 9, 11, 40, 2, 7], [100, 3, 8]][:1 if fused_rows == 1 else 2]
-    want = [o.token_ids for o in llm.generate(prompts, P)]
+    want = [o.token_ids for o in LLM(model, device="cpu", dtype="float32", spec="none", num_pages=64)
+            .generate(prompts, P)]
     assert not calls
-    llm.engine.runner.use_triton = True
+    llm = LLM(model, device="cpu", dtype="float32", spec="none", num_pages=64, kernels="triton")
     assert [o.token_ids for o in llm.generate(prompts, P)] == want
     if fused_rows == 1:  # every decode step after the prefill
         assert calls == [1] * 4 * llm.config.num_layers
@@ -272,8 +273,8 @@ def test_speculative_steps_on_the_triton_path_equal_ar(spec, budget, topk, tmp_p
     P = SamplingParams(max_tokens=5, ignore_eos=True)
     want = [o.token_ids for o in LLM(target, device="cpu", dtype="float32", spec="none", num_pages=64)
             .generate(prompts, P)]
-    llm = LLM(target, draft=d, device="cpu", dtype="float32", spec=spec, budget=budget, topk=topk, num_pages=64)
-    llm.engine.runner.use_triton = llm.engine.speculator.drafter.use_triton = True
+    llm = LLM(target, draft=d, device="cpu", dtype="float32", spec=spec, budget=budget, topk=topk, num_pages=64,
+              kernels="triton")
     monkeypatch.setattr(transformer, "FUSED_ROWS", 64)  # (the default: one row; here verification's too)
     rows, target_rows, real, real_layer = [], [], triton_linear.norm_linear, transformer.DecoderLayer.few_rows
     monkeypatch.setattr(triton_linear, "norm_linear", lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k))
@@ -328,3 +329,17 @@ def test_the_attention_kernel_is_not_specialized_on_the_page_table_width():
     unspecialized = kernel.kwargs["do_not_specialize"] if hasattr(kernel, "kwargs") else \
         [kernel.arg_names[i] for i in kernel.do_not_specialize]
     assert set(unspecialized) == {"stride_bt", "stride_mr", "stride_mi"} <= set(kernel.arg_names)
+
+
+def test_the_kernels_setting_is_checked(tmp_path, monkeypatch):
+    # kernels="triton" off a GPU needs Triton's interpreter, set before start; an unknown value is refused.
+    from tiny import make_tiny_model
+
+    from ddtree import LLM
+    from ddtree.config import EngineConfig
+    with pytest.raises(ValueError, match="kernels must be"):
+        EngineConfig(kernels="cuda")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        LLM(make_tiny_model(str(tmp_path), "qwen2"), device="cpu", dtype="float32", spec="none", num_pages=16,
+            kernels="triton")

@@ -13,7 +13,6 @@ their logits.
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -38,7 +37,6 @@ SHORT_BURST = 2  # while a request waits for a free slot (Scheduler.admitting), 
 # launches per layer for a few milliseconds of kernels).
 PREFILL_WIDTHS = (16, 32, 64, 128, 256, 512)
 PREFILL_GRAPH_TOKENS = 4096  # a width's graphs hold up to this many tokens (padding included) per replay
-PREFILL_GRAPHS = os.environ.get("DDTREE_PREFILL_GRAPHS", "1") != "0"  # =0: eager prefill (to compare)
 
 
 @dataclass(slots=True)
@@ -116,7 +114,7 @@ class ARDecoder:
         # `tap_free_graphs` a second set that does not.
         self.prefill_graphs: dict[int, GraphPool] = {}
         self.untapped_prefill_graphs = self.prefill_graphs
-        if use_graphs and PREFILL_GRAPHS and not cfg.is_hybrid:  # (a padded chunk would advance a recurrent state)
+        if use_graphs and not cfg.is_hybrid:  # (a padded chunk would advance a recurrent state)
             mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None  # (CPU: tests)
             self.prefill_graphs, mempool = self._prefill_pools(self.taps, engine_cfg, mempool)
             self.untapped_prefill_graphs = self.prefill_graphs

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 
 import torch
 
@@ -27,8 +26,7 @@ class ModelRunner:
         self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
         self.page_size = engine_cfg.page_size
         self.max_num_batched_tokens = engine_cfg.max_num_batched_tokens  # (a forward's activations are sized for it)
-        # Triton kernels on GPU; DDTREE_ATTENTION=torch forces the reference (debugging).
-        self.use_triton = device.type == "cuda" and os.environ.get("DDTREE_ATTENTION", "triton") == "triton"
+        self.use_triton = engine_cfg.use_triton(device)
         self.heads_per_kv = cfg.num_heads // cfg.num_kv_heads
         self.num_pages = engine_cfg.num_pages or self._pages_from_memory(engine_cfg, logit_rows)
         # One page more than the allocator hands out: the scratch page, where padding rows of a

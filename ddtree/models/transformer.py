@@ -6,7 +6,6 @@ Tokens of all requests in a step are flattened into one [T] sequence; the per-st
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import nn
@@ -19,14 +18,13 @@ from ddtree.ops.fused import add_rms_norm, qkv_rope, rms_norm, rope, silu_mul
 # Steps of at most FUSED_ROWS tokens on the Triton path run each layer as three fused Triton products
 # (ddtree/ops/triton_linear.py). One row only: on the H200 (`benchmarks/linear_tune.py`) a layer's
 # products take 14.0 us fused against 24.1 with cuBLAS and the separate ops, but at 16+ rows the
-# tensor-core tiles lose to cuBLAS (33.5 vs 25.5 us at 16). DDTREE_GEMV=0 keeps cuBLAS everywhere.
-GEMV = os.environ.get("DDTREE_GEMV", "1") != "0"
+# tensor-core tiles lose to cuBLAS (33.5 vs 25.5 us at 16).
 FUSED_ROWS = 1
 
 
 def few_rows_path(x: torch.Tensor, batch: AttentionBatch) -> bool:
     from ddtree.ops.triton_linear import MAX_ROWS
-    return GEMV and x.shape[0] <= min(FUSED_ROWS, MAX_ROWS) and batch.use_triton
+    return x.shape[0] <= min(FUSED_ROWS, MAX_ROWS) and batch.use_triton
 
 
 def project(layer: nn.Linear, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +60,6 @@ def _silu_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-COMPILE = os.environ.get("DDTREE_COMPILE", "1") != "0"
 _graphing = 0  # > 0 while a CUDA graph is warmed up and captured (`graphing`)
 
 
@@ -80,12 +78,12 @@ def compiled_on_cuda(fn):
     """`fn`, run through torch.compile (dynamic shapes) while a CUDA graph is captured on a GPU
     (`graphing`), and eagerly otherwise: in a graph a chain of tiny element-wise / gather ops becomes
     a few fused kernels (fewer nodes for a replay to submit), but called eagerly a compiled function
-    pays ~0.1 ms of guards and wrappers on the host. DDTREE_COMPILE=0 turns it off."""
+    pays ~0.1 ms of guards and wrappers on the host."""
     compiled = []
 
     @functools.wraps(fn)
     def run(*args):
-        if not _graphing or not COMPILE:
+        if not _graphing:
             return fn(*args)
         x = next(a for a in args if isinstance(a, torch.Tensor))
         if not x.is_cuda:

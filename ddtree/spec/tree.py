@@ -27,7 +27,6 @@ Worked example (asserted in tests/test_tree.py): depth 3, topk 2, budget 4, one 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,11 +34,10 @@ import torch
 from ddtree.ops.fused import compiled_on_cuda
 
 # On the GPU the candidate levels run as one Triton kernel (ops/triton_tree.py) instead of the torch
-# sorts (DDTREE_TREE_KERNEL=0: the sorts): it equals them bit for bit and shortens a graphed DDTree step
-# (docs/performance-history.md, "tree kernel"). It is used up to the widths and top-k it was measured
-# at; wider trees or top-k past 4 (the sort held in registers: build time, spills) take the sorts.
-TREE_KERNEL = os.environ.get("DDTREE_TREE_KERNEL", "1") == "1"
-TREE_KERNEL_MAX_WIDTH = int(os.environ.get("DDTREE_TREE_KERNEL_MAX_WIDTH", "64"))
+# sorts: it equals them bit for bit and shortens a graphed DDTree step (docs/performance-history.md,
+# "tree kernel"). It is used up to the widths and top-k it was measured at; wider trees or top-k past 4
+# (the sort held in registers: build time, spills) take the sorts.
+TREE_KERNEL_MAX_WIDTH = 64
 TREE_KERNEL_MAX_TOPK = 4
 
 
@@ -85,7 +83,7 @@ def candidates(logits: torch.Tensor, width: int, topk: int) -> Candidates:
     """The `width` best nodes per depth and overall (see the module docstring)."""
     assert width >= 1 and topk >= 1 and logits.shape[1] >= 1
     top_lp, top_tok = top_logprobs(logits, topk)  # [R, D, K], best first
-    if top_lp.is_cuda and TREE_KERNEL and width <= TREE_KERNEL_MAX_WIDTH and topk <= TREE_KERNEL_MAX_TOPK:
+    if top_lp.is_cuda and width <= TREE_KERNEL_MAX_WIDTH and topk <= TREE_KERNEL_MAX_TOPK:
         from ddtree.ops.triton_tree import levels
         return Candidates(*levels(top_lp, width, topk), top_tok)
     return Candidates(*_levels(top_lp, width, topk), top_tok)
