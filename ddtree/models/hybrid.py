@@ -40,7 +40,7 @@ from torch import nn
 from ddtree.config import ModelConfig
 from ddtree.ops.attention import AttentionBatch, paged_attention, store_kv
 from ddtree.ops.fused import _rms_norm, rope
-from ddtree.models.transformer import DecoderLayer, PackedLinear, RMSNorm, Rotary, RowParallelLinear
+from ddtree.models.transformer import DecoderLayer, PackedLinear, RMSNorm, Rotary, RowParallelLinear, project
 
 
 class GatedAttention(nn.Module):
@@ -61,8 +61,16 @@ class GatedAttention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)  # [num_slots, Hkv, D], assigned by the runner
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        T, D, rd = x.shape[0], self.head_dim, self.rotary_dim
-        qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(self.qkv_proj(x), positions, batch)
+
+    @property
+    def input_projection(self) -> nn.Linear:
+        return self.qkv_proj
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """The layer's output from its packed q|gate, k, v projection."""
+        T, D, rd = qkv.shape[0], self.head_dim, self.rotary_dim
+        qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.view(T, self.num_heads, 2 * D)
         q, gate = qg[..., :D], qg[..., D:]
         q = _rms_norm(q, self.q_norm.weight, self.q_norm.eps)
@@ -73,7 +81,7 @@ class GatedAttention(nn.Module):
         store_kv(k, v.view(T, self.num_kv_heads, D).contiguous(), self.k_cache, self.v_cache, batch.slot_mapping,
                  batch.use_triton)
         o = paged_attention(q.contiguous(), None, None, self.k_cache, self.v_cache, batch, self.scale)
-        return self.o_proj(o.flatten(1) * torch.sigmoid(gate.reshape(T, -1)))
+        return project(self.o_proj, o.flatten(1) * torch.sigmoid(gate.reshape(T, -1)), batch)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -194,20 +202,28 @@ class GatedDeltaNet(nn.Module):
         self.pending: tuple | None = None  # a verified tree's updates, for `commit`
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        return self.attend(self.in_proj(x), positions, batch)
+
+    @property
+    def input_projection(self) -> nn.Linear:
+        return self.in_proj
+
+    def attend(self, projected: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """The layer's output from its packed in-projection (q|k|v, z, b, a)."""
         lin = self.cfg
-        qkv, z, b, a = self.in_proj(x).split([lin.conv_dim, self.value_dim, lin.num_v_heads, lin.num_v_heads], dim=-1)
-        decode = batch.commit_states and x.shape[0] == batch.state_slots.shape[0]  # one token a request
+        qkv, z, b, a = projected.split([lin.conv_dim, self.value_dim, lin.num_v_heads, lin.num_v_heads], dim=-1)
+        decode = batch.commit_states and projected.shape[0] == batch.state_slots.shape[0]  # one token a request
         if batch.use_triton and (decode or not batch.commit_states):
-            return self.out_proj(self._triton_step(qkv, z, b, a, positions, batch, decode))
+            return project(self.out_proj, self._triton_step(qkv, z, b, a, positions, batch, decode), batch)
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if decode:
-            return self._output(self._decode(qkv, g, beta, batch.state_slots, batch.prefix_lens), z, x.dtype)
+            return self._output(self._decode(qkv, g, beta, batch.state_slots, batch.prefix_lens), z, projected.dtype)
         if not batch.commit_states:  # a verified tree: every request's nodes at once
-            return self._output(self._tree(qkv, g, beta, positions, batch), z, x.dtype)
-        if x.is_cuda and fla_chunk_rule() is not None:
-            return self._output(self._chunks_fla(qkv, g, beta, batch), z, x.dtype)
-        out = x.new_empty(x.shape[0], lin.num_v_heads, lin.v_head_dim)
+            return self._output(self._tree(qkv, g, beta, positions, batch), z, projected.dtype)
+        if projected.is_cuda and fla_chunk_rule() is not None:
+            return self._output(self._chunks_fla(qkv, g, beta, batch), z, projected.dtype)
+        out = projected.new_empty(projected.shape[0], lin.num_v_heads, lin.v_head_dim)
         rows = zip(batch.q_starts.tolist(), batch.q_lens.tolist(), batch.prefix_lens.tolist(),
                    batch.state_slots.tolist())
         for start, n, prefix, slot in rows:  # prompt chunks (and mixed steps): one request at a time
@@ -218,7 +234,7 @@ class GatedDeltaNet(nn.Module):
             o, self.conv_state[slot], self.recurrent_state[slot] = self._chain(qkv[span], g[span], beta[span],
                                                                                 window, state)
             out[span] = o.to(out.dtype)
-        return self._output(out, z, x.dtype)
+        return self._output(out, z, projected.dtype)
 
     def _chunks_fla(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Prompt chunks (and mixed steps) on the GPU: each request's convolution over its slot's window,
@@ -402,7 +418,6 @@ def tree_parent(above: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
 
 class HybridDecoderLayer(DecoderLayer):
     """A Gated DeltaNet or a gated full-attention layer, then the MLP (the dense layer's forward)."""
-    fused_few_rows = False
 
     def __init__(self, cfg: ModelConfig, index: int, rotary: Rotary):
         nn.Module.__init__(self)

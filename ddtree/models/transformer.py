@@ -175,6 +175,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         return self.attend(self.qkv_proj(x), positions, batch)
 
+    @property
+    def input_projection(self) -> nn.Linear:
+        """The product `attend` starts from (the few-rows path fuses the layer's norm into it)."""
+        return self.qkv_proj
+
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Attention output after o_proj, from the packed q|k|v projection."""
         q = rope_and_store(self, qkv, positions, batch.slot_mapping, batch.use_triton)
@@ -262,9 +267,10 @@ class DecoderLayer(nn.Module):
                  batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """forward() for a few tokens: norms, residual adds and SiLU run inside the projections."""
         from ddtree.ops.triton_linear import norm_linear
-        attn, ln1 = self.self_attn, self.input_layernorm
-        qkv, entering = norm_linear(h, residual, ln1.weight, ln1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        out, residual = self.mlp.after_norm(attn.attend(qkv, positions, batch), entering,
+        mixer, ln1 = self.mixer, self.input_layernorm
+        proj = mixer.input_projection
+        projected, entering = norm_linear(h, residual, ln1.weight, ln1.eps, proj.weight, proj.bias)
+        out, residual = self.mlp.after_norm(mixer.attend(projected, positions, batch), entering,
                                             self.post_attention_layernorm, batch)
         return out, residual, entering
 
