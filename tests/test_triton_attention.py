@@ -343,3 +343,32 @@ def test_the_kernels_setting_is_checked(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         LLM(make_tiny_model(str(tmp_path), "qwen2"), device="cpu", dtype="float32", spec="none", num_pages=16,
             kernels="triton")
+
+
+def test_fused_qkv_rope_store_with_gated_queries_and_partial_rotary():
+    # Qwen3.5's full-attention layers: each query head followed by its gate, q/k norms, and only the
+    # first quarter of a head rotated; the kernel equals the torch ops models/hybrid.py runs.
+    from ddtree.ops.attention import store_kv
+    from ddtree.ops.fused import _rms_norm, rope
+    from ddtree.ops.triton_qkv import qkv_rope_store
+    g = torch.Generator().manual_seed(2)
+    T, H, Hkv, D, rd, slots = 5, 4, 2, 32, 8, 40
+    qkv = torch.randn(T, (2 * H + 2 * Hkv) * D, generator=g)
+    positions = torch.tensor([0, 3, 17, 18, 255])
+    freqs = torch.outer(torch.arange(300).float(), 1.0 / 10000 ** (torch.arange(0, rd, 2).float() / rd))
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    slot_mapping = torch.tensor([7, 0, 39, 12, 13])
+    qn, kn = 1 + 0.1 * torch.randn(D, generator=g), 1 + 0.1 * torch.randn(D, generator=g)
+    qg, k, v = qkv.split([2 * H * D, Hkv * D, Hkv * D], dim=-1)
+    q = _rms_norm(qg.view(T, H, 2 * D)[..., :D], qn, 1e-6)
+    k = _rms_norm(k.reshape(T, Hkv, D), kn, 1e-6)
+    q = torch.cat([rope(q[..., :rd].contiguous(), positions, cos_sin), q[..., rd:]], dim=-1)
+    k = torch.cat([rope(k[..., :rd].contiguous(), positions, cos_sin), k[..., rd:]], dim=-1)
+    kc, vc = torch.zeros(slots, Hkv, D), torch.zeros(slots, Hkv, D)
+    store_kv(k, v.reshape(T, Hkv, D).contiguous(), kc, vc, slot_mapping)
+    kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    q2 = qkv_rope_store(qkv, positions, cos_sin, slot_mapping, kc2, vc2, H, Hkv, D, qn, kn, 1e-6, rotary_dim=rd,
+                        gated=True)
+    torch.testing.assert_close(q2, q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kc2, kc, atol=1e-5, rtol=1e-5)
+    assert torch.equal(vc2, vc)

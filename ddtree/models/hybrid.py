@@ -73,6 +73,13 @@ class GatedAttention(nn.Module):
         qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.view(T, self.num_heads, 2 * D)
         q, gate = qg[..., :D], qg[..., D:]
+        if batch.use_triton:  # norms, partial rotary and the K/V store in one kernel
+            from ddtree.ops.triton_qkv import qkv_rope_store
+            q = qkv_rope_store(qkv, positions, self.rotary[0].cos_sin, batch.slot_mapping, self.k_cache, self.v_cache,
+                               self.num_heads, self.num_kv_heads, D, self.q_norm.weight, self.k_norm.weight,
+                               self.q_norm.eps, rotary_dim=rd, gated=True)
+            o = paged_attention(q, None, None, self.k_cache, self.v_cache, batch, self.scale)
+            return project(self.o_proj, o.flatten(1) * torch.sigmoid(gate.reshape(T, -1)), batch)
         q = _rms_norm(q, self.q_norm.weight, self.q_norm.eps)
         k = _rms_norm(k.view(T, self.num_kv_heads, D), self.k_norm.weight, self.k_norm.eps)
         cos_sin = self.rotary[0].cos_sin

@@ -1,5 +1,7 @@
 """One kernel from the packed q|k|v projection to attention-ready tensors: per-head q/k RMSNorm
-(Qwen3), rotary, and the new K/V written straight into their paged-cache slots.
+(Qwen3), rotary (of the whole head, or its first channels: Qwen3.5's partial rotary), and the new K/V
+written straight into their paged-cache slots. Gated queries (Qwen3.5) interleave each head's query
+with its output gate; the kernel reads the query and leaves the gate.
 
 At decode sizes each of these steps is a launch-bound kernel of a couple of microseconds; done
 separately (split, norm, rotary for q, rotary for k, copy v, store K/V) they were four or five
@@ -17,57 +19,57 @@ import triton.language as tl
 @triton.jit
 def _qkv_rope_store_kernel(QKV, Pos, CosSin, Slots, QOut, KC, VC, QNorm, KNorm, eps,
                            stride_t, stride_qt, stride_cs, stride_kcs,
-                           NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
-                           QK_NORM: tl.constexpr):
+                           NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, Q_STRIDE: tl.constexpr,
+                           ROT: tl.constexpr, QK_NORM: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)  # 0..H-1: query heads; H..H+Hkv-1: key heads (which also move their v head)
-    D: tl.constexpr = 2 * HALF
-    offs = tl.arange(0, HALF)
+    RH: tl.constexpr = ROT // 2
+    offs = tl.arange(0, D)
+    # the rotary pairs (i, i + RH) for i < RH; channels from ROT on pass through
+    partner = tl.where(offs < RH, offs + RH, tl.where(offs < ROT, offs - RH, offs))
     row = QKV + t.to(tl.int64) * stride_t
-    src = row + h * D  # q heads then k heads are contiguous in the packed row
-    x1 = tl.load(src + offs).to(tl.float32)
-    x2 = tl.load(src + HALF + offs).to(tl.float32)
+    if h < NUM_HEADS:  # q heads, each Q_STRIDE apart (a gated query's gate follows it), then k heads
+        src = row + h * Q_STRIDE
+    else:
+        src = row + NUM_HEADS * Q_STRIDE + (h - NUM_HEADS) * D
+    x = tl.load(src + offs).to(tl.float32)
+    xp = tl.load(src + partner).to(tl.float32)
     dtype = QOut.dtype.element_ty
     if QK_NORM:
         if h < NUM_HEADS:
             w = QNorm
         else:
             w = KNorm
-        rstd = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
-        x1 = (x1 * rstd).to(dtype).to(tl.float32) * tl.load(w + offs).to(tl.float32)
-        x2 = (x2 * rstd).to(dtype).to(tl.float32) * tl.load(w + HALF + offs).to(tl.float32)
-        x1 = x1.to(dtype).to(tl.float32)
-        x2 = x2.to(dtype).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        x = ((x * rstd).to(dtype).to(tl.float32) * tl.load(w + offs).to(tl.float32)).to(dtype).to(tl.float32)
+        xp = ((xp * rstd).to(dtype).to(tl.float32) * tl.load(w + partner).to(tl.float32)).to(dtype).to(tl.float32)
     pos = tl.load(Pos + t).to(tl.int64)
-    cos = tl.load(CosSin + pos * stride_cs + offs).to(dtype).to(tl.float32)
-    sin = tl.load(CosSin + pos * stride_cs + HALF + offs).to(dtype).to(tl.float32)
-    y1 = x1 * cos - x2 * sin
-    y2 = x2 * cos + x1 * sin
+    c = offs % RH
+    cos = tl.load(CosSin + pos * stride_cs + c).to(dtype).to(tl.float32)
+    sin = tl.load(CosSin + pos * stride_cs + RH + c).to(dtype).to(tl.float32)
+    y = tl.where(offs < RH, x * cos - xp * sin, tl.where(offs < ROT, x * cos + xp * sin, x))
     if h < NUM_HEADS:
-        dst = QOut + t.to(tl.int64) * stride_qt + h * D
-        tl.store(dst + offs, y1.to(dtype))
-        tl.store(dst + HALF + offs, y2.to(dtype))
+        tl.store(QOut + t.to(tl.int64) * stride_qt + h * D + offs, y.to(dtype))
     else:
         j = h - NUM_HEADS
         slot = tl.load(Slots + t).to(tl.int64)
-        kdst = KC + slot * stride_kcs + j * D
-        tl.store(kdst + offs, y1.to(dtype))
-        tl.store(kdst + HALF + offs, y2.to(dtype))
-        vsrc = row + (NUM_HEADS + NUM_KV + j) * D
-        vdst = VC + slot * stride_kcs + j * D
-        tl.store(vdst + offs, tl.load(vsrc + offs))
-        tl.store(vdst + HALF + offs, tl.load(vsrc + HALF + offs))
+        tl.store(KC + slot * stride_kcs + j * D + offs, y.to(dtype))
+        vsrc = row + NUM_HEADS * Q_STRIDE + (NUM_KV + j) * D
+        tl.store(VC + slot * stride_kcs + j * D + offs, tl.load(vsrc + offs))
 
 
 def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                   eps: float = 0.0) -> torch.Tensor:
-    """qkv: [T, (H + 2 Hkv) * D] packed projections; writes rotated K and V of token t to cache slot
-    slot_mapping[t] ([num_slots, Hkv, D] caches) and returns the rotated q [T, H, D]."""
+                   eps: float = 0.0, rotary_dim: int | None = None, gated: bool = False) -> torch.Tensor:
+    """qkv: [T, (H + 2 Hkv) * D] packed projections (with `gated`, each query head followed by its gate:
+    [T, (2 H + 2 Hkv) * D]); writes rotated K and V of token t to cache slot slot_mapping[t]
+    ([num_slots, Hkv, D] caches) and returns the rotated q [T, H, D]. Only the first `rotary_dim`
+    channels of a head rotate (all by default); cos_sin rows hold rotary_dim / 2 cosines, then sines."""
     T = qkv.shape[0]
+    rot = rotary_dim or head_dim
     assert qkv.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert head_dim % 2 == 0 and triton.next_power_of_2(head_dim // 2) == head_dim // 2, head_dim
+    assert triton.next_power_of_2(head_dim) == head_dim and rot % 2 == 0 and rot <= head_dim, (head_dim, rot)
     q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if T == 0:
         return q
@@ -76,5 +78,6 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
         qkv, positions, cos_sin, slot_mapping, q, k_cache, v_cache,
         q_norm if norm else qkv, k_norm if norm else qkv, eps,
         qkv.stride(0), q.stride(0), cos_sin.stride(0), k_cache.stride(0),
-        NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HALF=head_dim // 2, QK_NORM=norm)
+        NUM_HEADS=num_heads, NUM_KV=num_kv_heads, D=head_dim, Q_STRIDE=(2 if gated else 1) * head_dim, ROT=rot,
+        QK_NORM=norm)
     return q
