@@ -58,10 +58,12 @@ class LLM:
                  dtype: str | torch.dtype | None = None, page_size: int = 16, num_pages: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  kv_cache_gb: float = 1.0, cuda_graphs: bool = True, kernels: str = "auto", tokenizer=None,
-                 cost_table=None, tensor_parallel_size: int = 1, parallel: ParallelConfig | None = None):
+                 cost_table=None, tensor_parallel_size: int = 1, parallel: ParallelConfig | None = None,
+                 load_format: str = "auto"):
         """`tensor_parallel_size` > 1 splits the target over that many ranks (processes) on this host;
         `parallel` sets more (several hosts: parallel/workers.py). `close()` stops them. `kernels`:
-        EngineConfig's (the reference torch ops with "torch")."""
+        EngineConfig's (the reference torch ops with "torch"). `load_format="dummy"`: the checkpoint's
+        config with random weights, nothing else read (to measure speed without the weights)."""
         from ddtree.models.hub import default_draft, is_default_model, resolve_model
         from ddtree.models.loader import load_model
 
@@ -72,11 +74,16 @@ class LLM:
         self.dtype = parse_dtype(dtype, self.device.type)
         self.model_path = resolve_model(model)
         self.parallel = parallel or ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        if load_format == "dummy" and self.parallel.distributed:
+            raise ValueError("load_format='dummy' runs in one process, without tensor parallelism")
         self.tp = None
         if self.parallel.distributed:
             self._start_ranks()
         else:
-            self.net, self.config = load_model(self.model_path, self.device, self.dtype)
+            self.net, self.config = load_model(self.model_path, self.device, self.dtype,
+                                               random_weights=load_format == "dummy")
             self.shard_config = self.config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
         self.engine_cfg = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,

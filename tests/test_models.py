@@ -1,4 +1,6 @@
 """Our decoder against transformers on tiny random Qwen2, Qwen3 and Llama checkpoints."""
+import os
+
 import pytest
 import torch
 
@@ -98,3 +100,23 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     b, _ = load_model(str(tmp_path / "sharded"), "cpu", torch.float32)
     for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert na == nb and torch.equal(pa, pb), na
+
+
+def test_load_format_dummy_runs_a_config_without_weights(tmp_path):
+    # A directory with config.json only: load_format="dummy" builds the model with random weights (and
+    # nothing else read), so speed can be measured for models whose weights are not at hand.
+    import shutil
+
+    from ddtree import LLM
+    full = make_tiny_model(str(tmp_path / "full"), "qwen3_moe", with_tokenizer=False)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(os.path.join(full, "config.json"), bare / "config.json")
+    with pytest.raises(FileNotFoundError):
+        LLM(str(bare), device="cpu", dtype="float32", num_pages=32)
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(str(bare), device="cpu", dtype="float32", num_pages=32, load_format="random")
+    llm = LLM(str(bare), device="cpu", dtype="float32", num_pages=32, load_format="dummy")
+    assert llm.net.model.layers[0].self_attn.qkv_proj.weight.std() > 0.01
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(out[0].token_ids) == 5

@@ -87,3 +87,26 @@ def test_train_drafter_trains_against_an_moe_target_and_its_drafter_is_lossless(
     want = LLM(model, **ENGINE).generate(PROMPTS, GREEDY)
     got = LLM(model, draft=str(out), spec="ddtree", budget=6, topk=2, **ENGINE).generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_grouped_products_and_one_product_per_expert_give_the_same_tokens(moe_pair, monkeypatch):
+    # The device-only path (two grouped products over the held experts, which CUDA graphs capture) and
+    # the host-grouped one (a product per expert used, where grouped products do not run) agree.
+    from ddtree.models import moe
+    model, _ = moe_pair
+    want = [o.token_ids for o in LLM(model, **ENGINE).generate(PROMPTS, SEEDED)]
+    monkeypatch.setattr(moe, "grouped_mm_runs", lambda x: False)
+    assert [o.token_ids for o in LLM(model, **ENGINE).generate(PROMPTS, SEEDED)] == want
+
+
+@pytest.mark.parametrize("spec", [None, "ddtree"])
+def test_graphed_bursts_emulated_on_cpu_equal_eager_ar(spec, moe_pair, monkeypatch):
+    # MoE targets take the GPU's graphed path (CUDA graphs emulated): AR decode bursts and whole DDTree
+    # steps route every row's tokens with device ops only, padding rows included.
+    from emulated import fake_gpu_graphs
+    model, drafter = moe_pair
+    want = [o.token_ids for o in LLM(model, **ENGINE).generate(PROMPTS, SEEDED)]
+    fake_gpu_graphs(monkeypatch)
+    llm = LLM(model, draft=drafter if spec else None, spec=spec or "none", budget=8, topk=2, **ENGINE, max_num_seqs=3)
+    assert (llm.engine.speculator.graphs if spec else llm.engine.ar.decode_graphs) is not None
+    assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == want

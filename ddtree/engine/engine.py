@@ -108,8 +108,10 @@ class LLMEngine:
 
     def _graphs_supported(self) -> bool:
         # Graphs need the Triton kernels: the torch reference attention reads host values. Routed experts
-        # group their tokens on the host (models/moe.py) until a grouped kernel does it on the device.
-        return self.device.type == "cuda" and self.runner.use_triton and self.cfg.moe is None
+        # need grouped products (models/moe.py) for their device-only path; without, they group on the host.
+        from ddtree.models.moe import grouped_mm_runs
+        moe_ok = self.cfg.moe is None or grouped_mm_runs(torch.empty(0, dtype=self.runner.dtype, device=self.device))
+        return self.device.type == "cuda" and self.runner.use_triton and moe_ok
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
         """Queues a request. `stream=False` (offline use) detokenizes once at the end instead of per

@@ -122,10 +122,24 @@ def text_model_name(name: str) -> str:
     return name.replace("model.language_model.", "model.", 1)
 
 
+def fill_random(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of a checkpoint's scale, generated where the model lives: matrices (and stacked
+    experts, convolutions) N(0, 0.02), norm weights 1, other vectors (biases, decay parameters) 0."""
+    first = next(model.parameters())
+    gen = torch.Generator(first.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+
+
 def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               shard=None) -> tuple[CausalLM, ModelConfig]:
+               shard=None, random_weights: bool = False) -> tuple[CausalLM, ModelConfig]:
     """The model and its config; with `shard` (a parallel.shard.Shard), that tensor-parallel rank's
-    part of it and the part's config."""
+    part of it and the part's config. `random_weights`: the config's shapes with random weights and no
+    checkpoint read (speed measurements of models whose weights are not at hand)."""
     cfg = ModelConfig.from_dir(path)
     part = None
     if shard is not None:
@@ -138,6 +152,11 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
     tied = cfg.tie_word_embeddings
     if tied:
         del model.lm_head.weight  # re-tied after loading so the shared tensor is filled once
+    if random_weights:
+        fill_random(model)
+        model.tie_weights()
+        model.model.rotary.build(device)
+        return model.eval().requires_grad_(False), cfg
     tensors = text_model_tensors(iter_tensors(path, part))
     if cfg.is_hybrid:
         from ddtree.models.hybrid import fold_norm_offsets

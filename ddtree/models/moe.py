@@ -46,18 +46,46 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum over k of weights[t, k] * expert experts[t, k] (x[t]); x [T, D], experts and weights [T, k]
-        (the model's expert numbers). The token-expert pairs are sorted by expert, and each expert used
-        runs once over its tokens; pairs of experts held by other ranks come last and are left out."""
-        T, k = experts.shape
+        (the model's expert numbers). The token-expert pairs are sorted by expert; pairs of experts held
+        by other ranks come last and are left out."""
+        out = self._grouped(x, experts, weights) if grouped_mm_runs(x) else self._by_expert(x, experts, weights)
+        if self.group is not None:
+            torch.distributed.all_reduce(out, group=self.group)
+        return out
+
+    def _sorted_pairs(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pairs' local expert numbers (held: this rank's count, for others' experts), the pairs in
+        expert order (stable), and how many pairs each held expert takes [held] — device ops only."""
         held = self.gate_up_proj.shape[0]
         local = experts.flatten() - self.first
         local = torch.where((local >= 0) & (local < held), local, held)
-        order = local.argsort(stable=True)
-        counts = torch.bincount(local, minlength=held + 1)[:held].tolist()
+        counts = torch.zeros(held + 1, dtype=torch.int32, device=local.device)
+        counts.scatter_add_(0, local, torch.ones_like(local, dtype=torch.int32))
+        return local, local.argsort(stable=True), counts[:held]
+
+    def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every held expert over its pairs in two grouped products (`torch._grouped_mm`), with device ops
+        only, so the layer can be captured in a CUDA graph. The pairs' outputs go back to pair order
+        and are summed per token over k, in a fixed order."""
+        T, k = experts.shape
+        local, order, counts = self._sorted_pairs(experts)
+        ends = counts.cumsum(0, dtype=torch.int32)
+        rows = x[order // k]
+        h = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends)
+        h = torch._grouped_mm(silu_mul(h), self.down_proj.transpose(1, 2), offs=ends)
+        mine = (local < self.gate_up_proj.shape[0])[order, None]
+        per_pair = torch.empty_like(h)
+        per_pair[order] = torch.where(mine, h, 0)  # (rows past the held experts' are not written by the products)
+        return (per_pair.view(T, k, -1) * weights[..., None]).sum(1)
+
+    def _by_expert(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The same, one product per expert used, grouped on the host (where grouped products do not run)."""
+        k = experts.shape[1]
+        _, order, counts = self._sorted_pairs(experts)
         tokens = order // k
         out = torch.zeros_like(x)
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts.tolist()):
             if n == 0:
                 continue
             pairs = order[start:start + n]
@@ -65,9 +93,12 @@ class Experts(nn.Module):
             start += n
             h = silu_mul(x[rows] @ self.gate_up_proj[e].t()) @ self.down_proj[e].t()
             out.index_add_(0, rows, h * weights.flatten()[pairs, None])
-        if self.group is not None:
-            torch.distributed.all_reduce(out, group=self.group)
         return out
+
+
+def grouped_mm_runs(x: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes x's dtype on x's device (the CPU: any float; CUDA: bfloat16)."""
+    return hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
 
 
 class SparseMoE(nn.Module):

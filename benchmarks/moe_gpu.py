@@ -1,0 +1,80 @@
+"""Mixture-of-experts targets on the GPU: a model with a published config's shapes and random weights
+(`load_format="dummy"`: nothing but config.json is read), so its speed can be measured without its
+weights.
+
+    python benchmarks/moe_gpu.py benchmarks/configs/qwen3-30b-a3b.json OUT.json
+
+bfloat16, CUDA graphs (the experts' grouped products run on the device), a random one-layer drafter
+(acceptance near one: the per-step costs are what is measured). Writes the step times at 512 cached
+tokens (an AR step, a draft, a verify of 17, 33 and 65 nodes) at C=1 and 64, verify-33 over an AR step,
+and output tokens per second of AR and DDTree (budget 32, top-4) at C=1 and 64 (64-token prompts,
+128 new tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+from ddtree import LLM, SamplingParams
+from ddtree.bench.latency import step_times
+from ddtree.config import ModelConfig
+from ddtree.models.dflash import random_drafter, save_drafter
+
+
+def throughput(llm: LLM, vocab: int, C: int, tokens: int = 128) -> float:
+    g = torch.Generator().manual_seed(C)
+    prompts = [torch.randint(0, vocab, (64,), generator=g).tolist() for _ in range(C)]
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts, params)  # warm: every graph this batch needs is captured
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    return round(C * tokens / (time.perf_counter() - t0), 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("out")
+    ap.add_argument("--concurrency", default="1,64")
+    args = ap.parse_args()
+    sizes = [int(c) for c in args.concurrency.split(",")]
+    work = tempfile.mkdtemp()
+    target = os.path.join(work, "target")
+    os.makedirs(target)
+    shutil.copy(args.config, os.path.join(target, "config.json"))
+    cfg = ModelConfig.from_dir(target)
+    drafter = os.path.join(work, "drafter")
+    save_drafter(random_drafter(cfg, num_layers=1, block_size=16, target_layer_ids=[1, cfg.num_layers // 2]),
+                 drafter, torch.bfloat16)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": args.config,
+           "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
+    llm = LLM(target, draft=drafter, spec="ddtree", budget=32, topk=4, dtype="bfloat16", load_format="dummy",
+              max_num_seqs=max(sizes))
+    out["params"] = sum(p.numel() for p in llm.net.parameters())
+    out["graphs"] = llm.engine.speculator.graphs is not None
+    rows = step_times(llm, sizes, [17, 33, 65], context=512)
+    for row in rows:
+        row["verify_33_over_ar"] = round(row["verify_33_ms"] / row["ar_step_ms"], 3)
+    out["step_times"] = rows
+    print(json.dumps(rows), flush=True)
+    for mode, budget in (("none", None), ("ddtree", 32)):
+        llm.set_mode(mode, budget, 4 if budget else None)
+        for C in sizes:
+            out[f"{mode}_C{C}_tok_s"] = throughput(llm, cfg.vocab_size, C)
+            print(mode, C, out[f"{mode}_C{C}_tok_s"], flush=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
