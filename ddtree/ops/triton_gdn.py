@@ -104,7 +104,7 @@ def _delta_step_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     hk = h // REPEAT
     q = _unit_rows(tl.load(Mixed + r * C + hk * DK + dk)[None, :], 1.0 / tl.sqrt(DK * 1.0))
     k = _unit_rows(tl.load(Mixed + r * C + KEY_DIM + hk * DK + dk)[None, :], 1.0)
-    beta, g = _gate_inputs(B, A, ALog, DtBias, r * stride_ba + h, h, True)
+    beta, g = _gate_inputs(B, A, ALog, DtBias, r * stride_ba + h, h, r >= 0)
     base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
     keep = tl.load(Prefix + r) != 0
     sumsq = 0.0
@@ -203,24 +203,29 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     beta, g = _gate_inputs(B, A, ALog, DtBias, rows * stride_ba + h, h, valid)
     beta = tl.where(valid, beta, 0.0)
     g = tl.where(valid, g, 0.0)
+    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    keep = tl.load(Prefix + r) != 0
+    base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
+    s0 = tl.where(keep, tl.load(base + dk[:, None] * DV + dv[None, :]), 0.0)
+    # (every product with q and k first: they are the largest tiles, and die here)
+    qs0 = tl.dot(q, s0, input_precision=PRECISION)
+    ks0 = tl.dot(k, s0, input_precision=PRECISION)
+    kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     above = tl.load(Mask + r * stride_mask_r + i[:, None] * stride_mask_q + i[None, :],
                     mask=valid[:, None] & valid[None, :], other=0) != 0
     G = tl.sum(tl.where(above, g[None, :], 0.0), 1)
     D = tl.where(above, tl.exp(tl.where(above, G[:, None] - G[None, :], 0.0)), 0.0)  # (no overflow off the relation)
     strict = above & (i[:, None] != i[None, :])
-    Amat = tl.where(strict, beta[:, None] * D * tl.dot(k, tl.trans(k), input_precision=PRECISION), 0.0)
-    P = D * tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    Amat = tl.where(strict, beta[:, None] * D * kk, 0.0)
+    P = D * qk
     eG = tl.exp(G)
-    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    keep = tl.load(Prefix + r) != 0
-    base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
-    s0 = tl.where(keep, tl.load(base + dk[:, None] * DV + dv[None, :]), 0.0)
     v = tl.load(Mixed + rows[:, None] * C + VALUE_OFF + h * DV + dv[None, :], mask=valid[:, None], other=0.0)
-    d = beta[:, None] * (v - eG[:, None] * tl.dot(k, s0, input_precision=PRECISION))
+    d = beta[:, None] * (v - eG[:, None] * ks0)
     for t in range(1, N):  # forward substitution: node t's ancestors come before it and are final
         a_t = tl.sum(tl.where(i[:, None] == t, Amat, 0.0), 0)  # row t of A, over the nodes
         d = tl.where(i[:, None] == t, d - tl.sum(a_t[:, None] * d, 0)[None, :], d)
-    o = eG[:, None] * tl.dot(q, s0, input_precision=PRECISION) + tl.dot(P, d, input_precision=PRECISION)
+    o = eG[:, None] * qs0 + tl.dot(P, d, input_precision=PRECISION)
     ok = valid[:, None]
     tl.store(Dbuf + ((r * HV + h) * N + i[:, None]) * DV + dv[None, :], d, mask=ok)
     tl.store(Out + rows[:, None] * (HV * DV) + h * DV + dv[None, :], o, mask=ok)
