@@ -24,40 +24,19 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from ddtree import LLM, SamplingParams
+from ddtree.bench.latency import step_times
+from ddtree.bench.random_model import qwen2_config, save_random_target
+from ddtree.models.hub import DEFAULT_DRAFT_DIR
 
-from tiny import make_config  # noqa: E402
-
-from ddtree import LLM, SamplingParams  # noqa: E402
-from ddtree.bench.latency import step_times  # noqa: E402
-from ddtree.models.hub import DEFAULT_DRAFT_DIR  # noqa: E402
-
-OUT = sys.argv[1] if len(sys.argv) > 1 else "."
-LOG = open(os.path.join(OUT, "profile.jsonl"), "a")
+OUT = "."
 
 
 def emit(name: str, **row) -> None:
     line = json.dumps({"check": name, **row})
     print(line, flush=True)
-    LOG.write(line + "\n")
-    LOG.flush()
-
-
-def default_shaped_model() -> str:
-    from transformers import AutoModelForCausalLM
-    cfg = make_config("qwen2", 151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                      tie_word_embeddings=True)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    d = tempfile.mkdtemp()
-    model.save_pretrained(d, safe_serialization=True)
-    del model
-    torch.cuda.empty_cache()
-    return d
+    with open(os.path.join(OUT, "profile.jsonl"), "a") as f:
+        f.write(line + "\n")
 
 
 def kernel_table(fn, label: str, steps: int = 3) -> None:
@@ -124,7 +103,10 @@ def end_to_end(llm: LLM, prompts, max_tokens: int) -> float:
 
 
 def main() -> int:
-    d = default_shaped_model()
+    global OUT
+    OUT = sys.argv[1] if len(sys.argv) > 1 else "."
+    d = save_random_target(qwen2_config(), tempfile.mkdtemp(), device="cuda")
+    torch.cuda.empty_cache()
     emit("env", gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     llm = LLM(d, draft=DEFAULT_DRAFT_DIR, spec="none", max_num_seqs=256, dtype="bfloat16")
     prompts = [[(17 * i + j) % 150000 + 100 for j in range(128)] for i in range(256)]

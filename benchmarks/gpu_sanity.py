@@ -1,11 +1,12 @@
 """Quick GPU sanity run on a random model with the default target's head shapes (no download needed):
 Triton kernels at real shapes, CUDA-graph AR vs eager AR, DDTree/DFlash (graphs) vs AR, sampling.
 
-    python benchmarks/gpu_sanity.py
+    python benchmarks/gpu_sanity.py [float32|bfloat16]   (float32 by default: speculation must equal AR)
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -13,16 +14,12 @@ import traceback
 
 import torch
 
-sys.path.insert(0, "tests")
-sys.path.insert(0, "benchmarks")
-
-from gpu_checks import check_kernels  # noqa: E402
-from tiny import make_tiny_model  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_checks import check_kernels  # noqa: E402  (the kernel checks at real shapes, shared)
 
 from ddtree import LLM, SamplingParams  # noqa: E402
 from ddtree.bench.latency import step_times  # noqa: E402
-from ddtree.config import ModelConfig  # noqa: E402
-from ddtree.models.dflash import random_drafter, save_drafter  # noqa: E402
+from ddtree.bench.random_model import qwen2_config, save_random_drafter, save_random_target  # noqa: E402
 
 
 def main() -> int:
@@ -36,10 +33,11 @@ def main() -> int:
         print(json.dumps({"check": name, **r, "wall_s": round(time.perf_counter() - t0, 2)}), flush=True)
 
     run("kernels", check_kernels)
-    d = make_tiny_model(tempfile.mkdtemp(), "qwen2", hidden_size=896, intermediate_size=1024, num_hidden_layers=6,
-                        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096)
-    dd = tempfile.mkdtemp()
-    save_drafter(random_drafter(ModelConfig.from_dir(d), num_layers=1, block_size=16, target_layer_ids=[1, 3]), dd)
+    # six layers of the default target's widths, a small vocabulary, weights large enough that logits seldom tie
+    d = save_random_target(qwen2_config(vocab_size=384, intermediate_size=1024, num_hidden_layers=6,
+                                        max_position_embeddings=4096, tie_word_embeddings=False),
+                           tempfile.mkdtemp(), "float32", std=0.08, bias_std=0.02)
+    dd = save_random_drafter(d, tempfile.mkdtemp(), [1, 3], dtype="float32")
     # fp32 (exact matmuls and attention): speculation must reproduce AR token for token; in bf16 the
     # batch shape changes rounding and this random model's logits tie often (see gpu_checks for bf16).
     llm = LLM(d, draft=dd, spec="none", max_num_seqs=16, dtype=sys.argv[1] if len(sys.argv) > 1 else "float32")
@@ -74,7 +72,7 @@ def main() -> int:
         dr = llm.engine.speculator.drafter
         ref = {tuple(p): a for p, a in zip(prompts, ar)}
         seen = {}
-        prep, logits = dr.prepare, dr.logits
+        prep = dr.prepare
 
         def prepare(seqs, ctx_rows=None):
             seen["seqs"] = list(seqs)

@@ -1,24 +1,20 @@
 #!/usr/bin/env bash
-# The H200 measurements for issues 4 and 7 on the default pair, in device calls of < 10 minutes
-# (machine set-up: benchmarks/README.md; `source benchmarks/gpu_setup.sh` first). Everything goes to $OUT.
+# The GPU measurements of the default pair, in device calls of < 10 minutes each (machine set-up:
+# benchmarks/README.md; `source benchmarks/gpu_setup.sh` first). Everything goes to $OUT.
 #
 #   bash benchmarks/h200_suite.sh tune      # few-row product block sizes; GPU sanity (fp32); no model needed
 #   bash benchmarks/h200_suite.sh latency   # bench latency at C=1 with step times and peers
 #   bash benchmarks/h200_suite.sh low       # DDTree/DFlash vs AR on all HumanEval prompts; sweep at C=1,2,4
 #   bash benchmarks/h200_suite.sh high      # sweep at C=8..128
-#   bash benchmarks/h200_suite.sh auto      # auto vs AR, DFlash and DDTree 8/16/32 (topk 4) at C=1..128:
-#   bash benchmarks/h200_suite.sh auto 1,2,4,8   # ... more than one 10-minute call holds: split it
-#   bash benchmarks/h200_suite.sh auto 16,32,64,128
-#   bash benchmarks/h200_suite.sh grid      # both halves in one call, C >= 16 with --repeats 5, the modes
-#                                           # interleaved run by run (~7 min)
+#   bash benchmarks/h200_suite.sh auto      # auto vs AR, DFlash and DDTree 8/16/32 (topk 4) at C=1..128;
+#   bash benchmarks/h200_suite.sh auto 1,2,4,8      # ... or at the concurrencies given
+#   bash benchmarks/h200_suite.sh grid      # both halves in one call: C=1-8 once (LOW_REPEATS), C=16-128
+#                                           # the median of REPEATS (5), the modes interleaved run by run
 #   CONTINUOUS=1 bash benchmarks/h200_suite.sh grid   # ... every prompt queued, at most C running (not
 #                                           # batches run to completion); rows to sweep_auto_continuous_h200.jsonl
 #                                           # (TRACE=1: and auto's plans, one JSON line each)
-#   bash benchmarks/h200_suite.sh autocheck 1,32,64,128   # AR and auto only, continuous, one run each (~2 min:
-#                                           # a policy change checked with what device time is left)
+#   bash benchmarks/h200_suite.sh autocheck 1,32,64,128   # AR and auto only, continuous, one run each
 #   bash benchmarks/h200_suite.sh checks    # greedy DDTree and DFlash vs AR on HumanEval in float32
-#   bash benchmarks/h200_suite.sh table     # auto's cost table on the scratch page vs distinct pages, longer
-#                                           # contexts (random model of the default shapes: wheels only, ~2 min)
 set -u
 cli=(python3 -m ddtree.cli)
 sweep=("${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4
@@ -47,21 +43,19 @@ case $1 in
     "${sweep[@]}" --concurrency 1,2,4 > "$OUT/sweep_low.log" 2>&1 ;;
   high)
     "${sweep[@]}" --concurrency 8,16,32,64,128 > "$OUT/sweep_high.log" 2>&1 ;;
-  auto)  # WARMUP=0: without the untimed AR pass over every batch first (as at 0d6f2ff and efd2b47);
-         # REPEATS=3: the median of three runs per row (the single-batch rows at C >= 64 vary by ~8%)
+  auto)  # WARMUP=0: without the untimed AR pass over every batch first; REPEATS=3: the median of three runs a row
     auto_sweep "${REPEATS:-1}" "${2:-1,2,4,8,16,32,64,128}" > "$OUT/sweep_auto.log" 2>&1 ;;
-  grid)  # the whole auto grid in one call (~7 minutes on the H200): C=1-8 once, C=16-128 median of 5
-    # (TRACE=1: auto's plans, one JSON line each, to $OUT/policy_trace_low.jsonl and _high.jsonl)
-    # (LOW_REPEATS=3: C=1-8 the median of three too, ~2.5 min more)
+  grid)  # TRACE=1: auto's plans, one JSON line each, to $OUT/policy_trace_low.jsonl and _high.jsonl
     { trace low auto_sweep "${LOW_REPEATS:-1}" 1,2,4,8 && trace high auto_sweep "${REPEATS:-5}" 16,32,64,128; } \
       > "$OUT/sweep_auto.log" 2>&1 ;;
   autocheck)
     "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget '' --topk 4 --auto-topk 4 \
       --no-dflash --with-auto --repeats 1 --concurrency "${2:-1,32,64,128}" --num-pages 16384 --warmup-pass \
       --continuous --out "$OUT/sweep_check.jsonl" > "$OUT/sweep_check.log" 2>&1 ;;
-  table)
-    timeout 300 python3 benchmarks/table_ab.py "$OUT/table" "${2:-1,4,8,16,32}" > "$OUT/table_ab.log" 2>&1 ;;
   checks)  # float32: every kernel rounds alike, so a divergence is a real near-tie or a bug
     python3 benchmarks/gpu_checks.py --draft ddtree/models/default_drafter --dtype float32 \
       --skip kernels,transformers --out "$OUT/gpu_checks_fp32.jsonl" > "$OUT/checks_fp32.log" 2>&1 ;;
+  *)
+    echo "usage: bash benchmarks/h200_suite.sh tune|latency|low|high|auto [C,...]|grid|autocheck [C,...]|checks" >&2
+    exit 2 ;;
 esac

@@ -1,5 +1,5 @@
 """The GPU checks of hybrid targets: a random Qwen3.5 text model with a published config's shapes
-(benchmarks/random_hybrid.py builds it), since no hybrid weights can be downloaded here.
+(`ddtree.bench.random_model.hybrid_pair` builds it), since no hybrid weights can be downloaded here.
 
     python benchmarks/hybrid_gpu.py benchmarks/configs/qwen3.5-0.8b.json OUT.json [--prompts 32 --max-tokens 128]
 
@@ -22,16 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from random_hybrid import build  # noqa: E402
-
-from ddtree import LLM, SamplingParams  # noqa: E402
+from ddtree import LLM, SamplingParams
+from ddtree.bench.random_model import hybrid_pair
 
 # (rank of the right token by position, None: not proposed; logit step between ranks)
 SIBLINGS = ([0], 4.0)  # the right token always first, clearly: the tree holds the whole spine
@@ -266,7 +263,7 @@ def main() -> None:
         save()
 
     def bf16():
-        built = build(args.config, os.path.join(work, "bf16"), "bfloat16")
+        built = hybrid_pair(args.config, os.path.join(work, "bf16"), "bfloat16")
         out["model"] = {k: built[k] for k in ("layers", "linear_layers", "params")}
         vocab = json.load(open(os.path.join(built["target"], "config.json")))["vocab_size"]
         if "profile" in parts:
@@ -274,7 +271,7 @@ def main() -> None:
         bf16_runs(built["target"], built["drafter"], vocab, out)
 
     def fp32():
-        built = build(args.config, os.path.join(work, "fp32"), "float32", sharpen=args.sharpen)
+        built = hybrid_pair(args.config, os.path.join(work, "fp32"), "float32", sharpen=args.sharpen)
         vocab = json.load(open(os.path.join(built["target"], "config.json")))["vocab_size"]
         hf_check(built["target"], vocab, out)
         save()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -30,7 +29,8 @@ import time
 import torch
 
 from ddtree import LLM, SamplingParams
-from ddtree.config import ModelConfig, ParallelConfig
+from ddtree.bench.random_model import save_random_pair
+from ddtree.config import ParallelConfig
 from ddtree.parallel.workers import free_port
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
@@ -41,22 +41,8 @@ SHAPES = {"llama-3.2-1b": (LLAMA_1B, 16),
 
 
 def build(out: str, layers: int, shape: dict = LLAMA_1B) -> tuple[str, str]:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from ddtree.models.dflash import random_drafter, save_drafter
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=layers, **shape), dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.02)
-    target = os.path.join(out, "target")
-    model.save_pretrained(target, safe_serialization=True)
-    cfg = ModelConfig.from_dir(target)
-    drafter = os.path.join(out, "drafter")
-    save_drafter(random_drafter(cfg, num_layers=1, block_size=16, target_layer_ids=[1, layers - 2]), drafter,
-                 torch.bfloat16)
-    return target, drafter
+    from transformers import LlamaConfig
+    return save_random_pair(LlamaConfig(num_hidden_layers=layers, **shape), out, [1, layers - 2])
 
 
 def timed_generate(llm: LLM, prompts, params) -> tuple[list, float]:

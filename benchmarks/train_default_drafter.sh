@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Trains the default drafter on the H200 in two device calls of < 10 minutes each (see
+# Trains the default drafter on the GPU machine in two device calls of < 10 minutes each (see
 # benchmarks/README.md for the machine set-up; `source benchmarks/gpu_setup.sh` first).
 #
 #   bash benchmarks/train_default_drafter.sh 1 T0   # data (GEN_MINUTES of answers) + training until T0+DEADLINE
@@ -17,8 +17,7 @@
 # .xfer/sharegpt_prompts_every.jsonl.gz 3000 --every-turn`: 50,863 prompts of at most 3,000 characters),
 # SKIP_PROMPTS and EXTRA_DATA (answer only the prompts past the first N, and train on those answers with
 # ones made before, e.g. SKIP_PROMPTS=35000 EXTRA_DATA=.xfer/sharegpt_answers_run5.npz), NUM_PROMPTS
-# (only the first N of them; train-drafter's `--prompts` used to default to 15,000, which cut session
-# 11's run to the file's first 15,000, answered in under a minute: it now defaults to all), GEN_TEMPERATURE
+# (only the first N of them; all by default), GEN_TEMPERATURE
 # (sampled answers instead of greedy ones, e.g. 0.8 with EXTRA_DATA the greedy answers of the same prompts),
 # PROMPT_REPEATS (sampled: answers per prompt), GEN_SEED (`gen` only: the sampling seed; other draws than a
 # run before's), LAYERS and INTERMEDIATE (the drafter's shape; default 2 x 1024;
@@ -78,7 +77,7 @@ else
 fi
 status=$?
 # The checkpoint leaves with this call (as `out` writes it): a machine that goes back before the next
-# call takes /tmp with it (session 19 lost run 8 so).
+# call takes /tmp with it.
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -f "$out/model.safetensors" ]; then
   bash "$0" out || { echo "[the checkpoint did not reach \$OUT]" >&2; [ "$status" = 0 ] && status=1; }
 fi

@@ -388,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = bench.add_parser("report", help="plots and a Markdown report from result JSON-lines files")
     rp.add_argument("results", nargs="+", help="JSON-lines files from bench sweep / serve / latency")
-    rp.add_argument("--out", default="benchmarks", help="output dir for report.md and the PNGs")
+    rp.add_argument("--out", default=None,
+                    help="output dir for report.md and the PNGs (default: report/ beside the first results file)")
     rp.set_defaults(func=cmd_bench_report)
 
     return parser

@@ -108,7 +108,7 @@ def run_policy(r: Regime, tokens: int, policy: AdaptivePolicy | None = None) -> 
 
 # ----------------------------------------------------------------------------- batches run to completion
 
-# The cost table auto measured on the H200 at 72bc674 (ms; `results/h200_72bc674/`).
+# The cost table auto measured on the H200 at 72bc674 (ms; `results/h200_72bc674_grid/`).
 H200_TABLE = CostTable(
     [1, 2, 4, 8, 16, 32, 64, 128],
     [0.871, 1.065, 1.064, 1.067, 1.104, 1.168, 1.267, 1.412],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 
 from tiny import make_tiny_pair
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_S = 120
 MTBENCH = ["--dataset", "mtbench"]
 
@@ -286,6 +288,17 @@ def test_report_writes_markdown_and_plots_and_says_what_it_skipped(sweep_file, s
     assert "_No plot: needs AR and speculative rows with per-category results" in md
     assert "TTFT p50 / p99 ms" in md and "## Hardware and commits" in md
     assert "| mode | roleplay | writing |" in md  # the per-category speedup table
+
+
+def test_report_goes_beside_its_results_by_default(tmp_path):
+    # (a committed CPU sweep's rows: the report lands in report/ of the folder that holds them)
+    from ddtree.cli import main
+    rows = os.path.join(ROOT, "benchmarks", "results", "cpu_2deff17_sweep_smoke", "sweep_cpu_default_pair.jsonl")
+    folder = tmp_path / "cpu_2deff17_sweep_smoke"
+    folder.mkdir()
+    shutil.copy(rows, folder)
+    assert main(["bench", "report", str(folder / "sweep_cpu_default_pair.jsonl")]) == 0
+    assert "18 result rows" in (folder / "report" / "report.md").read_text()
 
 
 def test_report_tables_what_autos_bursts_realized_by_batch_size():

@@ -286,6 +286,8 @@ def main(args) -> int:
         if not os.path.exists(p):
             raise FileNotFoundError(f"no results file {p}")
     rows, notes = load_rows(args.results)
+    if args.out is None:  # the report lives with the results it shows
+        args.out = os.path.join(os.path.dirname(args.results[0]), "report")
     os.makedirs(args.out, exist_ok=True)
     md = ["# ddtree benchmark report", "",
           f"{len(rows)} result rows from {', '.join(f'`{p}`' for p in args.results)}. Throughput is output "

@@ -82,7 +82,7 @@ HOPE_PRIOR_STEPS = 8
 # replay of 12 prompts: 1.34 writing, 1.49 roleplay, 1.98 reasoning, 3.25 coding). A hopeless batch size's
 # AR steps skip the read-out, so probing it again means feeding every skipped row through the target
 # first (an eager forward, ~16-30 ms on the H200 at batch 1, where the read-out costs ~1% of an AR step):
-# in the simulator (benchmarks/policy_hard_start.py, refeeds priced) a hard first stretch at batch 1 left
+# in the simulator (tests/policy_sim.py, `HardStart`, refeeds priced) a hard first stretch at batch 1 left
 # it hopeless for good on the easy text after (worst of 12 runs 0.80-0.84x the best fixed budget;
 # 0.91-0.97x with this). A batch mixes its requests' texts: the term falls as 1/batch^2, so from batch 4 up the verdicts
 # the H200 grids tuned stand.

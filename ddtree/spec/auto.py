@@ -415,13 +415,12 @@ class AdaptiveSpeculator(Speculator):
         room = self.max_pages * ps - self.width if self.max_pages else 256
         return max(1, min(256, room, self.runner.cfg.max_position - self.width - 1))
 
-    def fake_steps(self, bs: int, context: int, distinct: bool = False) -> dict:
+    def fake_steps(self, bs: int, context: int) -> dict:
         """Step closures on `bs` fake requests with `context` cached tokens whose pages are all the
-        scratch page, or with `distinct` pages of their own (`padding_inputs`; timing only: their K/V
-        are garbage): {"draft": the draft, 0: auto's AR step, b: a whole step of budget b (draft
-        included), "store": a switch's store of STORE_ROWS pending rows a request, kept as AR bursts
-        keep them}."""
-        inp = self.padding_inputs(bs, context, distinct)
+        scratch page (`padding_inputs`; timing only: their K/V are garbage): {"draft": the draft, 0:
+        auto's AR step, b: a whole step of budget b (draft included), "store": a switch's store of
+        STORE_ROWS pending rows a request, kept as AR bursts keep them}."""
+        inp = self.padding_inputs(bs, context)
         root = RootInputs.of(inp)
         if self.draft_graphs is not None:
             steps = {"draft": partial(self.draft_graphs.run, inp), 0: partial(self.ar_graphs.run, root)}

@@ -96,23 +96,16 @@ class Speculator:
         """Columns of a step's packed output: accepted length, bonus, the path's depth + 1 tokens."""
         return self.depth + 3
 
-    def padding_inputs(self, bs: int, context: int = 0, distinct: bool = False) -> StepInputs:
+    def padding_inputs(self, bs: int, context: int = 0) -> StepInputs:
         """Step inputs of `bs` fake requests with `context` cached tokens whose pages are all the scratch
         page (for capturing and timing graphs: their K/V are garbage, written where nobody reads), with
-        a burst's context width (`_burst`). `distinct`: pages of their own instead, as served requests
-        have (timing only, while no request holds a page: their garbage K/V are overwritten before a
-        request reads them)."""
+        a burst's context width (`_burst`)."""
         dev, dr, C, ps = self.runner.device, self.drafter, self.drafter.block_size, self.runner.page_size
         P = -(-(context + self.width) // ps)
-        if distinct:
-            assert bs * P <= self.runner.num_pages, "too few pages for distinct fake requests"
-            tables = torch.arange(bs * P, dtype=torch.long, device=dev).view(bs, P)
-        else:
-            tables = torch.full((bs, P), self.runner.scratch_page, dtype=torch.long, device=dev)
+        tables = torch.full((bs, P), self.runner.scratch_page, dtype=torch.long, device=dev)
         starts = torch.full((bs,), context, dtype=torch.long, device=dev)
         ctx_pos = (starts[:, None] - C + torch.arange(C, device=dev)).clamp(min=0)
-        slots = page_slots(tables, ctx_pos, ps) if distinct else \
-            torch.full((bs, C), dr.scratch_slot, dtype=torch.long, device=dev)
+        slots = torch.full((bs, C), dr.scratch_slot, dtype=torch.long, device=dev)
         # (hybrid targets: every fake request on the scratch state slot)
         state_slots = torch.full((bs,), self.runner.scratch_state_slot, dtype=torch.long, device=dev) \
             if dr.hybrid_target else None
