@@ -4,9 +4,9 @@ default target's shapes with the shipped drafter (tau ~1, so AR wins), C request
     python benchmarks/auto_overhead.py OUT_DIR [C,...]
 
 Per concurrency: AR and auto tok/s, auto's budget histogram and bursts, the policy's learned state,
-and the host seconds spent in each part of the engine step (schedule, prefill, the speculator's
-plan, auto's AR bursts split into drafter catch-up / graphed decode / feature store, speculative
-steps), and every graphed AR decode burst (batch, steps, host ms). `--sync-parts`: the parts wait
+and the host seconds spent in each part of the engine step (schedule, prefill, the policy's
+`hopeless` and `plan`, auto's AR bursts split into drafter catch-up / graphed decode / feature store,
+speculative steps), and every graphed AR decode burst (batch, steps, host ms). `--sync-parts`: the parts wait
 for the device, so their times include the device work they launch. On a CPU (`--cpu`, tiny
 shapes) it only checks that the script runs.
 """
@@ -133,7 +133,8 @@ def main() -> int:
         acc: dict = defaultdict(float)
         timed_parts(eng.scheduler, ["schedule"], acc, "scheduler.")
         timed_parts(eng.ar, ["_feed", "burst"], acc, "ar.")
-        timed_parts(spec, ["ar_steps", "_ar_burst", "decode", "ar_step"], acc, "spec.")
+        timed_parts(spec, ["_ar_burst", "decode", "ar_step"], acc, "spec.")
+        timed_parts(spec.policy, ["hopeless", "plan"], acc, "policy.")
         timed_parts(spec.drafter, ["store_pending", "prepare"], acc, "drafter.")
         row["auto"] = run(llm, prompts, params, acc, None if cpu else bursts)
         row["auto"]["host_s"] = {k: round(v, 4) for k, v in sorted(acc.items())}

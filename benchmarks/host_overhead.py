@@ -8,10 +8,8 @@ out so that what is timed is only the host code around it:
 - `ar-eager`: the CPU path (`ModelRunner.run`: prepare inputs and attention metadata), with the
   model's forward and LM head stubbed.
 - `auto-ar`: `--budget auto` on a cost table where speculation never pays, with a run's evidence of it
-  (32 verify steps), so every step is one of its graphed AR bursts, tap-free (plain AR's stub, gaps
-  kept per request): what auto's AR costs on the host beyond `ar`'s. (Session 15: 1.00x `ar`'s host
-  time at batch 64 over 256 tokens; the tapped pool's stub also returns the target features each step
-  reads out.)
+  (32 verify steps), so every step is plain AR's (its stub; the plan not asked): what auto's AR costs
+  on the host beyond `ar`'s. (The tapped pool's stub also returns the target features a step reads out.)
 - `ddtree`: the GPU speculative path (budget 16, topk 4, block 16). The step's graph pool is replaced
   by a stub returning a fixed outcome (3 draft tokens accepted + bonus), so a step is schedule ->
   drafter inputs -> (stub) -> read-back -> commit.
@@ -96,10 +94,9 @@ def make_llm(path: str, mode: str) -> LLM:
             sizes = [1, 8, 64]
             llm.set_mode("ddtree", budget="auto", topk=4, cost_table=CostTable(
                 sizes, [1.0] * 3, [1.0] * 3, {b: [100.0] * 3 for b in (4, 8, 16, 32)}))
-            policy = llm.engine.speculator.policy  # a run's evidence: hopeless from the first plan
+            policy = llm.engine.speculator.policy  # a run's evidence: hopeless from the first step
             for _ in range(32):
-                policy.record_draft(1, {b: 0.2 for b in policy.budgets})
-                policy.observe(policy.budgets[0], 1, 0.2, 0.2)
+                policy.observe_step(policy.budgets[0], 1, {b: 0.2 for b in policy.budgets}, 0.2)
         elif mode == "auto-spec":  # verifying costs an AR step: auto speculates from its first plan on
             sizes = [1, 8, 64]
             llm.set_mode("ddtree", budget="auto", topk=4, cost_table=CostTable(

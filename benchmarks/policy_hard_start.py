@@ -25,7 +25,7 @@ def main() -> None:
         ratios = []
         for seed in range(seeds):
             r = HardStart(1, 0.87, {4: 1.58, 8: 1.6, 16: 1.61, 32: 1.66}, switch_ms=switch, accepted=accepted,
-                          seed=seed, over=1.0, refeed_ms=(25.0, 0.002))
+                          seed=seed, over=1.0, refeed_ms=(25.0, 0.002), readout=0.01)
             best = max(run_fixed(r, b, TOKENS) for b in [0, *r.step_ms])
             ratios.append(run_policy(r, TOKENS)[0] / best)
         print(f"{str(accepted):>12} {switch:>9} {sum(ratios) / len(ratios):>6.3f} {min(ratios):>6.3f}")

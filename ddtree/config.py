@@ -192,7 +192,7 @@ class PolicyConfig:
     probe_share: float = 0.01
     """On AR where speculation could win, a probe once the AR time since the last verify is its loss over this."""
     horizon: int = 128
-    """Tokens per request at most (else the requests' mean left) over which a switch from AR pays its cost back."""
+    """Tokens a text's acceptance is taken to hold for: a switch pays back over them; on AR, a probe after as many."""
     decay: float = 0.1
     """Weight of a new sample in the learnt step-cost corrections, after a plain mean over the first ones."""
     trace: str | None = None

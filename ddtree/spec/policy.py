@@ -8,15 +8,16 @@ The rule. At batch size B the plan compares tokens per ms and request,
 on step times from the cost table measured at start-up, corrected by what steps took (spec/costs.py),
 and takes the best once it beats the current mode by `margin`: while speculating at this batch size, AR
 must win by it; from AR, speculation must, paying a switch's cost (storing the drafter context the AR
-steps read out, feeding again what they skipped) over the next `horizon` tokens per request.
+steps read out, feeding again what they skipped) over the next `horizon` tokens per request (or fewer,
+what the requests have left).
 
 Two consequences:
 - `hopeless(B)`: no budget beats AR by the margin even at an optimistic A. There auto runs plain AR's own
   steps and never asks the plan (spec/auto.py); when the batch shrinks to a size with hope, the plan
   prices feeding the skipped context again as part of a switch.
 - On AR where speculation could win, A stands still (only verify steps teach it): a probe, one burst of
-  the best budget, comes once `probe_share` of the AR time since the last verify covers its expected loss
-  (after one AR burst at least).
+  the best budget, comes once `probe_share` of the AR time since the last verify covers its expected
+  loss (after one AR burst at least), or after `horizon` AR steps, by which the text has moved on.
 
 Greedy and sampled requests run the same plan. Tunables: PolicyConfig (ddtree/config.py); why each is
 what it is, and what was tried: docs/auto.md.
@@ -47,7 +48,7 @@ class Policy:
         self.costs = CostModel(table, self.cfg.decay)
         self.acceptance = Acceptance(self.budgets)
         self.mode, self.mode_bucket = 0, 0  # the budget being speculated with (0: AR), chosen at this batch bucket
-        self.ar_ms = 0.0  # AR time since the last verify step
+        self.ar_steps, self.ar_ms = 0, 0.0  # AR steps since the last verify step, and their time
         self.plans: Counter = Counter()  # "outcome@bucket" -> plans
         self.totals: dict[tuple[int, int], list] = {}  # (bucket, budget) -> timed bursts, tokens per request, ms
         self._hopeless: dict[int, bool] = {}  # batch -> `hopeless`, until something is learnt
@@ -91,7 +92,8 @@ class Policy:
         if tokens / ar > m * (tokens / spec + cost):
             return self._chose("spec", batch, best)
         burst = self.burst_steps * (1 + self.acceptance.mean(best))  # a probe's tokens per request
-        if self.ar_ms and self.cfg.probe_share * self.ar_ms >= cost + burst / spec - burst / ar:
+        loss = cost + burst / spec - burst / ar
+        if self.ar_steps >= self.cfg.horizon or (self.ar_ms and self.cfg.probe_share * self.ar_ms >= loss):
             return self._chose("probe", batch, best)
         return self._chose("ar", batch, 0)
 
@@ -109,14 +111,14 @@ class Policy:
         """A verify step of `budget` for `batch` requests: its draft's E(b) of every budget and the draft
         tokens accepted, each summed over the requests."""
         self.acceptance.observe(budget, batch, expected, accepted)
-        self.ar_ms = 0.0
+        self.ar_steps, self.ar_ms = 0, 0.0
         self._hopeless.clear()
 
     def observe_burst(self, budget: int, batch: int, steps: int, tokens: int, ms: float | None = None) -> None:
         """`steps` steps of `budget` (0: AR steps that read out the drafter's context) committed `tokens` to
         `batch` requests, in `ms` (None: a time that teaches nothing, as with a prefill chunk beside it)."""
         if not budget:
-            self.ar_ms += steps * self.costs.ar_ms(batch)
+            self.ar_steps, self.ar_ms = self.ar_steps + steps, self.ar_ms + steps * self.costs.ar_ms(batch)
         if ms is None:
             return
         t = self.table
@@ -148,7 +150,7 @@ class Policy:
 
     def _trace(self, outcome: str, batch: int, budget: int) -> None:
         row = {"plan": sum(self.plans.values()), "batch": batch, "outcome": outcome, "budget": budget,
-               "ar_ms": round(self.ar_ms, 3), "ar_rate": self.rate(0, batch),
+               "ar_steps": self.ar_steps, "ar_rate": self.rate(0, batch),
                "rates": {b: self.rate(b, batch) for b in self.budgets}, **self.acceptance.state()}
         with open(self.cfg.trace, "a") as f:
             f.write(json.dumps(row) + "\n")
