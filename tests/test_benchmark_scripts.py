@@ -19,7 +19,7 @@ def test_auto_overhead_runs_on_the_cpu(tmp_path):
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["concurrency"] == 2 and row["ar"]["tok_per_s"] > 0 and row["auto"]["tok_per_s"] > 0
     assert row["auto"]["stats"]["budget_hist"] and row["auto"]["policy"]["table"]["batch"]
-    assert {"scheduler.schedule", "policy.hopeless", "drafter.store_pending"} <= row["auto"]["host_s"].keys()
+    assert {"scheduler.schedule", "policy.hopeless", "ar._feed"} <= row["auto"]["host_s"].keys()
 
 
 def test_table_ab_runs_on_the_cpu(tmp_path):
