@@ -17,7 +17,8 @@ Two consequences:
   prices feeding the skipped context again as part of a switch.
 - On AR where speculation could win, A stands still (only verify steps teach it): a probe, one burst of
   the best budget, comes once `probe_share` of the AR time since the last verify covers its expected
-  loss (after one AR burst at least), or after `horizon` AR steps, by which the text has moved on.
+  loss (after one AR burst at least), or after `horizon` AR steps, by which the text has moved on
+  (unless it has rows to feed again).
 
 Greedy and sampled requests run the same plan. Tunables: PolicyConfig (ddtree/config.py); why each is
 what it is, and what was tried: docs/auto.md.
@@ -93,7 +94,8 @@ class Policy:
             return self._chose("spec", batch, best)
         burst = self.burst_steps * (1 + self.acceptance.mean(best))  # a probe's tokens per request
         loss = cost + burst / spec - burst / ar
-        if self.ar_steps >= self.cfg.horizon or (self.ar_ms and self.cfg.probe_share * self.ar_ms >= loss):
+        moved_on = self.ar_steps >= self.cfg.horizon and not rows  # (a refeed is priced by the share alone)
+        if moved_on or (self.ar_ms and self.cfg.probe_share * self.ar_ms >= loss):
             return self._chose("probe", batch, best)
         return self._chose("ar", batch, 0)
 
