@@ -18,7 +18,7 @@ from ddtree.spec.context import context_of
 from ddtree.spec.costs import CostTable
 from ddtree.spec.draft import has_gap, store_shape
 from ddtree.spec.policy import Policy, candidate_budgets
-from emulated import emulated_pool, fake_gpu_graphs
+from emulated import fake_gpu_graphs
 from test_policy import BATCHES, BUDGETS, one_thread, roofline, table  # noqa: F401 (one_thread: autouse)
 from test_spec import assert_idle, continuation, hook_draft_logits, noisy_oracle, plant
 from tiny import make_tiny_model
