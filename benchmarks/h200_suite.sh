@@ -21,14 +21,15 @@ sweep=("${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 1
        --with-auto --repeats 1 --out "$OUT/sweep_h200.jsonl")
 trace() {  # NAME CMD...: CMD with auto's plans traced to $OUT/policy_trace_NAME.jsonl where TRACE=1
   local name=$1; shift
-  if [ "${TRACE:-0}" = 1 ]; then DDTREE_POLICY_TRACE="$OUT/policy_trace_$name.jsonl" "$@"; else "$@"; fi
+  if [ "${TRACE:-0}" = 1 ]; then local TRACE_ARGS=(--policy-trace "$OUT/policy_trace_$name.jsonl"); "$@"; else "$@"; fi
 }
 auto_sweep() {  # REPEATS CONCURRENCIES: auto vs AR, DFlash and DDTree 8/16/32 (topk 4), rows appended
   local warm=(--warmup-pass) out=sweep_auto_h200.jsonl cont=(); [ "${WARMUP:-1}" = 0 ] && warm=()
   [ "${CONTINUOUS:-0}" = 1 ] && cont=(--continuous) && out=sweep_auto_continuous_h200.jsonl
   [ "${INTERLEAVE:-1}" = 1 ] && cont+=(--interleave)  # (INTERLEAVE=0: each mode's runs back to back)
   "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4 \
-    --with-auto --repeats "$1" --concurrency "$2" --num-pages 16384 "${warm[@]}" "${cont[@]}" --out "$OUT/$out"
+    --with-auto --repeats "$1" --concurrency "$2" --num-pages 16384 "${warm[@]}" "${cont[@]}" \
+    ${TRACE_ARGS[@]+"${TRACE_ARGS[@]}"} --out "$OUT/$out"
 }
 case $1 in
   tune)

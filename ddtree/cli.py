@@ -319,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--step-times", action="store_true", help="also time AR / draft / verify steps")
     lat.add_argument("--peers", action="store_true", help="also run transformers and the reference dflash")
     lat.add_argument("--peer-prompts", type=int, default=4)
+    lat.add_argument("--policy-trace", default=None, help="budget auto: append one JSON line per plan to this file")
     lat.add_argument("--out", default="benchmarks/results/latency.jsonl")
     lat.set_defaults(func=cmd_bench_latency)
 
@@ -364,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep every mode's engine and run the modes in turn, run by run, at each concurrency (a "
                          "drift of the machine's speed then falls on every mode alike; a KV cache per mode)")
     sw.add_argument("--num-pages", type=int, default=None)
+    sw.add_argument("--policy-trace", default=None, help="budget auto: append one JSON line per plan to this file")
     sw.add_argument("--out", default="benchmarks/results/sweep.jsonl")
     sw.set_defaults(func=cmd_bench_sweep)
 

@@ -178,6 +178,31 @@ def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return names[dtype]
 
 
+@dataclass(slots=True, frozen=True)
+class PolicyConfig:
+    """`budget="auto"`'s tunables (the policy: spec/policy.py; why each value: docs/auto.md)."""
+    budgets: tuple[int, ...] = (4, 8, 16, 32)
+    """Speculative budgets the plan chooses among (each capped by what the drafter's tree holds); AR is always one."""
+    margin: float = 1.05
+    """How many times the current mode's tokens per ms the other mode (AR or speculation) must reach to take over."""
+    spread: float = 3.0
+    """Optimism in accepted tokens, over the root of 1 + the verified request-steps, where `hopeless` is judged."""
+    text_spread: float = 0.7
+    """... and over the batch size squared: one request's text may be far easier than the run's so far."""
+    probe_share: float = 0.01
+    """On AR where speculation could win, a probe once the AR time since the last verify is its loss over this."""
+    horizon: int = 128
+    """Tokens a text's acceptance is taken to hold for: a switch pays back over them; on AR, a probe after as many."""
+    decay: float = 0.1
+    """Weight of a new sample in the learnt step-cost corrections, after a plain mean over the first ones."""
+    trace: str | None = None
+    """A file that gets one JSON line per plan (what the plan saw and chose); None: no trace."""
+
+    def __post_init__(self):
+        if not self.budgets or min(self.budgets) < 1 or self.margin < 1 or not 0 < self.probe_share <= 1:
+            raise ValueError(f"invalid policy settings: {self}")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     page_size: int = 16
@@ -191,6 +216,7 @@ class EngineConfig:
     # The kernels: "auto" (Triton on a GPU, torch ops elsewhere), "torch" (the reference ops everywhere, to
     # debug) or "triton" (also on the CPU, in Triton's interpreter: TRITON_INTERPRET=1 set before start).
     kernels: str = "auto"
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # budget "auto"
 
     def __post_init__(self):
         if self.kernels not in ("auto", "triton", "torch"):

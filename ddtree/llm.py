@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ddtree.config import EngineConfig, ParallelConfig, default_device, parse_dtype
+from ddtree.config import EngineConfig, ParallelConfig, PolicyConfig, default_device, parse_dtype
 from ddtree.engine.engine import LLMEngine
 from ddtree.engine.sequence import Sequence
 from ddtree.sampling_params import SamplingParams
@@ -59,11 +59,12 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  kv_cache_gb: float = 1.0, cuda_graphs: bool = True, kernels: str = "auto", tokenizer=None,
                  cost_table=None, tensor_parallel_size: int = 1, parallel: ParallelConfig | None = None,
-                 load_format: str = "auto"):
+                 policy: PolicyConfig | None = None, load_format: str = "auto"):
         """`tensor_parallel_size` > 1 splits the target over that many ranks (processes) on this host;
         `parallel` sets more (several hosts: parallel/workers.py). `close()` stops them. `kernels`:
-        EngineConfig's (the reference torch ops with "torch"). `load_format="dummy"`: the checkpoint's
-        config with random weights, nothing else read (to measure speed without the weights)."""
+        EngineConfig's (the reference torch ops with "torch"); `policy`: budget "auto"'s tunables.
+        `load_format="dummy"`: the checkpoint's config with random weights, nothing else read (to
+        measure speed without the weights)."""
         from ddtree.models.hub import default_draft, is_default_model, resolve_model
         from ddtree.models.loader import load_model
 
@@ -88,7 +89,8 @@ class LLM:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
         self.engine_cfg = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                       kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs, kernels=kernels)
+                                       kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs, kernels=kernels,
+                                       policy=policy or PolicyConfig())
         self.drafter = None
         default_pair = draft is None and spec is None and is_default_model(model)
         if draft is None and spec != "none" and is_default_model(model):
@@ -211,13 +213,16 @@ class LLM:
                     found.append((n, st.st_size, int(st.st_mtime)))
             return found
 
-        from ddtree.spec.adaptive import candidate_budgets
+        from ddtree.spec.policy import candidate_budgets
 
+        engine = asdict(self.engine_cfg)
+        engine.pop("policy")  # (the plan's settings, not the costs')
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         return {"format": 1, "device": device, "torch": torch.__version__, "dtype": str(self.dtype),
                 "model": files(self.model_path), "drafter": files(self.draft_path), "topk": self.topk,
-                "budgets": candidate_budgets(self.drafter.dcfg.block_size - 1, self.topk),
-                "engine": asdict(self.engine_cfg), "tensor_parallel_size": self.parallel.tensor_parallel_size}
+                "budgets": candidate_budgets(self.drafter.dcfg.block_size - 1, self.topk,
+                                             self.engine_cfg.policy.budgets),
+                "engine": engine, "tensor_parallel_size": self.parallel.tensor_parallel_size}
 
 
     def _mode(self, spec: str, budget: int | str | None, topk: int | None) -> tuple[str, int | str, int]:
@@ -355,9 +360,10 @@ class LLM:
                            "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
                            "mean_accept_length": sum(accepts) / len(accepts) if accepts else None,
                            "finish_reasons": [s.finish_reason for s in seqs]}
-        if spec is not None:  # request-steps per budget (0: AR steps of budget "auto")
-            hist = {b: n - hist_before.get(b, 0) for b, n in sorted(spec.stats.budget_hist.items())}
-            self.last_stats["budget_hist"] = {b: n for b, n in hist.items() if n}
         bursts = {k: n - timing_before.get(k, 0) for k, n in sorted(self.engine.timing.items())}
+        if spec is not None:  # request-steps per budget (0: AR steps of budget "auto", wherever they ran)
+            hist = {b: n - hist_before.get(b, 0) for b, n in spec.stats.budget_hist.items()}
+            hist[0] = bursts.get("ar_tokens", 0)
+            self.last_stats["budget_hist"] = {b: n for b, n in sorted(hist.items()) if n}
         if any(bursts.values()):  # where the wall time went, and how steps were grouped into bursts
             self.last_stats["bursts"] = bursts

@@ -1,25 +1,30 @@
-"""A synthetic serving loop for `AdaptivePolicy`: the policy plans, AR runs in bursts, speculation in
-bursts of SPEC_BURST steps, as spec/auto.py and the engine drive it on the GPU, against text whose
-difficulty changes every segment and a drafter that is overconfident and noisy. The same text runs
-under plain AR and every fixed budget, so the policy's tokens per ms can be compared with theirs.
+"""A synthetic serving loop for `Policy` (spec/policy.py), driven as spec/auto.py drives it on the GPU:
+plain AR's steps where the batch size is hopeless (each request's drafter context then has a gap, fed
+through the target again at a switch), else the plan's budget: AR bursts that read out the context, or
+speculative bursts of SPEC_BURST steps. The text's difficulty changes every segment and the drafter is
+overconfident and noisy; the same text runs under plain AR and every fixed budget, so the policy's
+tokens per ms can be compared with theirs.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
 
-from ddtree.spec.adaptive import BURST_STEPS as SPEC_BURST, AdaptivePolicy
 from ddtree.spec.costs import CostTable
+from ddtree.spec.policy import Policy
 
 AR_BURST = 16  # (ddtree/engine/ar.py DECODE_BURST)
+SPEC_BURST = 8  # (ddtree/spec/decode.py)
 SHARE = {4: 0.6, 8: 0.8, 16: 0.92, 32: 1.0}  # a budget's accepted length, as a share of budget 32's
+REFEED = (20.0, 0.005)  # ms: a refeed's eager forward, and per row (the H200's, roughly)
 
 
 @dataclass
 class Regime:
     """One batch size's costs (ms) and its text: segments of `segment` tokens whose mean accepted
     length (budget 32) is drawn from `accepted` (uniform); the drafter's E is `over` x that, times
-    log-normal noise of `noise`, per step."""
+    log-normal noise of `noise`, per step. `readout`: an AR step that reads out the drafter's context
+    costs this share more than plain AR's."""
     batch: int
     ar_ms: float
     step_ms: dict[int, float]  # a whole speculative step (draft and verify) by budget
@@ -29,10 +34,9 @@ class Regime:
     over: float = 1.4
     noise: float = 0.5
     seed: int = 0
+    readout: float = 0.05
+    refeed_ms: tuple[float, float] = REFEED
     difficulty: list[float] = field(default_factory=list)  # per segment, drawn as the text grows
-    # A refeed (ms): fixed per forward and per row. Set: tap-free AR steps (a hopeless plan) leave a gap
-    # that a switch back feeds through the target again first, as spec/auto.py does; None: no gaps.
-    refeed_ms: tuple[float, float] | None = None
 
     def mean_accepted(self, pos: float, budget: int) -> float:
         pos = int(pos)
@@ -41,7 +45,8 @@ class Regime:
         return self.difficulty[pos // self.segment] * SHARE[budget]
 
     def table(self) -> CostTable:
-        return CostTable([self.batch], [self.ar_ms], [0.0], {b: [ms] for b, ms in self.step_ms.items()})
+        return CostTable([self.batch], [self.ar_ms], [0.0], {b: [ms] for b, ms in self.step_ms.items()},
+                         [self.switch_ms])
 
 
 @dataclass
@@ -58,7 +63,7 @@ class HardStart(Regime):
 
 
 def run_fixed(r: Regime, budget: int, tokens: int) -> float:
-    """Tokens per ms of always `budget` (0: AR) over the first `tokens` tokens of the text."""
+    """Tokens per ms of always `budget` (0: plain AR) over the first `tokens` tokens of the text."""
     pos, ms = 0, 0.0
     while pos < tokens:
         if budget == 0:
@@ -68,47 +73,52 @@ def run_fixed(r: Regime, budget: int, tokens: int) -> float:
     return pos * r.batch / ms
 
 
-def run_policy(r: Regime, tokens: int, policy: AdaptivePolicy | None = None) -> tuple[float, AdaptivePolicy]:
+def new_policy(table: CostTable, budgets, refeed=REFEED) -> Policy:
+    policy = Policy(table, [0, *budgets], burst_steps=SPEC_BURST)
+    policy.costs.set_refeed(*refeed)
+    return policy
+
+
+def run_policy(r: Regime, tokens: int, policy: Policy | None = None) -> tuple[float, Policy]:
     """Tokens per ms of the policy over the same text (every request of the batch at one position)."""
-    policy = policy or AdaptivePolicy(r.table(), [0, *r.step_ms])
-    if r.refeed_ms:
-        policy.set_refeed_cost(*r.refeed_ms)
+    policy = policy or new_policy(r.table(), r.step_ms, r.refeed_ms)
     noise = random.Random(r.seed + 1)
     pos, ms, from_ar, gap = 0.0, 0.0, False, 0  # (the prefill stored the prompts' context)
     while pos < tokens:
-        budget = policy.plan(r.batch, gap * r.batch)
+        if policy.hopeless(r.batch):  # plain AR's steps
+            pos, ms, gap = pos + AR_BURST, ms + AR_BURST * r.ar_ms, gap + AR_BURST
+            continue
+        budget = policy.plan(r.batch, lambda: (gap * r.batch, tokens - pos))
         if budget == 0:
-            steps = min(AR_BURST, 1 + policy.ar_steps_ahead())
-            policy.skip_ar(steps - 1)
-            gap += steps if r.refeed_ms and policy.tap_free else 0
-            pos, ms, from_ar = pos + steps, ms + steps * r.ar_ms, True
+            if gap:  # (AR stays plain where a switch refeeds anyway)
+                pos, ms, gap = pos + AR_BURST, ms + AR_BURST * r.ar_ms, gap + AR_BURST
+                continue
+            ar = AR_BURST * r.ar_ms * (1 + r.readout)
+            policy.observe_burst(0, r.batch, AR_BURST, AR_BURST * r.batch, ar)
+            pos, ms, from_ar = pos + AR_BURST, ms + ar, True
             continue
         if gap:
             refeed = r.refeed_ms[0] + gap * r.batch * r.refeed_ms[1]
             policy.observe_refeed(gap * r.batch, refeed)
-            ms, gap = ms + refeed, 0
-        start, store = pos, (r.switch_ms if from_ar else 0.0)
+            ms, gap, from_ar = ms + refeed, 0, True
         if from_ar:
-            policy.observe_switch(r.batch, store)
-        t = 0.0
-        verified = 0
-        for _ in range(1 if policy.expected is None else SPEC_BURST):
+            policy.observe_store(r.batch, r.switch_ms)
+            ms, from_ar = ms + r.switch_ms, False
+        start, t = pos, 0.0
+        steps = SPEC_BURST if policy.acceptance.known else 1
+        for _ in range(steps):
             accepted = r.mean_accepted(int(pos), budget)
             expected = {b: r.over * r.mean_accepted(int(pos), b) * noise.lognormvariate(0, r.noise) for b in r.step_ms}
-            policy.record_draft(r.batch, {b: e * r.batch for b, e in expected.items()})
-            policy.probing = False
-            policy.observe(budget, r.batch, expected[budget] * r.batch, accepted * r.batch)
-            verified += 1
+            policy.observe_step(budget, r.batch, {b: e * r.batch for b, e in expected.items()}, accepted * r.batch)
             pos, t = pos + 1 + accepted, t + r.step_ms[budget]
-        if verified > 1:  # (as spec/auto.py: not the first, blind, one-step burst)
-            policy.observe_burst(budget, r.batch, (pos - start) * r.batch, t)
-        ms, from_ar = ms + store + t, False
+        policy.observe_burst(budget, r.batch, steps, (pos - start) * r.batch, t if steps > 1 else None)
+        ms += t
     return pos * r.batch / ms, policy
 
 
 # ----------------------------------------------------------------------------- batches run to completion
 
-# The cost table auto measured on the H200 at 72bc674 (ms; `results/h200_72bc674_grid/`).
+# The cost table auto measured on the H200 at 72bc674 (ms; `results/h200_72bc674_grid/`), with a switch's store.
 H200_TABLE = CostTable(
     [1, 2, 4, 8, 16, 32, 64, 128],
     [0.871, 1.065, 1.064, 1.067, 1.104, 1.168, 1.267, 1.412],
@@ -116,14 +126,15 @@ H200_TABLE = CostTable(
     {4: [1.296, 1.279, 1.300, 1.363, 1.473, 1.779, 2.395, 3.104],
      8: [1.398, 1.290, 1.352, 1.580, 1.665, 2.073, 2.956, 4.677],
      16: [1.313, 1.335, 1.451, 1.642, 2.087, 2.824, 4.646, 7.479],
-     32: [1.460, 1.432, 1.678, 2.018, 2.682, 4.635, 7.344, 12.981]})
+     32: [1.460, 1.432, 1.678, 2.018, 2.682, 4.635, 7.344, 12.981]},
+    [2.02, 2.04, 2.08, 2.16, 2.32, 2.64, 3.28, 4.56])
 
 
 @dataclass
 class Batches:
     """`batches` batches of `concurrency` requests run to completion, as `ddtree bench sweep` runs them:
     each request wants a length drawn from `lengths` and has text of its own (segments as in `Regime`);
-    a switch from AR stores `switch_ms` + `switch_row_ms` per request."""
+    a switch from AR stores `switch_ms` + `switch_row_ms` per request, and feeds gaps again at REFEED."""
     concurrency: int
     batches: int = 6
     lengths: tuple[int, int] = (60, 128)
@@ -135,7 +146,7 @@ class Batches:
     switch_row_ms: float = 0.02
     seed: int = 0
     table: CostTable = field(default_factory=lambda: H200_TABLE)
-    readout: float = 0.0  # an AR step that reads out the drafter's context costs this share more (not tap-free)
+    readout: float = 0.0  # an AR step that reads out the drafter's context costs this share more than plain AR's
 
     def mean_accepted(self, request: int, pos: float, budget: int) -> float:
         rng = random.Random(f"{self.seed}-{request}-{int(pos) // self.segment}")
@@ -149,60 +160,71 @@ class Batches:
         return t.ar_ms(batch) if budget == 0 else t.draft_ms(batch) + t.verify_ms(budget, batch)
 
 
-def run_batches(w: Batches, budget: int | None, policy: AdaptivePolicy | None = None):
+def run_batches(w: Batches, budget: int | None, policy: Policy | None = None) -> float:
     """Tokens per ms over all the batches: AR (`budget` 0), a fixed budget, or (`budget` None) the policy
-    driving bursts as the engine does (an AR burst or a speculative one ends a step after a request
-    finishes)."""
+    driving bursts as the engine does (a burst ends a step after a request finishes)."""
     if budget is None:
-        policy = policy or AdaptivePolicy(w.table, [0, 4, 8, 16, 32])
+        policy = policy or new_policy(w.table, SHARE)
     noise = random.Random(w.seed + 1)
     tokens, ms = 0.0, 0.0
     for k in range(w.batches):
         ids = [k * w.concurrency + i for i in range(w.concurrency)]
         want = {i: w.length(i) for i in ids}
         pos = {i: 0.0 for i in ids}
+        gap = dict.fromkeys(ids, 0)  # rows each request's drafter context lacks
         from_ar = False
         while any(pos[i] < want[i] for i in ids):
             live = [i for i in ids if pos[i] < want[i]]
             B = len(live)
-            b = budget if budget is not None else policy.plan(B)
+            if budget is not None:
+                b, plain = budget, False
+            elif policy.hopeless(B):
+                b, plain = 0, True
+            else:
+                b = policy.plan(B, lambda: (sum(gap[i] for i in live), sum(want[i] - pos[i] for i in live) / B))
+                plain = b == 0 and any(gap[i] for i in live)
             if b == 0:
-                steps = 1 if budget is not None else min(16, 1 + policy.ar_steps_ahead())
                 n = 0
-                for _ in range(steps):
+                for _ in range(1 if budget is not None else AR_BURST):
                     n += 1
                     for i in live:
                         pos[i] += 1
+                        gap[i] += plain
                     if any(pos[i] >= want[i] for i in live):
                         break
-                if budget is None:
-                    policy.skip_ar(n - 1)
-                extra = w.readout if budget is None and not policy.tap_free else 0.0
-                tokens, ms, from_ar = tokens + n * B, ms + n * w.step_ms(0, B) * (1 + extra), True
+                step = n * w.step_ms(0, B) * (1 if plain or budget is not None else 1 + w.readout)
+                if budget is None and not plain:
+                    policy.observe_burst(0, B, n, n * B, step)
+                tokens, ms, from_ar = tokens + n * B, ms + step, from_ar or not plain
                 continue
-            store = (w.switch_ms + w.switch_row_ms * B) if budget is None and from_ar else 0.0
-            if store:
-                policy.observe_switch(B, store)
-            t = 0.0
-            steps = 1 if budget is not None or policy.expected is None else SPEC_BURST
-            got, verified = 0.0, 0
+            extra = 0.0
+            if budget is None:
+                rows = sum(gap[i] for i in live)
+                if rows:
+                    extra += REFEED[0] + rows * REFEED[1]
+                    policy.observe_refeed(rows, extra)
+                    gap.update(dict.fromkeys(live, 0))
+                if from_ar or rows:
+                    store = w.switch_ms + w.switch_row_ms * B
+                    policy.observe_store(B, store)
+                    extra += store
+            t, got, n = 0.0, 0.0, 0
+            steps = 1 if budget is not None or not policy.acceptance.known else SPEC_BURST
             for _ in range(steps):
+                n += 1
                 acc = {i: w.mean_accepted(i, pos[i], b) for i in live}
                 if budget is None:
                     e = {c: sum(w.over * w.mean_accepted(i, pos[i], c) * noise.lognormvariate(0, w.noise)
                                 for i in live) for c in SHARE}
-                    policy.record_draft(B, e)
-                    policy.probing = False
-                    policy.observe(b, B, e[b], sum(acc.values()))
-                    verified += 1
+                    policy.observe_step(b, B, e, sum(acc.values()))
                 for i in live:
                     pos[i] += 1 + acc[i]
                 got, t = got + sum(1 + a for a in acc.values()), t + w.step_ms(b, B)
                 if any(pos[i] >= want[i] for i in live):
                     break
-            if budget is None and verified >= 4:
-                policy.observe_burst(b, B, got, t)
-            tokens, ms, from_ar = tokens + got, ms + store + t, False
+            if budget is None:
+                policy.observe_burst(b, B, n, got, t if n >= 4 else None)
+            tokens, ms, from_ar = tokens + got, ms + extra + t, False
     return tokens / ms
 
 
@@ -211,35 +233,28 @@ def run_batches(w: Batches, budget: int | None, policy: AdaptivePolicy | None = 
 def run_noisy_bursts(advantage: float, seed: int, plans: int = 3000, sigma: float = 0.3) -> float:
     """Tokens per ms over AR's at batch 1, where a speculative burst realizes `advantage` x AR's rate
     times log-normal noise of `sigma` (the spread of bursts at C=1 on the H200; its verify steps accept
-    that evenly) and the drafter's E says nothing about it. The plan stops speculating after bad bursts, so an estimate that weighs the last
-    ones most is biased low (at C=1 on the H200 auto ran AR on 93% of request-steps where fixed budget
-    32 ran 1.07x)."""
+    that evenly) and the drafter's E says nothing about it."""
     ar = 0.87
-    table = CostTable([1], [ar], [0.55], {b: [1.45] for b in SHARE})
-    policy = AdaptivePolicy(table, [0, *SHARE])
+    table = CostTable([1], [ar], [0.55], {b: [1.45] for b in SHARE}, [2.5])
+    policy = new_policy(table, SHARE)
     rng = random.Random(seed)
     ms = tokens = 0.0
     from_ar = False  # (the prefill stored the prompt's context)
     for _ in range(plans):
-        budget = policy.plan(1)
+        budget = 0 if policy.hopeless(1) else policy.plan(1)
         if budget == 0:
-            steps = min(AR_BURST, 1 + policy.ar_steps_ahead())
-            policy.skip_ar(steps - 1)
-            ms, tokens, from_ar = ms + steps * ar, tokens + steps, True
+            policy.observe_burst(0, 1, AR_BURST, AR_BURST)
+            ms, tokens, from_ar = ms + AR_BURST * ar, tokens + AR_BURST, True
             continue
         if from_ar:  # a switch: the AR stretch's context store first
-            policy.observe_switch(1, 2.5)
+            policy.observe_store(1, 2.5)
             ms, from_ar = ms + 2.5, False
-        blind = policy.expected is None
-        steps = 1 if blind else SPEC_BURST
+        steps = SPEC_BURST if policy.acceptance.known else 1
         expected = {b: 1.5 * rng.lognormvariate(0, 0.3) for b in SHARE}
         t = steps * 2.0
         got = t * advantage / ar * rng.lognormvariate(0, sigma)
         for _ in range(steps):  # (what the burst's verify steps accepted, evenly)
-            policy.record_draft(1, expected)
-            policy.probing = False
-            policy.observe(budget, 1, expected[budget], got / steps - 1)
-        if not blind:  # (as spec/auto.py: not the first, one-step burst)
-            policy.observe_burst(budget, 1, got, t, steps=steps)
+            policy.observe_step(budget, 1, expected, got / steps - 1)
+        policy.observe_burst(budget, 1, steps, got, t if steps > 1 else None)
         ms, tokens = ms + t, tokens + got
     return tokens / ms * ar

@@ -1,24 +1,25 @@
 """AdaptiveSpeculator (spec/auto.py, `budget="auto"`) end to end: auto decoding is lossless like every
-other mode. Greedy output equals AR token for token, with a random drafter (auto stays on AR), an
-oracle (it speculates), and a scripted policy that switches between AR, AR after a wasted draft, and
-every budget, so the drafter's context must catch up after AR steps; the graphed path emulated on the
-CPU (bursts, tap-free AR steps, refeeds). The policy alone: tests/test_adaptive.py.
+other mode. Greedy output equals AR token for token, with a random drafter (auto runs plain AR's steps),
+an oracle (it speculates), and a scripted policy that switches between AR, plain AR's steps (which skip
+the drafter's context) and every budget, so the drafter's context must catch up after AR steps; the
+graphed path emulated on the CPU (bursts, plain AR's steps where speculation cannot win, refeeds). The
+policy alone: tests/test_policy.py.
 """
 import itertools
 
 import pytest
 import torch
 
-from ddtree.config import ModelConfig
+from ddtree.config import ModelConfig, PolicyConfig
 from ddtree.llm import LLM
 from ddtree.models.dflash import random_drafter, save_drafter
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.adaptive import candidate_budgets
 from ddtree.spec.context import context_of
 from ddtree.spec.costs import CostTable
 from ddtree.spec.draft import has_gap, store_shape
-from emulated import emulated_pool, fake_gpu_graphs
-from test_adaptive import BATCHES, BUDGETS, one_thread, roofline, table  # noqa: F401 (one_thread: autouse)
+from ddtree.spec.policy import Policy, candidate_budgets
+from emulated import fake_gpu_graphs
+from test_policy import BATCHES, BUDGETS, one_thread, roofline, table  # noqa: F401 (one_thread: autouse)
 from test_spec import assert_idle, continuation, hook_draft_logits, noisy_oracle, plant
 from tiny import make_tiny_model
 
@@ -73,12 +74,37 @@ def ar_out(pairs, prompts):
     return get
 
 
-def auto_llm(pairs, family, cost_table=None) -> LLM:
+class Untimed(Policy):
+    """The policy, deaf to step times: tests on a loaded CPU plan on the table they give, deterministically.
+    `learned`: what timed bursts would have taught it, (budget, batch, steps, tokens, ms)."""
+    def __init__(self, table, budgets, cfg=None, burst_steps=8):
+        super().__init__(table, budgets, cfg, burst_steps)
+        self.learned = []
+
+    def observe_burst(self, budget, batch, steps, tokens, ms=None):
+        if ms is not None:
+            self.learned.append((budget, batch, steps, tokens, ms))
+        super().observe_burst(budget, batch, steps, tokens, None)
+
+    def observe_store(self, batch, ms):
+        pass
+
+    def observe_refeed(self, rows, ms):
+        pass
+
+
+def untimed(llm: LLM) -> Untimed:
+    spec, old = llm.engine.speculator, llm.engine.speculator.policy
+    spec.policy = Untimed(old.table, spec.budgets, old.cfg, old.burst_steps)
+    spec.policy.costs.set_refeed(old.costs.refeed_fixed, old.costs.refeed_row, old.costs.refeed_rows)
+    return spec.policy
+
+
+def auto_llm(pairs, family, cost_table=None, **kw) -> LLM:
     path, d = pairs(family)
-    llm = LLM(path, draft=d, spec="ddtree", budget="auto", topk=4, cost_table=cost_table, **ENGINE)
-    if cost_table is not None:  # deterministic: no host-time learning from this machine's (loaded) CPU
-        llm.engine.speculator.policy.observe_time = lambda *a: None
-        llm.engine.speculator.policy.observe_burst = lambda *a: None
+    llm = LLM(path, draft=d, spec="ddtree", budget="auto", topk=4, cost_table=cost_table, **ENGINE, **kw)
+    if cost_table is not None:
+        untimed(llm)
     return llm
 
 
@@ -87,57 +113,39 @@ def plant_noisy_oracle(llm: LLM, ref: dict) -> None:
     plant(llm, noisy_oracle(ref, vocab=llm.config.vocab_size))
 
 
-class Scripted:
-    """A policy that follows a fixed cycle: "ar" (no draft), "gap" (AR that reads out no drafter context),
-    "wasted" (draft, then AR) or a budget; `tap_free_prefills`: prompts never read out their context
-    (True), always do (False), or each prefill step in turn ("mixed")."""
-    def __init__(self, plan, tap_free_prefills=False):
-        self.plan_, self.now, self.seen = itertools.cycle(plan), None, []
-        self.prefills = itertools.cycle([False, True] if tap_free_prefills == "mixed" else [tap_free_prefills])
+class Scripted(Policy):
+    """A policy that follows a fixed cycle, one entry per engine step: "ar" (AR steps that read out the
+    drafter's context), "plain" (speculation hopeless: plain AR's steps, which do not; on a hybrid
+    target, never asked, "ar") or a budget. `seen`: the budgets of the verify steps it was told about."""
+    def __init__(self, plan, table=table(lambda n, bs: 1.0)):
+        super().__init__(table, BUDGETS)
+        self.script, self.now, self.asked, self.seen = itertools.cycle(plan), None, False, []
 
-    table = table(lambda n, bs: 1.0)
-    probing, expected, hopeless, tap_free, gapped = False, {}, False, False, False
+    def hopeless(self, batch):
+        self.now, self.asked = next(self.script), True
+        return self.now == "plain"
 
-    def plan(self, batch, gap_rows=0, joined=0):  # "wasted": the largest budget (drafted; `choose` then throws it away)
-        self.now = next(self.plan_)
-        self.hopeless = self.tap_free = self.now == "gap"
-        return {"ar": 0, "gap": 0, "wasted": BUDGETS[-1]}.get(self.now, self.now)
+    def plan(self, batch, switch=None):
+        if not self.asked:
+            self.now = next(self.script)
+        self.asked = False
+        if switch is not None:
+            rows, left = switch()
+            assert rows >= 0 and left > 0
+        return self.now if isinstance(self.now, int) else 0
 
-    def hopeless_at(self, batch):
-        return next(self.prefills)
-
-    def record_draft(self, batch, expected):
+    def observe_step(self, budget, batch, expected, accepted):
         assert sorted(expected) == BUDGETS[1:]
         assert all(0 <= expected[b] <= b * batch + 1e-2 for b in expected)
         assert all(expected[a] <= expected[b] + 1e-2 for a, b in zip(BUDGETS[1:], BUDGETS[2:]))  # more nodes, more hope
-
-    def ar_steps_ahead(self):  # one script entry per step: no AR bursts
-        return 0
-
-    def skip_ar(self, steps):
-        assert steps == 0
-
-    def choose(self, batch, expected):
-        self.record_draft(batch, expected)
-        return 0 if self.now == "wasted" else self.now
-
-    def observe(self, budget, batch, predicted, accepted):
         self.seen.append(budget)
+        super().observe_step(budget, batch, expected, accepted)
 
-    def observe_switch(self, batch, ms):
-        pass
+    def observe_burst(self, budget, batch, steps, tokens, ms=None):
+        assert steps >= 1 and tokens >= 0 and (ms is None or ms > 0)
 
     def observe_refeed(self, rows, ms):
         assert rows > 0 and ms > 0
-
-    def observe_burst(self, budget, batch, tokens, ms, store_ms=0.0, steps=0):
-        pass
-
-    def tally(self, budget, batch, tokens, ms):
-        pass
-
-    def observe_time(self, kind, batch, measured_ms, table_ms):
-        assert kind in ("ar", "spec") and measured_ms > 0 and table_ms > 0
 
 
 def check_lossless(llm: LLM, prompts, ref, tokens_per_step_le: int = 8, sampled: bool = False) -> list:
@@ -157,19 +165,18 @@ def check_lossless(llm: LLM, prompts, ref, tokens_per_step_le: int = 8, sampled:
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_auto_with_a_random_drafter_stays_on_ar_and_equals_it(family, pairs, prompts, ar_out):
+def test_auto_with_a_random_drafter_runs_plain_ar_and_equals_it(family, pairs, prompts, ar_out):
     llm = auto_llm(pairs, family)  # the cost table measured here, on the CPU
     t = llm.engine.speculator.policy.table
     assert t.batch == [1, 2] and sorted(t.verify) == BUDGETS[1:] and min(t.ar + t.draft) > 0
-    spec = llm.engine.speculator
-    spec.policy.table = table(lambda n, bs: 1.0 * n)  # deterministic: drafts far below their cost
-    spec.policy.observe_time = spec.policy.observe_burst = lambda *a: None
+    llm.set_mode("ddtree", "auto", 4, cost_table=table(lambda n, bs: 1.0 * n))  # drafts far below their cost
+    policy = untimed(llm)
     outs, hist = check_lossless(llm, prompts, ar_out(family))
-    # A random drafter never earns a verify of its own; only probes (one draft per PROBE_EVERY AR steps)
-    # verify the smallest tree, so the calibration keeps learning.
-    probes = hist.get(BUDGETS[1], 0)
-    assert set(hist) <= {0, BUDGETS[1]} and probes * 8 <= hist[0], hist
-    assert sum(len(o.accept_lengths) for o in outs) == probes
+    # One blind step (budget 4) shows the drafter accepts nothing: from then on no batch size has hope, and
+    # every step is plain AR's, with no plan made.
+    assert hist.get(BUDGETS[1]) == 1 and set(hist) == {0, BUDGETS[1]}, hist
+    assert sum(len(o.accept_lengths) for o in outs) == 1 and policy.hopeless(1)
+    assert dict(policy.plans) == {"blind@1": 1} and llm.last_stats["bursts"].get("refeeds", 0) == 0
     assert llm.budget == "auto" and llm.spec == "ddtree"
 
 
@@ -189,11 +196,28 @@ def test_switching_between_ar_and_budgets_every_step_stays_lossless(family, pair
     ref = ar_out(family)
     llm = auto_llm(pairs, family, cost_table=table(roofline))
     plant_noisy_oracle(llm, continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)))
-    llm.engine.speculator.policy = script = Scripted(["ar", "ar", 4, "ar", 8, "wasted", 16, 32, "ar", "ar", "ar",
-                                                      32, "wasted", "wasted", 8])
+    llm.engine.speculator.policy = script = Scripted(["ar", "ar", 4, "plain", 8, "ar", 16, 32, "plain", "ar", "ar",
+                                                      32, "plain", "plain", 8])
     outs, hist = check_lossless(llm, prompts, ref)
     assert set(hist) == set(BUDGETS), hist
     assert set(script.seen) == set(BUDGETS[1:])
+    refeeds = llm.last_stats["bursts"].get("refeeds", 0)
+    assert (refeeds > 0) == (family != "qwen3_5")  # (a hybrid target never skips its drafter context)
+
+
+def test_a_hybrid_target_under_auto_runs_without_graphs_and_never_skips_the_context(pairs, monkeypatch):
+    fake_gpu_graphs(monkeypatch)
+    llm = auto_llm(pairs, "qwen3_5", cost_table=table(roofline))
+    spec = llm.engine.speculator
+    assert llm.engine.ar.decode_graphs is None and spec.draft_graphs is None and not spec.skips_context
+
+
+def test_policy_settings_come_from_the_engine_config(pairs, tmp_path):
+    trace = tmp_path / "plans.jsonl"
+    llm = auto_llm(pairs, "qwen2", cost_table=table(roofline), policy=PolicyConfig(margin=1.2, trace=str(trace)))
+    assert llm.engine_cfg.policy.margin == 1.2 and llm.engine.speculator.policy.cfg.trace == str(trace)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    assert trace.read_text().count("\n") >= 1  # (a line per plan)
 
 
 def recorder(into: dict):
@@ -205,25 +229,16 @@ def recorder(into: dict):
     return record
 
 
-class ScriptedBursts(Scripted):
-    """Scripted, with every "ar" entry granting an AR burst of up to four steps."""
-    def ar_steps_ahead(self):
-        return 3
-
-    def skip_ar(self, steps):
-        assert 0 <= steps <= 3
-
-
-@pytest.mark.parametrize("graphed,pending_rows,gap", [(False, None, False), (True, None, False), (True, 2, False),
-                                                     (True, 2, True), (True, 2, "mixed")])
-def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, ar_out, graphed, pending_rows, gap,
+@pytest.mark.parametrize("graphed,pending_rows,plain", [(False, None, False), (True, None, False), (True, 2, False),
+                                                       (False, None, True), (True, 2, True), (True, 2, "mixed")])
+def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, ar_out, graphed, pending_rows, plain,
                                                                monkeypatch):
     # AR steps' target features reach the drafter cache (eager: each step stores its row; graphed: the
     # engine's AR bursts keep them pending, stored by the next draft, or by an AR burst once a request
-    # holds `pending_rows`; `gap`: the prompts and some bursts read none out, and a switch feeds those
-    # tokens again; "mixed": prompts in chunks of a few tokens, every other prefill step without the
-    # read-out, and none in a step where one of the requests' context has a gap);
-    # the next draft must see exactly the context a fresh engine builds by prefilling the same tokens.
+    # holds `pending_rows`; `plain`: some steps are plain AR's, prompts included, which read none out,
+    # and a switch feeds those tokens again; "mixed": prompts in chunks of a few tokens, some steps
+    # plain, and refeeds in forwards of at most 3 tokens, so gaps split across them); the next draft must
+    # see exactly the context a fresh engine builds by prefilling the same tokens.
     import ddtree.spec.auto as auto
     family = "qwen2"
     if pending_rows is not None:
@@ -234,51 +249,32 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
         # host, which a burst's later steps (inputs prepared on the device) run ahead of
         monkeypatch.setattr(auto, "SPEC_BURST", 1)
     llm = auto_llm(pairs, family, cost_table=table(roofline))
-    if gap:  # refeeds in forwards of at most 3 tokens: gaps split across them
+    if plain == "mixed":
         llm.engine.runner.max_num_batched_tokens = 3
-    if gap == "mixed":
         llm.engine.scheduler.max_num_batched_tokens = 8
-    steps = []
+    steps = []  # per forward of prompt chunks: which of its requests had a gap, and whether it read out
     feed = llm.engine.ar._feed
     monkeypatch.setattr(llm.engine.ar, "_feed", lambda chunks, taps=False: steps.append(
         ([has_gap(seq) for seq, _ in chunks], taps)) or feed(chunks, taps))
-    prefills = []  # per prefill step: which of its chunks' requests had a gap before it, and its forwards
-    spec_prefill = llm.engine.speculator.prefill
-
-    def counted(chunks):
-        before, n = [has_gap(seq) for seq, _ in chunks], len(steps)
-        out = spec_prefill(chunks)
-        prefills.append((before, len(steps) - n))
-        return out
-    monkeypatch.setattr(llm.engine.speculator, "prefill", counted)
     seen = {}
     hook_draft_logits(llm, recorder(seen))
-    plan = ["gap", "ar", "gap", 4, "ar", "gap", "gap", "wasted", "ar", 8] if gap else \
-        ["ar", "ar", "ar", 4, "ar", "wasted", "ar", 8]
-    llm.engine.speculator.policy = ScriptedBursts(plan, gap) if graphed else Scripted(plan)
-    observed = []  # per refeed the policy learnt from: whether no prefill chunk was in flight
-    monkeypatch.setattr(Scripted, "observe_refeed",
-                        lambda self, rows, ms: observed.append(llm.engine.speculator.timed))
+    script = ["plain", "ar", 4, "plain", 8, "plain", "plain", "ar", 16, 32] if plain else ["ar", 4, 8, "ar", 16, 32]
+    llm.engine.speculator.policy = Scripted(script)
     llm.generate(prompts, [SamplingParams(max_tokens=m) for m in MAX_TOKENS])
     assert (llm.engine.ar.decode_graphs is not None) == graphed
     stats = llm.last_stats["bursts"]
-    assert (stats.get("refeeds", 0) > 0 and stats.get("tap_free_bursts", 0) > 0) == bool(gap), stats
-    assert (stats.get("tap_free_prefills", 0) > 0) == bool(gap), stats
-    # refeeds teach their cost only with no prefill chunk in flight ("mixed": one ran behind one)
-    assert all(observed) and len(observed) <= stats.get("refeeds", 0)
-    assert (len(observed) < stats.get("refeeds", 0)) == (gap == "mixed")
+    assert (stats.get("refeeds", 0) > 0) == bool(plain), stats
+    assert any(not tapped for _, tapped in steps if _) == bool(plain), steps  # (prompts read out or not)
     assert all(not any(gaps) for gaps, tapped in steps if tapped)  # (no read-out where a gap is open)
-    assert prefills and all(n == 1 for _, n in prefills)  # (a step's chunks go one way, in one forward)
-    if gap == "mixed":  # (prompts read out, then not; then steps whose chunks' requests had a gap and not)
-        assert [tapped for _, tapped in steps[:2]] == [True, False]
-        assert any(any(before) and not all(before) for before, _ in prefills)
     keys = [k for k in seen if list(k[:-1]) not in prompts]
-    assert len(keys) > (5 if graphed else 10)  # (AR bursts: fewer drafts)
+    assert len(keys) > 3  # (graphed: AR bursts of 16 steps, fewer drafts)
     fresh = auto_llm(pairs, family, cost_table=table(roofline))
     again = {}
     hook_draft_logits(fresh, recorder(again))
     fresh.engine.speculator.policy = Scripted([4])
-    out = fresh.generate([list(k[:-1]) for k in keys], SamplingParams(max_tokens=2))
+    out = []
+    for i in range(0, len(keys), 16):  # (few enough at a time that none is preempted before its draft)
+        out += fresh.generate([list(k[:-1]) for k in keys[i:i + 16]], SamplingParams(max_tokens=2))
     assert [o.token_ids[0] for o in out] == [k[-1] for k in keys]
     for k in keys:
         torch.testing.assert_close(again[k], seen[k], atol=1e-3, rtol=1e-3)
@@ -352,13 +348,13 @@ def test_sampled_and_greedy_requests_in_one_auto_batch(pairs, prompts, ar_out):
     family = "qwen2"
     llm = auto_llm(pairs, family, cost_table=table(roofline))
     plant_noisy_oracle(llm, continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)))
-    llm.engine.speculator.policy = Scripted(["ar", 8, "wasted", 32, 4])
+    llm.engine.speculator.policy = Scripted(["ar", 8, "plain", 32, 4])
     params = [SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=i) for i in range(3)]
     params.insert(1, SamplingParams(max_tokens=30))
     got = llm.generate(prompts, params)
     assert got[1].token_ids == ar_out(family, (30,) * 4)[1].token_ids
     assert all(len(o.token_ids) == 30 or o.finish_reason == "stop" for o in got)
-    llm.engine.speculator.policy = Scripted(["ar", 8, "wasted", 32, 4])  # samples depend on the trees drawn
+    llm.engine.speculator.policy = Scripted(["ar", 8, "plain", 32, 4])  # samples depend on the trees drawn
     again = llm.generate(prompts, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in got]  # seeded: reproducible
     assert_idle(llm)
@@ -385,34 +381,32 @@ def test_budget_auto_validation_and_mode_switches(pairs):
 
 def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, monkeypatch):
     # The GPU path's plumbing (static inputs padded to batch buckets, pipelined bursts of each budget's
-    # whole-step graph reading back E(b) with the packed rows, the cost table measured on the graphs)
-    # run on CPU with graph replays emulated; more requests than the graphs' largest bucket take the
-    # eager step (draft, choose, verify).
+    # whole-step graph reading back E(b) with the packed rows, the cost table measured on the graphs,
+    # refeeds timed at start-up) run on CPU with graph replays emulated.
     import ddtree.spec.auto as auto
     family = "llama"
-    ref = ar_out(family)
-    llm = auto_llm(pairs, family, cost_table=table(roofline))
-    monkeypatch.setattr(auto, "GraphPool", emulated_pool())
-    eng = llm.engine
-    old = eng.speculator
+    ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)
+    fake_gpu_graphs(monkeypatch)
+    path, d = pairs(family)
+    from ddtree.engine.runner import ModelRunner
     refed = []  # every refeed's row lengths (the warm-up's: each attention variant's shape, then timed ones)
-    refeed = eng.runner.refeed
-    monkeypatch.setattr(eng.runner, "refeed",
-                        lambda rows, taps: refed.append([n for *_, n in rows]) or refeed(rows, taps))
-    spec = auto.AdaptiveSpeculator(eng.runner, old.drafter, eng.ar, 4, True, 3, old.max_pages)  # buckets 1, 2, 3
+    refeed = ModelRunner.refeed
+    monkeypatch.setattr(ModelRunner, "refeed",
+                        lambda self, rows, taps: refed.append([n for *_, n in rows]) or refeed(self, rows, taps))
+    llm = LLM(path, draft=d, spec="none", max_num_seqs=3, **ENGINE)
+    llm.set_mode("ddtree", "auto", 4)  # (the table measured on the emulated graphs: buckets 1, 2, 3)
+    eng = llm.engine
+    spec = eng.speculator
     assert spec.draft_graphs is not None and spec.policy.table.batch == [1, 2, 3]
     assert len(spec.policy.table.store) == 3  # a switch's store, timed at every bucket
-    assert spec.policy.refeed_fixed_ms > 0  # and a refeed's cost (0 unless timed at start-up), per forward
-    assert spec.policy.refeed_forward_rows == eng.runner.max_num_batched_tokens
+    assert spec.policy.costs.refeed_fixed > 0  # and a refeed's cost (0 unless timed at start-up), per forward
+    assert spec.policy.costs.refeed_rows == eng.runner.max_num_batched_tokens
     from ddtree.ops.triton_attention import variant_shapes
     shapes = variant_shapes(eng.runner.max_num_batched_tokens, eng.runner.heads_per_kv, eng.runner.cfg.num_kv_heads)
     assert refed[:len(shapes)] == shapes
     assert all(set(spec.step_graphs[b].graphs) == {1, 2, 3} for b in BUDGETS[1:])  # captured while measuring
-    eng.speculator = llm.engine.speculator = spec
-    plant_by_position(llm, noisy_oracle(continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)),
-                                        vocab=llm.config.vocab_size))
-    script = Scripted(["ar", 4, "ar", "ar", 32, "wasted", 16, 8, 32])
-    spec.policy = script
+    plant_by_position(llm, noisy_oracle(continuation(prompts, longer), vocab=llm.config.vocab_size))
+    spec.policy = script = Scripted(["ar", 4, 8, "plain", 32, 16, "ar", 8, 32])
     burst, done = spec._burst, spec._burst_step_done
     calls = {"bursts": 0, "steps": 0}
     monkeypatch.setattr(spec, "_burst", lambda *a, **k: calls.__setitem__("bursts", calls["bursts"] + 1) or
@@ -425,15 +419,15 @@ def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, mon
     assert set(script.seen) == set(BUDGETS[1:])  # ... whose read-backs reached the policy
     accepted = [a for o in outs for a in o.accept_lengths]
     assert sum(accepted) / len(accepted) > 1.5, accepted  # the oracle's drafts were accepted inside bursts
+    assert len(refed) > len(shapes) + 2  # (the start-up's timed refeeds, then the switches')
 
 
 @pytest.mark.parametrize("spec_mode,topk", [("ddtree", 4), ("dflash", 1)])
 def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out, monkeypatch, spec_mode, topk):
-    # Verification priced high: the real policy runs AR bursts (the engine's pipelined AR steps until a
-    # probe is due, their target features stored into the drafter's cache after each burst), requests
-    # finish mid-burst, probes draft and verify in between; the output is AR's exactly. The
-    # engine is built as on a GPU, so its page reservation must cover a whole AR burst even when the
-    # trees are narrower (DFlash with a block-8 drafter: budgets 4 and 7).
+    # Verification priced high: the real policy runs AR bursts (the engine's pipelined AR steps: plain AR's
+    # where speculation has no hope, else ones that read out the drafter's context), requests finish
+    # mid-burst; the output is AR's exactly. The engine is built as on a GPU, so its page reservation must
+    # cover a whole AR burst even when the trees are narrower (DFlash with a block-8 drafter: budgets 4 and 7).
     import ddtree.engine.engine as engine_mod
     family = "qwen2"
     ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)  # AR before graphs are faked
@@ -444,14 +438,16 @@ def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out,
                      {b: [(b + 1.0) * bs for bs in BATCHES] for b in budgets})
     llm = LLM(path, draft=d, spec="none", max_num_seqs=4, **ENGINE)
     llm.set_mode(spec_mode, "auto", topk, cost_table=cost)
+    untimed(llm)
     spec = llm.engine.speculator
     eng = llm.engine
     assert spec.draft_graphs is not None and eng.scheduler.decode_width >= engine_mod.DECODE_BURST
     assert eng.scheduler.decode_tokens == 1  # prompts are not starved by trees auto rarely verifies at scale
     plant_noisy_oracle(llm, continuation(prompts, longer))
     calls = {"bursts": 0, "steps": 0}
-    burst, read = spec._ar_burst, eng.ar._commit_step
-    monkeypatch.setattr(spec, "_ar_burst", lambda *a: calls.__setitem__("bursts", calls["bursts"] + 1) or burst(*a))
+    burst, read = eng.ar.burst, eng.ar._commit_step
+    monkeypatch.setattr(eng.ar, "burst", lambda *a, **k: calls.__setitem__("bursts", calls["bursts"] + 1) or
+                        burst(*a, **k))
     monkeypatch.setattr(eng.ar, "_commit_step", lambda *a: calls.__setitem__("steps", calls["steps"] + 1) or read(*a))
     monkeypatch.setattr(spec, "_eager_step", lambda *a: pytest.fail("an eager step: greedy steps run graphed, "
                                                                      "a new prompt's context stored first"))
@@ -460,7 +456,7 @@ def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out,
     monkeypatch.setattr(eng.scheduler, "finish", lambda seq, reason: finished.append(seq) or finish(seq, reason))
     outs, hist = check_lossless(llm, prompts, ref)
     assert hist.get(0, 0) > 3 * sum(n for b, n in hist.items() if b), hist  # mostly AR ...
-    assert len(set(hist)) > 1, hist  # ... with probes
+    assert len(set(hist)) > 1, hist  # ... with speculation where it pays (one request: oracle drafts)
     assert calls["steps"] > 3 * calls["bursts"] > 0, calls  # AR steps ran in pipelined bursts
     # a request that finished in a burst keeps no feature rows (a view would hold the burst's buffer)
     assert finished and not any(context_of(seq).pending for seq in finished)
@@ -470,14 +466,12 @@ def test_graphed_auto_ar_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_out,
 def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, ar_out, monkeypatch, sampled):
     # Verification priced cheap and an oracle drafter: the real policy plans budgets > 0, which run as
     # pipelined bursts of whole-step graphs; the output is AR's exactly (sampled: seeded requests and a
-    # greedy one, the same graphs, seeded AR's tokens).
+    # greedy one, the same graphs and the same plan, seeded AR's tokens).
     import ddtree.spec.auto as auto
     import ddtree.spec.decode as decode
     llm, ref = graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, table(lambda n, bs: 1.0 + 0.01 * n),
                                            sampled)
     spec = llm.engine.speculator
-    learned = []  # what whole bursts teach the policy: (budget, batch, tokens, ms, store ms, steps)
-    spec.policy.observe_time, spec.policy.observe_burst = (lambda *a: None), (lambda *a: learned.append(a))
     monkeypatch.setattr(spec, "_eager_step", lambda *a: pytest.fail("an eager step: every step runs graphed"))
     steps = []
     burst = spec._burst
@@ -489,42 +483,45 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     assert bursts["spec_bursts"] > 0 and bursts["spec_steps"] > bursts["spec_bursts"], bursts
     accepted = [a for o in outs for a in o.accept_lengths]
     assert sum(accepted) / len(accepted) > 1.5, accepted
-    assert learned and all(b in BUDGETS[1:] and 1 <= n <= 4 and tokens >= auto.TIMED_BURST * n and ms > 0
-                           and store >= 0 and auto.TIMED_BURST <= k <= auto.SPEC_BURST
-                           for b, n, tokens, ms, store, k in learned), learned
+    learned = spec.policy.learned  # what whole bursts would teach the policy: (budget, batch, steps, tokens, ms)
+    assert learned and all(b in BUDGETS[1:] and 1 <= n <= 4 and auto.TIMED_BURST <= k <= auto.SPEC_BURST
+                           and tokens >= k * n and ms > 0 for b, n, k, tokens, ms in learned if b), learned
 
 
-def test_graphed_auto_skips_the_drafter_context_where_speculation_is_hopeless(pairs, prompts, ar_out, monkeypatch):
-    # Verification priced out of reach at 3-4 requests and cheap at 1-2, an oracle drafter: with the
-    # whole batch running the real policy sees no chance (`hope_rate`), so its AR bursts run plain AR's
-    # graphs (no target features read out, no probes); once requests finish it speculates, the
-    # skipped tokens fed through the target again first. The output is AR's exactly.
+def test_graphed_auto_runs_plain_ar_where_speculation_is_hopeless(pairs, prompts, ar_out, monkeypatch):
+    # Verification priced out of reach at 3-4 requests and cheap at 1-2, an oracle drafter: with the whole
+    # batch running, steps are plain AR's (its graphs, no target features read out, no plan); once requests
+    # finish it speculates, the skipped tokens fed through the target again first. The output is AR's.
     cost = table(lambda n, bs: 1.0 if n == 1 or bs <= 2 else 100.0 * n)
     llm, ref = graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, cost)
     spec, eng = llm.engine.speculator, llm.engine
+    spec.policy.costs.set_refeed(0.5, 0.001)  # (cheap against the table's 1 ms steps)
     assert eng.ar.untapped_decode_graphs is not eng.ar.decode_graphs
-    spec.policy.observe_time = spec.policy.observe_burst = lambda *a: None
-    pools = []
-    graphed = eng.ar.burst
+    pools, prefills = [], []
+    graphed, feed = eng.ar.burst, eng.ar._feed
     monkeypatch.setattr(eng.ar, "burst", lambda seqs, most=None, taps=False: pools.append(
         (len(seqs), not taps)) or graphed(seqs, most, taps))
+    monkeypatch.setattr(eng.ar, "_feed", lambda chunks, taps=False: prefills.append(taps) or feed(chunks, taps))
     outs, hist = check_lossless(llm, prompts, ref)
     bursts = llm.last_stats["bursts"]  # (the last generate call: the four requests batched)
-    assert bursts["tap_free_bursts"] > 0 and bursts["refeeds"] > 0 and bursts["spec_bursts"] > 0, bursts
-    assert bursts.get("tap_free_prefills", 0) > 0, bursts  # the batched prompts joined a hopeless batch
+    assert bursts["refeeds"] > 0 and bursts["spec_bursts"] > 0, bursts
+    assert False in prefills  # the batched prompts joined a hopeless batch: not read out
     assert all(bs <= 2 for bs, untapped in pools if not untapped), pools  # taps only where speculation may win
     assert any(bs > 2 for bs, untapped in pools if untapped), pools
+    assert all(int(key.split("@")[1]) <= 2 for key in spec.policy.plans), spec.policy.plans  # no plan above
 
 
 def graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, cost: CostTable, sampled: bool = False):
-    """An engine built as on a GPU (graphs emulated) in `auto` on `cost`, its drafter a noisy oracle of
-    AR's continuation (`params_of(..., sampled)`); and AR's outputs (made before the graphs are faked)."""
+    """An engine built as on a GPU (graphs emulated) in `auto` on `cost` (`Untimed`), its drafter a noisy
+    oracle of AR's continuation (`params_of(..., sampled)`); and AR's outputs (made before the graphs are
+    faked)."""
     family = "qwen2"
     ref, longer = ar_out(family, sampled=sampled), ar_out(family, (max(MAX_TOKENS),) * 4, sampled)
     fake_gpu_graphs(monkeypatch)
     path, d = pairs(family)
     llm = LLM(path, draft=d, spec="none", max_num_seqs=4, **ENGINE)
     llm.set_mode("ddtree", "auto", 4, cost_table=cost)
+    untimed(llm)
     plant_by_position(llm, noisy_oracle(continuation(prompts, longer), vocab=llm.config.vocab_size))
     return llm, ref
 
@@ -536,9 +533,9 @@ def plant_by_position(llm: LLM, choose) -> None:
     spec, current = llm.engine.speculator, []
     real_step, real_logits = spec.decode, spec.drafter.logits
 
-    def step(seqs):
+    def step(seqs, *args):
         current[:] = seqs
-        return real_step(seqs)
+        return real_step(seqs, *args)
 
     def logits(inp):
         out = torch.zeros_like(real_logits(inp))

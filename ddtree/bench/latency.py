@@ -22,6 +22,7 @@ import time
 import torch
 
 from ddtree import LLM, SamplingParams
+from ddtree.config import PolicyConfig
 from ddtree.bench.datasets import load_prompts
 
 
@@ -305,7 +306,8 @@ def main(args) -> int:
     if args.draft is None and is_default_model(args.model):
         args.draft = default_draft()  # the default pair
     llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
-              max_num_seqs=max(args.concurrency), num_pages=args.num_pages)
+              max_num_seqs=max(args.concurrency), num_pages=args.num_pages,
+              policy=PolicyConfig(trace=getattr(args, "policy_trace", None)))
     env = environment(llm)
     rows_in = load_prompts(args.dataset, args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]

@@ -18,6 +18,7 @@ import json
 import os
 
 from ddtree import LLM, SamplingParams
+from ddtree.config import PolicyConfig
 from ddtree.bench.datasets import sample_prompts
 from ddtree.bench.latency import RunTally, environment, full_batches, print_table, run_mode, per_request
 
@@ -54,7 +55,8 @@ def main(args) -> int:
         # CPU each would take kv_cache_gb)
         raise ValueError("--interleave keeps a KV cache per mode: give --num-pages (e.g. 16384 on the H200)")
     llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
-              max_num_seqs=max(args.concurrency), num_pages=args.num_pages)
+              max_num_seqs=max(args.concurrency), num_pages=args.num_pages,
+              policy=PolicyConfig(trace=getattr(args, "policy_trace", None)))
     rows_in = sample_prompts(args.dataset, args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
     cats = [r["category"] for r in rows_in]

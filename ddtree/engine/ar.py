@@ -83,8 +83,8 @@ class ARDecoder:
                  commit: Callable[[Sequence, list[int]], int], timing: Counter, max_model_len: int,
                  use_graphs: bool, max_pages: int, drafter=None, tap_free_graphs: bool = False):
         """`drafter` (a spec/draft.py DraftRunner): forwards may read out its target features (`taps`);
-        `tap_free_graphs`: also capture graphs that do not (auto's AR stretches where speculation is
-        hopeless). `commit(seq, tokens)` appends tokens to a request (the engine's stop handling)."""
+        `tap_free_graphs`: also capture graphs that do not (budget auto runs plain AR's steps where
+        speculation cannot win). `commit(seq, tokens)` appends tokens to a request (the engine's stop handling)."""
         self.runner, self.cfg, self.device = runner, cfg, runner.device
         self.scheduler, self.commit, self.timing, self.max_model_len = scheduler, commit, timing, max_model_len
         self.drafter, self.max_pages = drafter, max_pages
@@ -134,12 +134,14 @@ class ARDecoder:
             t0 = time.perf_counter()
             touched = self._feed(prefill + [(seq, 1) for seq in decode])
             self.timing["prefill_ms"] += (time.perf_counter() - t0) * 1e3 if prefill else 0.0
+            self.timing["ar_tokens"] += len(decode)
             return touched
         touched = self.prefill(prefill + [(seq, 1) for seq in scored]) if prefill or scored else []
         if decode:
             t0 = time.perf_counter()
             burst = self.burst(decode)
-            self.timing.update({"ar_bursts": 1, "ar_steps": burst.steps, "ar_ms": (time.perf_counter() - t0) * 1e3})
+            self.timing.update({"ar_bursts": 1, "ar_steps": burst.steps, "ar_tokens": sum(burst.kept),
+                                "ar_ms": (time.perf_counter() - t0) * 1e3})
         return touched + decode
 
     def can_burst(self, batch: int) -> bool:

@@ -22,11 +22,11 @@ from ddtree.engine.sequence import Sequence
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.adaptive import candidate_budgets
 from ddtree.spec.auto import AdaptiveSpeculator
 from ddtree.spec.costs import CostTable
 from ddtree.spec.decode import SPEC_BURST, Speculator
 from ddtree.spec.draft import DraftRunner
+from ddtree.spec.policy import candidate_budgets
 
 
 class LLMEngine:
@@ -40,15 +40,15 @@ class LLMEngine:
         auto = budget == "auto"
         speculative = drafter is not None and (auto or budget > 0)
         if auto and speculative:
-            budget = candidate_budgets(drafter.dcfg.block_size - 1, topk)[-1]
+            budget = candidate_budgets(drafter.dcfg.block_size - 1, topk, engine_cfg.policy.budgets)[-1]
         # rows of logits one forward can produce: every request's tree (or its one token)
         logit_rows = engine_cfg.max_num_seqs * (budget + 1 if speculative else 1)
         self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype, logit_rows, tp)
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
                                        engine_cfg.max_num_seqs if cfg.is_hybrid else 0)
         capacity = self.runner.num_pages * engine_cfg.page_size
-        # (hybrid models: no graphs under auto, whose AR stretches may leave gaps in the drafter's context that
-        # a refeed fills, which would advance a recurrent state twice; their prompt chunks run eagerly)
+        # (hybrid models: no graphs under auto, which skips the drafter's context only where a refeed can fill
+        # it again, not over a recurrent state; their prompt chunks run eagerly)
         use_graphs = engine_cfg.cuda_graphs and self._graphs_supported() and not (cfg.is_hybrid and auto)
         # Host ms of prefills and whole steps in every mode, and how graphed AR steps were grouped into
         # bursts (auto adds its speculative bursts and context stores: spec/decode.py `SpecStats`):
@@ -89,7 +89,7 @@ class LLMEngine:
         if speculative:
             if auto:
                 self.speculator = AdaptiveSpeculator(self.runner, draft_runner, self.ar, topk, use_graphs,
-                                                     engine_cfg.max_num_seqs, max_pages, cost_table)
+                                                     engine_cfg.max_num_seqs, max_pages, cost_table, engine_cfg.policy)
             else:
                 self.speculator = Speculator(self.runner, draft_runner, self.ar, budget, topk, use_graphs,
                                              engine_cfg.max_num_seqs, max_pages)

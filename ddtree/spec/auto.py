@@ -1,5 +1,21 @@
-"""`budget auto`: speculation whose budget, 0 = plain AR included, is chosen per burst of steps on the
-GPU and per step without graphs (the policy: spec/adaptive.py; the step itself: spec/decode.py)."""
+"""`budget auto`: speculation whose budget, 0 = plain AR included, is chosen per burst of steps for the
+whole batch (the plan: spec/policy.py; a speculative step: spec/decode.py).
+
+Each engine step first asks whether speculation could win at the batch size (that of the running batch,
+or the one the waiting prompts are about to fill: `Policy.hopeless`). Where it could not, the step is
+plain AR's own (`ARDecoder.step`: its graphs, no read-out of the drafter's context, no plan): each
+request's context is left with an open gap (spec/context.py). Elsewhere the plan picks the budget:
+- AR runs as the AR decoder's graphed bursts whose steps read out the target features (kept as each
+  request's pending drafter context, stored in one go before the next draft), or as eager steps that
+  store their own row (no graphs). Where some request has a gap, AR stays plain AR's: a switch feeds the
+  gaps through the target again first (`_refeed_gaps`) either way, and the plan prices that.
+- A budget b > 0 runs as a pipelined burst of one whole-step graph per budget (draft, candidates for the
+  largest budget, the tree of b cut from them, verify, accept), each step reading back the drafter's
+  E(b) of every budget for the policy; or as one eager step (no graphs, requests that ask for logprobs).
+
+Hybrid targets never skip the read-out: feeding skipped rows again would advance their recurrent states
+twice (and the engine runs them without CUDA graphs under auto).
+"""
 from __future__ import annotations
 
 import time
@@ -8,6 +24,7 @@ from functools import partial
 
 import torch
 
+from ddtree.config import PolicyConfig
 from ddtree.engine.ar import ARDecoder, decode_inputs
 from ddtree.engine.graphs import GraphPool, buckets_up_to
 from ddtree.engine.runner import ModelRunner
@@ -15,16 +32,16 @@ from ddtree.engine.sampler import wants_logprobs
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import page_slots
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.adaptive import AdaptivePolicy, candidate_budgets
+from ddtree.spec.context import context_of
 from ddtree.spec.costs import STORE_ENTRY_ROWS, STORE_ROWS, CostTable, measure_costs, wall_ms
 from ddtree.spec.decode import SPEC_BURST, Speculator, StepOutputs
-from ddtree.spec.context import context_of
-from ddtree.spec.draft import DraftRunner, StepInputs, close_gap, gap_rows, gaps, has_gap, open_gaps
+from ddtree.spec.draft import DraftRunner, StepInputs, gap_rows, gaps, has_gap
+from ddtree.spec.policy import Policy, candidate_budgets
 from ddtree.spec.tree import Candidates, candidates, cut_tree, expected_accepts
 
 PENDING_ROWS = 128  # drafter context rows a request may hold pending (7 KB each) before an AR burst stores them
 EXPECTED_SCALE = 1024  # auto's burst steps read E(b) back as integers: E * this, rounded
-TIMED_BURST = 4  # auto learns an AR step's host time from AR bursts of at least this many steps
+TIMED_BURST = 4  # bursts of at least this many steps teach the policy what a step costs
 
 
 @dataclass(slots=True)
@@ -62,31 +79,15 @@ class TreeInputs:
 
 
 class AdaptiveSpeculator(Speculator):
-    """`budget auto`: the budget in `budgets` (0 = AR) for the whole batch, chosen per burst on the GPU
-    and per step without graphs (spec/adaptive.py).
-
-    Before each decode step `step` asks `ar_steps`, which plans the next budget on run-long
-    figures (spec/adaptive.py `request_rate`). AR runs as the AR decoder's graphed bursts, whose
-    steps also read out their target features: each request keeps them as pending drafter context,
-    stored in one go before the next draft (or by an AR burst, once a request holds `PENDING_ROWS` of
-    them). A budget b > 0 runs as a pipelined burst (`_burst`) of one whole-step graph per budget:
-    draft, candidates for the largest budget, the tree of b cut from them, verify, accept; each step
-    also reads back the drafter's E(b) of every budget, which keeps the averages current, and what
-    the whole bursts took against the model's steps (a context store before one is a switch's cost,
-    learnt apart) corrects the model's cost at that batch size. A probe is a whole burst of the
-    budget that looks best.
-
-    Without graphs (the CPU, sampled requests) a step is split in two at the budget choice: draft
-    (candidates and E(b) of every budget), one read-back, the budget chosen on the current draft
-    (`choose`: 0 throws the draft away), then that tree verified; `ar_step` runs one AR step that
-    stores its own drafter context row."""
-
     def __init__(self, runner: ModelRunner, drafter: DraftRunner, ar: ARDecoder, topk: int, use_graphs: bool = False,
-                 max_batch: int = 64, max_pages: int = 0, table: CostTable | None = None):
-        self.budgets = candidate_budgets(drafter.block_size - 1, topk)
+                 max_batch: int = 64, max_pages: int = 0, table: CostTable | None = None,
+                 policy: PolicyConfig | None = None):
+        policy = policy or PolicyConfig()
+        self.budgets = candidate_budgets(drafter.block_size - 1, topk, policy.budgets)
         super().__init__(runner, drafter, ar, self.budgets[-1], topk, False, max_batch, max_pages)
         self.ctx_rows = drafter.block_size  # a burst's context width: the last accepted path (more: stored first)
-        self.max_pages, self.planned, self.tap_free = max_pages, 0, False  # (`ar_steps`)
+        self.max_pages = max_pages
+        self.skips_context = not drafter.hybrid_target  # (plain AR's steps, which skip the read-out)
         self.draft_graphs, self.ar_graphs, self.step_graphs = None, None, {}
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
             pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
@@ -110,7 +111,7 @@ class AdaptiveSpeculator(Speculator):
                 self.ar_graphs.capture_all(lambda bs: RootInputs.of(self.padding_inputs(bs)))
                 for graphs in self.step_graphs.values():
                     graphs.capture_all(self.padding_inputs)
-        self.policy = AdaptivePolicy(table, self.budgets)
+        self.policy = Policy(table, self.budgets, policy, SPEC_BURST)
         if use_graphs:
             with torch.inference_mode():
                 self._warm_refeed(max_batch)
@@ -142,7 +143,7 @@ class AdaptiveSpeculator(Speculator):
         most = max(1, min(64, max_batch, runner.max_num_batched_tokens // 100))
         small, large = timed(2, 1), timed(100, most)
         row_ms = max(large - small, 0.0) / max(100 * most - 2, 1)
-        self.policy.set_refeed_cost(max(small - 2 * row_ms, 0.0), row_ms, runner.max_num_batched_tokens)
+        self.policy.costs.set_refeed(max(small - 2 * row_ms, 0.0), row_ms, runner.max_num_batched_tokens)
 
     def _draft(self, inp: StepInputs) -> tuple[Candidates, torch.Tensor]:
         """Drafter block -> candidates for the largest budget and E(b) [R, budgets] for each b > 0."""
@@ -178,16 +179,53 @@ class AdaptiveSpeculator(Speculator):
         packed = torch.cat([torch.zeros_like(ids), self.target_draws(logits, inp, torch.zeros_like(ids)), ids], 1)
         return StepOutputs(packed.view(R, 3), feats, logits if scored else None)
 
-    def tap_free_prefill(self, batch: int) -> bool:
-        """A prefill joining a decode batch of `batch` requests skips reading out the drafter's context
-        too (a gap, as tap-free AR steps leave): the policy sees no chance for speculation there, and reading
-        the context out would slow the prefill for nothing."""
-        return self.policy.hopeless_at(batch)
+    @torch.inference_mode()
+    def step(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence]) -> list[Sequence]:
+        """The engine's step: plain AR's where speculation cannot win at this batch size; else prompt
+        chunks, then the plan's budget for the decode requests (a graphed burst, or eager steps). Requests
+        that ask for logprobs take one eager step of that budget."""
+        if self.skips_context and self.policy.hopeless(max(len(decode), self.ar.scheduler.headed_for())):
+            return self.ar.step(prefill, decode)
+        plain, scored = wants_logprobs(decode)
+        batch = plain or scored
+        budget = self.policy.plan(len(batch), partial(self._switch, batch)) if batch else 0
+        if not budget and self.skips_context and any(map(has_gap, decode)):
+            return self.ar.step(prefill, decode)  # (a switch feeds the gaps again first in any case)
+        touched = self.prefill(prefill) if prefill else []
+        if plain:
+            self.timed = not prefill  # (a prefill chunk still running on the device would count in the times)
+            self.short_bursts = self.ar.scheduler.admitting()
+            if budget:
+                self.decode(plain, budget)
+            elif self.ar.can_burst(len(plain)):
+                self._ar_burst(plain)
+            else:
+                self.ar_step(plain)
+        if scored:
+            self.timed = False  # (its host-side logprob work is no step time to learn from)
+            if budget:
+                self._eager_step(scored, budget)
+            else:
+                self.ar_step(scored)
+        return touched + decode
+
+    def _switch(self, seqs: list[Sequence]) -> tuple[int, float]:
+        """What a switch from AR would pay for: the rows it feeds again first, and the tokens per request
+        left to win them back over."""
+        rows = sum(map(gap_rows, seqs)) if self.skips_context else 0
+        return rows, sum(s.params.max_tokens - len(s.output_ids) for s in seqs) / len(seqs)
+
+    def prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """Prompt chunks that also store the drafter's context, unless a chunk's request has a gap (all the
+        step's chunks go one way, in one forward): then theirs gets one too."""
+        if self.skips_context and any(has_gap(seq) for seq, _ in chunks):
+            return self.ar.prefill(chunks)
+        return self.ar.prefill(chunks, taps=True)
 
     def _refeed_gaps(self, seqs: list[Sequence]) -> float:
-        """The target features of every gap in the requests' drafter context (AR steps or prefills that
-        skipped them), fed again through the target, into their pending rows; timed to its end (a device
-        sync: the policy prices the next ones on it). Returns the ms it took (0: no gap)."""
+        """The target features of every gap in the requests' drafter context, fed again through the target
+        into their pending rows; timed to its end (a device sync: the policy prices the next ones on it).
+        Returns the ms it took (0: no gap)."""
         found = gaps(seqs)
         if not found:
             return 0.0
@@ -202,113 +240,30 @@ class AdaptiveSpeculator(Speculator):
         self.stats.bursts.update({"refeeds": 1, "refeed_rows": rows, "refeed_ms": ms})
         return ms
 
-    def gap_rows(self, seqs: list[Sequence]) -> int:
-        """Rows a switch would have to feed again first (the policy prices a probe on them)."""
-        return sum(map(gap_rows, seqs))
-
-    def ar_steps(self, seqs: list[Sequence], joined: int = 0) -> int:
-        """Asked before each decode step: 0 to speculate now (`decode`, with the planned budget), else
-        how many AR steps to take first (run as a graphed burst of the AR decoder's,
-        `ar_step` on the CPU). `joined`: the batch size once the prompts waiting for a slot are in.
-        A graphed AR burst is `tap_free` as the plan says (it skips reading out the target features: the
-        requests' context gets a gap, refed at a switch); the CPU's `ar_step` always reads them out."""
-        self.planned = self.policy.plan(len(seqs), lambda: self.gap_rows(seqs), joined)
-        self.tap_free = self.policy.tap_free  # (False where the plan speculates)
-        return 0 if self.planned else 1 + self.policy.ar_steps_ahead()
-
-    def after_ar_burst(self, batch: int, steps: int, request_steps: int, elapsed_ms: float) -> None:
-        """An AR burst ran `steps` AR steps for `batch` requests (`request_steps` tokens committed) in
-        `elapsed_ms`."""
-        self.policy.skip_ar(steps - 1)
-        self.stats.budget_hist[0] += request_steps
-        bursts = self.stats.bursts  # (a Counter: += where `update` from a dict took ~4 us a burst on the CPU)
-        bursts["ar_bursts"] += 1
-        bursts["ar_steps"] += steps
-        bursts["ar_ms"] += elapsed_ms
-        bursts["tap_free_bursts"] += int(self.tap_free)
-        if self.timed and steps >= TIMED_BURST:
-            # (tap-free bursts, cheaper, do not teach the AR step's cost: the plan weighs speculation
-            # against the AR steps that keep the drafter's context; nor do those tap-free for the gaps
-            # the batch has, at a size with hope, count with AR's bursts there: `lost`)
-            if not self.tap_free:
-                self.policy.observe_time("ar", batch, elapsed_ms / steps, self.policy.table.ar_ms(batch))
-            if not self.policy.gapped:
-                self.policy.tally(0, batch, request_steps, elapsed_ms)
-
-    @torch.inference_mode()
-    def step(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence]) -> list[Sequence]:
-        """The engine's step: prompt chunks (`prefill`), then the plan for the decode requests: AR steps
-        (a graphed burst of the AR decoder's, or one eager step that stores its context) or speculation.
-        Requests that ask for logprobs take one eager step, its budget chosen on its draft."""
-        touched = self.prefill(prefill) if prefill else []
-        plain, scored = wants_logprobs(decode)
-        if plain:
-            self.timed = not prefill  # (a prefill chunk still running on the device would count in the times)
-            self.short_bursts = self.ar.scheduler.admitting()
-            ar = self.ar_steps(plain, self.ar.scheduler.headed_for())
-            if ar and self.ar.can_burst(len(plain)):
-                self._ar_burst(plain, ar)
-            elif ar:
-                self.ar_step(plain)
-            else:
-                self.decode(plain)
-        if scored:
-            self.timed = False  # (its host-side logprob work is no step time to learn from)
-            self._eager_step(scored)
-        return touched + decode
-
-    def prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
-        """Prompt chunks that also store the drafter's context; with graphed AR bursts, not where the
-        policy sees no chance for speculation at the batch they join, or a chunk's request already has a
-        gap (a switch refeeds first anyway): their context is left with one, as tap-free AR bursts leave
-        it (fed again at a switch, should one come). All the step's chunks go one way, in one forward
-        (split in two, a run's prefills take more forwards than plain AR's)."""
-        if self.ar.decode_graphs is None or not (any(has_gap(seq) for seq, _ in chunks) or
-                                                 self.tap_free_prefill(self.ar.scheduler.headed_for())):
-            return self.ar.prefill(chunks, taps=True)
-        open_gaps([seq for seq, _ in chunks])
-        self.stats.bursts["tap_free_prefills"] += 1
-        return self.ar.prefill(chunks)
-
-    def _ar_burst(self, seqs: list[Sequence], most: int) -> None:
-        """AR steps chosen by the plan (at most `most`): a graphed AR burst whose steps also read out their
-        target features, kept as each request's pending drafter context; or, where the policy sees no
-        chance for speculation at this batch size or the one it is headed for, or a switch would refeed
-        gaps first anyway (`tap_free`), plain AR's burst, the requests' context left with a gap."""
-        tap_free = self.tap_free
-        # The context rows wait (a verified path's, earlier AR steps'), to be stored in one go before
-        # the next draft: an AR step that stored its own row spent ~7 small kernels, 4-5% of an AR
-        # step on the H200. Only rows piling up are stored now (not a time to learn from: device work
-        # not waited for), and not a request's with a gap (refed only at a switch).
-        full = [] if tap_free else [s for s in seqs if s.num_cached - context_of(s).stored > PENDING_ROWS
-                                    and not has_gap(s)]
+    def _ar_burst(self, seqs: list[Sequence]) -> None:
+        """A graphed AR burst whose steps also read out their target features, kept as each request's
+        pending drafter context (one entry per request and burst, cut out of the burst's buffer only
+        when stored). Only rows piling up are stored now (not a time to learn from: device work not
+        waited for)."""
+        full = [s for s in seqs if s.num_cached - context_of(s).stored > PENDING_ROWS]
         if full:
             t0 = time.perf_counter()
             self.drafter.store_pending(full)
             self.timed = False
             self.stats.bursts["store_ms"] += (time.perf_counter() - t0) * 1e3
-        if tap_free:  # the gap opens, or goes on
-            open_gaps(seqs)
-        else:  # rows join the context after it
-            for seq in seqs:
-                if has_gap(seq):
-                    close_gap(seq)
         t0 = time.perf_counter()
-        burst = self.ar.burst(seqs, most, taps=not tap_free)
-        if burst.feats is not None:
-            # One pending block per request and burst (not a row per step: a store then concatenates
-            # thousands of tiny tensors at a large batch, ~10 ms of host time at 128 requests), and not
-            # cut out as a view here (spec/draft.py `pending_rows`). (Not to a request that finished in
-            # the burst: its cache is dropped, and the entry would keep the whole buffer alive as long
-            # as the request object.)
-            for i, (seq, n) in enumerate(zip(seqs, burst.kept)):
-                if n and not seq.is_finished:
-                    context_of(seq).add((burst.feats, i, n))
-        self.after_ar_burst(len(seqs), burst.steps, sum(burst.kept), (time.perf_counter() - t0) * 1e3)
+        burst = self.ar.burst(seqs, taps=True)
+        for i, (seq, n) in enumerate(zip(seqs, burst.kept)):
+            if n and not seq.is_finished:  # (a finished request's entry would keep the buffer alive)
+                context_of(seq).add((burst.feats, i, n))
+        ms, tokens = (time.perf_counter() - t0) * 1e3, sum(burst.kept)
+        self.stats.bursts.update({"ar_bursts": 1, "ar_steps": burst.steps, "ar_tokens": tokens, "ar_ms": ms})
+        timed = self.timed and burst.steps >= TIMED_BURST
+        self.policy.observe_burst(0, len(seqs), burst.steps, tokens, ms if timed else None)
 
     @torch.inference_mode()
     def ar_step(self, seqs: list[Sequence]) -> None:
-        """One eager AR step that stores its drafter context row itself (no CUDA graphs: the CPU)."""
+        """One eager AR step that stores its drafter context row itself (no graphs, or logprobs)."""
         self._refeed_gaps(seqs)
         self.drafter.store_pending(seqs)  # AR steps append to the drafter cache: no gap before them
         d = decode_inputs(seqs, [s.block_table for s in seqs], self.drafter.hybrid_target, self.runner.scratch_page,
@@ -317,98 +272,70 @@ class AdaptiveSpeculator(Speculator):
         out = self._budget_step(0, RootInputs(d.ids, d.starts, d.block_tables, d.draw, d.state_slots),
                                 any(s.logprobs is not None for s in seqs))
         self._commit(seqs, out, 0)
-        if self.timed and self.draft_graphs is None:  # timed as the table was (eager)
-            self.policy.observe_time("ar", len(seqs), (time.perf_counter() - t0) * 1e3,
-                                     self.policy.table.ar_ms(len(seqs)))
+        timed = self.timed and self.draft_graphs is None  # (timed as the table was: eager)
+        self.policy.observe_burst(0, len(seqs), 1, len(seqs), (time.perf_counter() - t0) * 1e3 if timed else None)
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> None:
-        """Speculation (the plan chose it): a graphed burst of the planned budget, or without graphs
-        one step that drafts, chooses the budget on that draft, and verifies."""
+    def decode(self, seqs: list[Sequence], budget: int) -> None:
+        """Speculation with `budget`: a graphed burst, or one eager step."""
         if self.draft_graphs is not None and len(seqs) <= self.draft_graphs.max_batch:
-            self._auto_burst(seqs)
+            self._auto_burst(seqs, budget)
         else:
-            self._eager_step(seqs)
+            self._eager_step(seqs, budget)
 
-    def _eager_step(self, seqs: list[Sequence]) -> None:
-        """One step without graphs: draft, the budget chosen on this draft, verify."""
+    def _eager_step(self, seqs: list[Sequence], budget: int) -> None:
+        """One step without graphs: draft, verify the tree of `budget`, and tell the policy what it saw."""
         R = len(seqs)
         self._refeed_gaps(seqs)
         short = all(s.num_cached - context_of(s).stored <= self.ctx_rows for s in seqs)
         t0 = time.perf_counter()
         inp = self.drafter.prepare(seqs)
         c, expected = self._draft(inp)
-        expected = dict(zip(self.budgets[1:], expected[:R].sum(0).tolist()))  # read back mid-step to choose
-        budget = self.policy.choose(R, expected)
-        scored = any(s.logprobs is not None for s in seqs)
-        if budget == 0:  # (the draft consumed the pending rows: the AR step's row follows them)
-            out = self._budget_step(0, RootInputs.of(inp), scored)
-        else:
-            out = self._budget_step(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, c.score,
-                                                       c.parent, c.rank, c.order, c.tokens, inp.state_slots), scored)
+        expected = dict(zip(self.budgets[1:], expected[:R].sum(0).tolist()))
+        out = self._budget_step(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, c.score,
+                                                   c.parent, c.rank, c.order, c.tokens, inp.state_slots),
+                                any(s.logprobs is not None for s in seqs))
+        committed = self.stats.committed
         accepted = self._commit(seqs, out, budget)
-        if budget:
-            self.policy.observe(budget, R, expected[budget], accepted)
-            # Timed as the table was (eager, without graphs), and not a one-off: a draft over a new
-            # prompt, or a step behind a prefill chunk.
-            if self.timed and self.draft_graphs is None and short:
-                t = self.policy.table
-                self.policy.observe_time("spec", R, (time.perf_counter() - t0) * 1e3,
-                                         t.draft_ms(R) + t.verify_ms(budget, R))
+        self.policy.observe_step(budget, R, expected, accepted)
+        # timed as the table was (eager, without graphs), and not a one-off: a draft over a new prompt
+        timed = self.timed and self.draft_graphs is None and short
+        self.policy.observe_burst(budget, R, 1, self.stats.committed - committed,
+                                  (time.perf_counter() - t0) * 1e3 if timed else None)
 
-    def _auto_burst(self, seqs: list[Sequence]) -> None:
-        """A pipelined burst of the planned budget's whole-step graph (a probe's too; the first draft,
-        with nothing known yet, is one step)."""
-        budget, R = self.planned or self.budgets[1], len(seqs)
+    def _auto_burst(self, seqs: list[Sequence], budget: int) -> None:
+        """A pipelined burst of `budget`'s whole-step graph (the first, with nothing known yet, one step),
+        after feeding the requests' gaps again and storing an AR stretch's context (a switch's cost,
+        timed apart: waited for, so that the burst's time is its own)."""
+        R = len(seqs)
         graphs = self.step_graphs[budget]
         captured = next(b for b in graphs.buckets if b >= R) in graphs.graphs  # (not a burst that captures)
-        stored, store_ms = False, 0.0
         t0 = time.perf_counter()
-        refeed_ms = self._refeed_gaps(seqs)  # (priced apart, on the rows it feeds again)
+        refeed_ms = self._refeed_gaps(seqs)
         if refeed_ms or any(s.num_cached - context_of(s).stored > self.ctx_rows for s in seqs):
-            # an AR stretch's context (fed again where its steps did not read it out), wider than the
-            # graph's: a cost of switching from AR, which the plan adds to a switch (not to the burst's
-            # rate: a store comes only after AR steps; waited for, so that the burst's time is its own)
             self.drafter.store_pending(seqs)
             _sync(self.runner.device)
-            stored = True
             store_ms = (time.perf_counter() - t0) * 1e3 - refeed_ms
             self.stats.bursts.update({"store_ms": store_ms, "stores": 1})
             if self.timed and captured:
-                self.policy.observe_switch(R, store_ms)
+                self.policy.observe_store(R, store_ms)
         t1 = time.perf_counter()
-        probing = self.policy.probing
         committed = self.stats.committed
-        blind = self.policy.expected is None  # no draft seen yet: one step to learn from
-        steps = self._burst(seqs, graphs, budget, most=1 if blind else SPEC_BURST)
-        t2 = time.perf_counter()
-        self.stats.bursts.update({"spec_bursts": 1, "spec_steps": steps, "probes": int(probing),
-                                  "spec_ms": (t2 - t1) * 1e3})
-        self.policy.probing = False
-        if not (self.timed and captured):  # (a prefill chunk in flight, or a graph captured: no lesson)
-            return
-        # What a whole burst took, start and drain included, against the model's steps corrects the
-        # model's cost at this batch size (and counts in `lost`); those without a store before them
-        # (whose device work it may still wait on) also teach the model a step's host time. (A short
-        # burst, the first blind step or one cut short by a finishing request, is mostly its start and
-        # drain, which the AR bursts around it pay too.)
-        if steps < TIMED_BURST:
-            return
-        self.policy.observe_burst(budget, R, self.stats.committed - committed, (t2 - t1) * 1e3, store_ms, steps)
-        if not stored:
-            t = self.policy.table
-            self.policy.observe_time("spec", R, (t2 - t1) * 1e3 / steps, t.draft_ms(R) + t.verify_ms(budget, R))
+        probe = self.policy.mode != budget
+        steps = self._burst(seqs, graphs, budget, most=SPEC_BURST if self.policy.acceptance.known else 1)
+        ms = (time.perf_counter() - t1) * 1e3
+        self.stats.bursts.update({"spec_bursts": 1, "spec_steps": steps, "probes": int(probe), "spec_ms": ms})
+        # (a short burst, a blind step or one cut short by a finishing request, is mostly its start and drain)
+        timed = self.timed and captured and steps >= TIMED_BURST
+        self.policy.observe_burst(budget, R, steps, self.stats.committed - committed, ms if timed else None)
 
     def _burst_step_done(self, budget: int, rows: list[list[int]]) -> None:
-        """A burst step's E(b) of every budget into the policy's averages (a probe's first step
-        replaces them), and its acceptance against its own draft's E(b)."""
+        """A burst step's read-back: its drafts' E(b) of every budget and what they accepted, to the policy."""
         if not rows:
             return
-        n, first = len(rows), super().packed_width
+        first = super().packed_width
         expected = {b: sum(r[first + j] for r in rows) / EXPECTED_SCALE for j, b in enumerate(self.budgets[1:])}
-        self.policy.record_draft(n, expected)
-        self.policy.probing = False
-        self.policy.observe(budget, n, expected[budget], sum(r[0] for r in rows))
+        self.policy.observe_step(budget, len(rows), expected, sum(r[0] for r in rows))
 
     def _fake_context(self) -> int:
         ps = self.runner.page_size

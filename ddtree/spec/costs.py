@@ -1,7 +1,8 @@
-"""The cost side of adaptive speculation (spec/adaptive.py): step times in milliseconds by batch size,
-measured at start-up on the device (`measure_costs`: one AR step, one draft step and one verify step
-of each candidate width, and the context store a switch from AR pays first, at a few batch sizes),
-linear in between."""
+"""The cost side of `budget="auto"` (spec/policy.py): step times in milliseconds by batch size, measured
+at start-up on the device (`measure_costs`: one AR step, one draft step and one verify step of each
+candidate width, and the context store a switch from AR pays first, at a few batch sizes), linear in
+between (`CostTable`); and those times as the engine pays them, corrected by what real steps took
+(`CostModel`)."""
 from __future__ import annotations
 
 import json
@@ -124,3 +125,66 @@ def measure_costs(spec, batch_sizes: list[int], context: int, reps: int) -> Cost
             verify[b].append(max(timed(steps[b]) - draft[-1], 0.1 * draft[-1]))
         store.append(timed(steps["store"]))
     return CostTable(list(batch_sizes), ar, draft, verify, store)
+
+
+def bucket(batch: int) -> int:
+    """The power of two at or above `batch` (the CUDA graphs' batch buckets)."""
+    return 1 << (batch - 1).bit_length()
+
+
+class CostModel:
+    """Step times in ms as the engine pays them: the table's, times a correction per kind of step ("ar": an
+    AR step that reads out the drafter's context, "spec": a whole speculative step, "store": a switch's
+    context store, "refeed": feeding skipped rows again) and batch bucket, learnt from timed steps. The
+    table counts as a first sample (ratio 1), then a plain mean, then a running one at `decay`; a sample
+    counts between half and four times the model. A bucket not timed yet takes the nearest smaller one's
+    (host work grows with the batch)."""
+
+    def __init__(self, table: CostTable, decay: float = 0.1):
+        self.table, self.decay = table, decay
+        self.ratio: dict[str, dict[int, tuple[float, int]]] = {}  # kind -> bucket -> (ratio, samples)
+        # A refeed: `refeed_fixed` ms per eager forward of at most `refeed_rows` rows (None: any number), plus
+        # `refeed_row` ms a row; until timed (`set_refeed`), a row costs what a verified node does at the
+        # table's widest step.
+        widest = max(table.verify, default=0)
+        self.refeed_fixed, self.refeed_rows = 0.0, None
+        self.refeed_row = table.verify[widest][-1] / ((widest + 1) * table.batch[-1]) if widest else 0.0
+
+    def set_refeed(self, fixed_ms: float, row_ms: float, forward_rows: int | None = None) -> None:
+        self.refeed_fixed, self.refeed_row, self.refeed_rows = fixed_ms, row_ms, forward_rows
+
+    def scale(self, kind: str, batch: int) -> float:
+        seen, key = self.ratio.get(kind), bucket(batch)
+        below = [k for k in seen if k <= key] if seen else None
+        return seen[max(below)][0] if below else 1.0
+
+    def ar_ms(self, batch: int) -> float:
+        return self.table.ar_ms(batch) * self.scale("ar", batch)
+
+    def spec_ms(self, budget: int, batch: int) -> float:
+        return (self.table.draft_ms(batch) + self.table.verify_ms(budget, batch)) * self.scale("spec", batch)
+
+    def store_ms(self, batch: int) -> float:
+        return (self.table.store_ms(batch) or 0.0) * self.scale("store", batch)
+
+    def refeed_model(self, rows: int) -> float:
+        """A refeed of `rows` rows as timed at start-up: a fixed cost per forward it takes, plus its rows."""
+        forwards = -(-rows // self.refeed_rows) if self.refeed_rows else 1
+        return forwards * self.refeed_fixed + rows * self.refeed_row if rows > 0 else 0.0
+
+    def refeed_ms(self, rows: int) -> float:
+        return self.refeed_model(rows) * self.scale("refeed", 1)
+
+    def observe(self, kind: str, batch: int, ms: float, model_ms: float) -> None:
+        """A step of `kind` at `batch` took `ms` where the table (uncorrected) says `model_ms`."""
+        if model_ms <= 0:
+            return
+        per, key = self.ratio.setdefault(kind, {}), bucket(batch)
+        old, n = per.get(key, (1.0, 1))
+        a = max(self.decay, 1 / (n + 1))
+        per[key] = ((1 - a) * old + a * min(max(ms / model_ms, 0.5), 4.0), n + 1)
+
+    def state(self) -> dict:
+        return {"ratio": {f"{kind}@{k}": round(r, 4) for kind, per in sorted(self.ratio.items())
+                          for k, (r, _) in sorted(per.items())},
+                "refeed": {"fixed_ms": self.refeed_fixed, "row_ms": self.refeed_row, "forward_rows": self.refeed_rows}}

@@ -21,7 +21,6 @@ from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import COLUMNS, logprob_records, sample, wants_logprobs
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import page_slots
-from ddtree.spec.adaptive import BURST_STEPS
 from ddtree.spec.context import context_of
 from ddtree.spec.draft import DraftRunner, StepInputs
 from ddtree.spec.tree import Tree, build_tree
@@ -29,7 +28,7 @@ from ddtree.spec.verify import walk
 
 # Graphed speculative steps per engine step at most, pipelined: each burst pays one drain and one
 # unhidden graph launch, so longer is faster; 8 steps take about as long as 16 AR steps.
-SPEC_BURST = BURST_STEPS
+SPEC_BURST = 8
 
 
 @dataclass(slots=True)
@@ -38,12 +37,12 @@ class SpecStats:
     committed: int = 0
     depth_accepted: list[int] = field(default_factory=list)  # [d]: request-steps that accepted depth >= d + 1
     drafted: int = 0  # tree nodes sent to verification (root excluded)
-    budget_hist: Counter = field(default_factory=Counter)  # budget -> request-steps (0: AR steps of `auto`)
+    budget_hist: Counter = field(default_factory=Counter)  # budget -> request-steps (auto's AR: "ar_tokens")
     # The engine's `timing`, shared: host ms of prefills and whole steps ("prefill_ms", "engine_ms"),
     # prefills that missed the graphs ("eager_prefills"), graphed AR bursts ("ar_bursts", "ar_steps",
-    # "ar_ms": launch to last commit); auto adds its speculative bursts ("spec_*"), "probes", and the
-    # AR stretches' context stores ("store_ms", also the engine's where rows pile up; "stores": those at
-    # a switch), "refeeds" of their gaps and "tap_free_bursts"
+    # "ar_ms": launch to last commit) and the tokens AR steps committed ("ar_tokens"); auto adds its
+    # speculative bursts ("spec_*", "probes"), the AR stretches' context stores ("store_ms", also the
+    # engine's where rows pile up; "stores": those at a switch) and "refeeds" of rows AR steps skipped
     bursts: Counter = field(default_factory=Counter)
 
     def add(self, length: int, committed: int) -> None:
@@ -269,7 +268,7 @@ class Speculator:
                 context_of(seq).add(feats[2 * i])
             else:  # an AR step of auto: it stored its row in the drafter cache itself
                 assert not context_of(seq).pending, "drafter context rows left behind an AR step"
-                context_of(seq).stored = seq.num_cached
+                context_of(seq).take(seq.num_cached)
             tokens = path_tokens[1:L + 1] + [bonus]
             scores = None
             if seq.logprobs is not None:  # (the token at depth d + 1 was drawn from node d's logits)
@@ -280,5 +279,8 @@ class Speculator:
                 seq.accept_lengths.append(kept)
                 self.stats.add(L, kept)
         self.stats.drafted += budget * len(seqs)
-        self.stats.budget_hist[budget] += len(seqs)
+        if budget:  # (auto's AR steps count in the engine's "ar_tokens", as AR bursts do)
+            self.stats.budget_hist[budget] += len(seqs)
+        else:
+            self.stats.bursts["ar_tokens"] += len(seqs)
         return accepted

@@ -83,34 +83,21 @@ def store_shape(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def open_gaps(seqs: list[Sequence]) -> None:
-    """The forwards from here on do not read out these requests' target features (tap-free AR bursts, a
-    prefill where speculation is hopeless): each one's context has a gap from num_cached on, open until
-    `close_gap` (a step in one costs nothing; an entry per request and burst cost ~1 us each, ~10 ms of
-    host time in a grid row at batch 128 on the H200). One call a burst, not one a request: auto's host
-    time between AR bursts is GPU idle time."""
-    for seq in seqs:
-        context_of(seq).open_gap(seq.num_cached)
-
-
-def close_gap(seq: Sequence) -> None:
-    """Ends an open gap at num_cached (refed before the next draft, `gaps`)."""
-    context_of(seq).close_gap(seq.num_cached)
-
-
 def has_gap(seq: Sequence) -> bool:
-    return seq.draft_context is not None and seq.draft_context.has_gap
+    """Whether some of the request's cached positions were never read out for the drafter."""
+    ctx = seq.draft_context
+    return seq.num_cached > 0 if ctx is None else ctx.has_gap(seq.num_cached)
 
 
 def gap_rows(seq: Sequence) -> int:
     """Rows of the request's context a switch would feed again, an open gap's included."""
-    return context_of(seq).open_gap_rows(seq.num_cached)
+    return context_of(seq).gap_rows_at(seq.num_cached)
 
 
 def gaps(seqs: list[Sequence]) -> list[tuple[Sequence, int, int, int]]:
     """Every (request, index in its pending entries, start, n) of a gap, in order (open ones closed)."""
     for s in seqs:
-        close_gap(s)
+        context_of(s).close_gap(s.num_cached)
     return [(s, j, start, n) for s in seqs for j, start, n in context_of(s).gaps()]
 
 
@@ -179,7 +166,8 @@ class DraftRunner:
         """The requests' context is in the drafter cache up to their cached tokens (a prefill graph
         stored it)."""
         for seq in seqs:
-            context_of(seq).stored = seq.num_cached
+            assert not context_of(seq).pending, "drafter context rows left behind a prefill"
+            context_of(seq).take(seq.num_cached)
 
     def store_pending(self, seqs: list[Sequence]) -> None:
         """Moves every request's pending target features into the drafter cache now, outside a draft
