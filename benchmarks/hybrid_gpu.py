@@ -16,6 +16,7 @@
 4. flash-linear-attention's chunked delta rule, if importable, against ours (models/hybrid.py) on
    variable-length prompts with initial states: agreement and time.
 5. `profile` (with `bf16`): kernel time by name over replays of an AR step and a verify of 33 nodes at C=1.
+   `steps`: part 2's step times alone.
 """
 from __future__ import annotations
 
@@ -262,6 +263,16 @@ def main() -> None:
             out[f"{name}_error"] = repr(e)
         save()
 
+    def steps():  # the step times alone
+        built = hybrid_pair(args.config, os.path.join(work, "bf16"), "bfloat16")
+        llm = LLM(built["target"], draft=built["drafter"], spec="ddtree", budget=32, topk=4, dtype="bfloat16",
+                  num_pages=8192, max_num_seqs=8)
+        from ddtree.bench.latency import step_times
+        out["bf16_step_times"] = step_times(llm, [1, 8], [17, 33, 65], context=512)
+        for row in out["bf16_step_times"]:
+            row["verify_33_over_ar"] = round(row["verify_33_ms"] / row["ar_step_ms"], 3)
+        print(json.dumps(out["bf16_step_times"]), flush=True)
+
     def bf16():
         built = hybrid_pair(args.config, os.path.join(work, "bf16"), "bfloat16")
         out["model"] = {k: built[k] for k in ("layers", "linear_layers", "params")}
@@ -278,6 +289,7 @@ def main() -> None:
         fp32_runs(built["target"], built["drafter"], vocab, args.prompts, args.max_tokens, out)
 
     part("fla", lambda: fla_probe(out))
+    part("steps", steps)
     part("bf16", bf16)
     part("fp32", fp32)
     print(json.dumps(out, indent=1))

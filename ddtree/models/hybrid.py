@@ -221,7 +221,9 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = projected.split([lin.conv_dim, self.value_dim, lin.num_v_heads, lin.num_v_heads], dim=-1)
         decode = batch.commit_states and projected.shape[0] == batch.state_slots.shape[0]  # one token a request
         if batch.use_triton and (decode or not batch.commit_states):
-            return project(self.out_proj, self._triton_step(qkv, z, b, a, positions, batch, decode), batch)
+            from ddtree.ops.triton_gdn import MAX_TREE
+            if decode or projected.shape[0] <= MAX_TREE * batch.state_slots.shape[0]:  # (wider: the torch solve)
+                return project(self.out_proj, self._triton_step(qkv, z, b, a, positions, batch, decode), batch)
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if decode:

@@ -30,8 +30,10 @@ import triton
 import triton.language as tl
 
 # Matrix products in float32 on tensor cores: three TF32 products carry float32's precision (the
-# interpreter computes them exactly).
+# interpreter computes them exactly). A tree's solve in a 16-bit model takes one TF32 product: its
+# error (about 1e-3) is below the rounding of the outputs it feeds.
 PRECISION: tl.constexpr = tl.constexpr("tf32x3")
+MAX_TREE = 64  # the most nodes a tree kernel takes (its tiles are NP x NP and NP x Dk in registers)
 
 
 @triton.jit
@@ -187,7 +189,8 @@ def tree_conv(window: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, x
 @triton.jit
 def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_ba, ALog, DtBias, Out, Mask,
                        stride_mask_r, stride_mask_q, Dbuf, Gbuf, stride_slot, stride_head, HV, REPEAT, KEY_DIM,
-                       VALUE_OFF, C, N, DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, BLOCK_V: tl.constexpr):
+                       VALUE_OFF, C, N, DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, BLOCK_V: tl.constexpr,
+                       SOLVE: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -208,10 +211,10 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
     s0 = tl.where(keep, tl.load(base + dk[:, None] * DV + dv[None, :]), 0.0)
     # (every product with q and k first: they are the largest tiles, and die here)
-    qs0 = tl.dot(q, s0, input_precision=PRECISION)
-    ks0 = tl.dot(k, s0, input_precision=PRECISION)
-    kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    qs0 = tl.dot(q, s0, input_precision=SOLVE)
+    ks0 = tl.dot(k, s0, input_precision=SOLVE)
+    kk = tl.dot(k, tl.trans(k), input_precision=SOLVE)
+    qk = tl.dot(q, tl.trans(k), input_precision=SOLVE)
     above = tl.load(Mask + r * stride_mask_r + i[:, None] * stride_mask_q + i[None, :],
                     mask=valid[:, None] & valid[None, :], other=0) != 0
     G = tl.sum(tl.where(above, g[None, :], 0.0), 1)
@@ -225,7 +228,7 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     for t in range(1, N):  # forward substitution: node t's ancestors come before it and are final
         a_t = tl.sum(tl.where(i[:, None] == t, Amat, 0.0), 0)  # row t of A, over the nodes
         d = tl.where(i[:, None] == t, d - tl.sum(a_t[:, None] * d, 0)[None, :], d)
-    o = eG[:, None] * qs0 + tl.dot(P, d, input_precision=PRECISION)
+    o = eG[:, None] * qs0 + tl.dot(P, d, input_precision=SOLVE)
     ok = valid[:, None]
     tl.store(Dbuf + ((r * HV + h) * N + i[:, None]) * DV + dv[None, :], d, mask=ok)
     tl.store(Out + rows[:, None] * (HV * DV) + h * DV + dv[None, :], o, mask=ok)
@@ -256,7 +259,7 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     BLOCK_V value columns); then one per (node, head) norms and gates the outputs."""
     R, N = depth.shape
     H, DK, DV = state.shape[1], state.shape[2], state.shape[3]
-    assert above.stride(2) == 1 and state.stride(3) == 1 and state.stride(2) == DV and DV & (DV - 1) == 0
+    assert N <= MAX_TREE and above.stride(2) == 1 and state.stride(3) == 1 and state.stride(2) == DV and DV & (DV - 1) == 0
     raw = torch.empty(R * N, H * DV, dtype=torch.float32, device=z.device)
     d = torch.empty(R, H, N, DV, dtype=torch.float32, device=z.device)
     G = torch.empty(R, H, N, dtype=torch.float32, device=z.device)
@@ -265,7 +268,7 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
         state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, raw, above, above.stride(0),
         above.stride(1), d, G, state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK,
         2 * num_k_heads * DK, mixed.shape[1], N, DK=DK, DV=DV, NP=max(16, triton.next_power_of_2(N)),
-        BLOCK_V=block_v, num_warps=4)
+        BLOCK_V=block_v, SOLVE="tf32x3" if z.dtype == torch.float32 else "tf32", num_warps=4)
     out = torch.empty(R * N, H * DV, dtype=z.dtype, device=z.device)
     _gated_norm_kernel[(R * N, H)](raw, z, z.stride(0), norm_weight, out, eps, H, DV=DV)
     return out, d, G
