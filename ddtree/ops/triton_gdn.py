@@ -17,10 +17,9 @@ The layer's in-projection yields, per token, the q|k|v stream x [conv_dim] and t
   (`tree_delta`). The commit rebuilds the accepted path's end state from d (`tree_commit`).
 - the output: RMS norm of o (over Dv) times the norm weight, gated by silu(z), in the model dtype.
 
-A decode program takes one (request, value head) and walks the value columns BLOCK_V at a time (the
-columns of S are independent, and the norm needs the whole head). A tree program takes one (request,
-value head, BLOCK_V columns), so a single request's tree still spreads over Hv * Dv / BLOCK_V programs;
-its outputs are normed by a second kernel. A request whose state is fresh (nothing cached before the
+A program takes one (request, value head, BLOCK_V value columns): the columns of S are independent,
+so a single request spreads over Hv * Dv / BLOCK_V programs. The norm needs the whole head: a second
+kernel norms and gates the outputs. A request whose state is fresh (nothing cached before the
 step: prefix 0) starts from zero windows and states, whatever its slot holds.
 """
 from __future__ import annotations
@@ -28,6 +27,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ddtree.ops.triton_linear import INTERPRETED
 
 # Matrix products in float32 on tensor cores: three TF32 products carry float32's precision (the
 # interpreter computes them exactly). A tree's solve in a 16-bit model takes one TF32 product: its
@@ -97,56 +98,44 @@ def conv_step(window: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, x
 
 
 @triton.jit
-def _delta_step_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_ba, ALog, DtBias, Z, stride_z, NormW, Out,
-                       stride_out, eps, stride_slot, stride_head, HV, REPEAT, KEY_DIM, VALUE_OFF, C,
+def _delta_step_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_ba, ALog, DtBias, Out, stride_slot,
+                       stride_head, HV, REPEAT, KEY_DIM, VALUE_OFF, C,
                        DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     dk = tl.arange(0, DK)
     hk = h // REPEAT
     q = _unit_rows(tl.load(Mixed + r * C + hk * DK + dk)[None, :], 1.0 / tl.sqrt(DK * 1.0))
     k = _unit_rows(tl.load(Mixed + r * C + KEY_DIM + hk * DK + dk)[None, :], 1.0)
     beta, g = _gate_inputs(B, A, ALog, DtBias, r * stride_ba + h, h, r >= 0)
     base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
-    keep = tl.load(Prefix + r) != 0
-    sumsq = 0.0
-    for vb in tl.static_range(DV // BLOCK_V):
-        dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        ptrs = base + dk[:, None] * DV + dv[None, :]
-        s = tl.where(keep, tl.load(ptrs, mask=dv[None, :] < DV, other=0.0), 0.0) * tl.exp(g)
-        v = tl.load(Mixed + r * C + VALUE_OFF + h * DV + dv)
-        delta = (v - tl.sum(s * tl.trans(k), 0)) * beta
-        s = s + tl.trans(k) * delta[None, :]
-        tl.store(ptrs, s)
-        o = tl.sum(s * tl.trans(q), 0).to(Out.dtype.element_ty)
-        tl.store(Out + r * stride_out + h * DV + dv, o)
-        of = o.to(tl.float32)
-        sumsq += tl.sum(of * of, 0)
-    tl.debug_barrier()
-    inv_rms = tl.rsqrt(sumsq / DV + eps)
-    for vb in tl.static_range(DV // BLOCK_V):
-        dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        o = tl.load(Out + r * stride_out + h * DV + dv).to(tl.float32)
-        z = tl.load(Z + r * stride_z + h * DV + dv).to(tl.float32)
-        gated = _norm_and_gate(o, inv_rms, tl.load(NormW + dv).to(tl.float32), z, Out.dtype.element_ty)
-        tl.store(Out + r * stride_out + h * DV + dv, gated)
+    ptrs = base + dk[:, None] * DV + dv[None, :]
+    s = tl.where(tl.load(Prefix + r) != 0, tl.load(ptrs), 0.0) * tl.exp(g)
+    v = tl.load(Mixed + r * C + VALUE_OFF + h * DV + dv)
+    delta = (v - tl.sum(s * tl.trans(k), 0)) * beta
+    s = s + tl.trans(k) * delta[None, :]
+    tl.store(ptrs, s)
+    tl.store(Out + (r * HV + h) * DV + dv, tl.sum(s * tl.trans(q), 0))
 
 
 def delta_step(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, mixed: torch.Tensor, b: torch.Tensor,
                a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
                eps: float, num_k_heads: int) -> torch.Tensor:
     """One token per request. state [slots, Hv, Dk, Dv] float32, updated in place at `slots` [R]; prefix
-    [R] the tokens cached before the step (0: start from zeros); mixed [R, 2 Hk Dk + Hv Dv] the convolution's outputs (float32); b, a
-    [R, Hv] and z [R, Hv Dv] rows of the in-projection (strided). Returns the gated, normed outputs
-    [R, Hv Dv] in z's dtype."""
+    [R] the tokens cached before the step (0: start from zeros); mixed [R, 2 Hk Dk + Hv Dv] the
+    convolution's outputs (float32); b, a [R, Hv] and z [R, Hv Dv] rows of the in-projection (strided).
+    Returns the gated, normed outputs [R, Hv Dv] in z's dtype. One program per (request, head, BLOCK_V
+    value columns), then one per (request, head) norms and gates."""
     R, H, DK, DV = mixed.shape[0], state.shape[1], state.shape[2], state.shape[3]
     assert state.dtype == torch.float32 and state.stride(3) == 1 and state.stride(2) == DV and DV & (DV - 1) == 0
-    out = torch.empty(R, H * DV, dtype=z.dtype, device=z.device)
-    _delta_step_kernel[(R, H)](
-        state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, z, z.stride(0), norm_weight, out, out.stride(0),
-        eps, state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK, 2 * num_k_heads * DK,
-        mixed.shape[1], DK=DK, DV=DV, BLOCK_V=min(DV, 32), num_warps=4)
-    return out
+    raw = torch.empty(R, H * DV, dtype=torch.float32, device=z.device)
+    block_v = min(DV, 32)
+    _delta_step_kernel[(R, H, DV // block_v)](
+        state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, raw, state.stride(0),
+        state.stride(1), H, H // num_k_heads, num_k_heads * DK, 2 * num_k_heads * DK, mixed.shape[1],
+        DK=DK, DV=DV, BLOCK_V=block_v, num_warps=4)
+    return gated_norm(raw, z, norm_weight, eps, H)
 
 
 @triton.jit
@@ -189,8 +178,8 @@ def tree_conv(window: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, x
 @triton.jit
 def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_ba, ALog, DtBias, Out, Mask,
                        stride_mask_r, stride_mask_q, Dbuf, Gbuf, stride_slot, stride_head, HV, REPEAT, KEY_DIM,
-                       VALUE_OFF, C, N, DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, BLOCK_V: tl.constexpr,
-                       SOLVE: tl.constexpr):
+                       VALUE_OFF, C, N, R_KEY, DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr,
+                       SOLVE: tl.constexpr, BLOCK_V: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -236,6 +225,13 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
         tl.store(Gbuf + (r * HV + h) * N + i, G, mask=valid)
 
 
+# The best split of a head's value columns, and warps, depend on the tree's size and the batch: tried at
+# the first call of each (outside any graph capture; the kernel writes only its own outputs). Triton's
+# interpreter has no timer: there the first split runs.
+TREE_SPLITS = [triton.Config({"BLOCK_V": bv}, num_warps=w) for bv, w in ((32, 4), (16, 4), (32, 8), (64, 8))]
+_tree_delta = _tree_delta_kernel if INTERPRETED else triton.autotune(TREE_SPLITS, key=["N", "R_KEY"])(_tree_delta_kernel)
+
+
 @triton.jit
 def _gated_norm_kernel(O, Z, stride_z, NormW, Out, eps, HV, DV: tl.constexpr):
     row = tl.program_id(0)
@@ -246,6 +242,14 @@ def _gated_norm_kernel(O, Z, stride_z, NormW, Out, eps, HV, DV: tl.constexpr):
     gated = _norm_and_gate(o, tl.rsqrt(tl.sum(o * o, 0) / DV + eps), tl.load(NormW + dv).to(tl.float32), z,
                            Out.dtype.element_ty)
     tl.store(Out + row * HV * DV + h * DV + dv, gated)
+
+
+def gated_norm(raw: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, heads: int) -> torch.Tensor:
+    """rms_norm(raw) * w * silu(z) per head: raw [T, Hv Dv] float32, z [T, Hv Dv] rows (strided); z's dtype."""
+    out = torch.empty(raw.shape, dtype=z.dtype, device=z.device)
+    _gated_norm_kernel[(raw.shape[0], heads)](raw, z, z.stride(0), norm_weight, out, eps, heads,
+                                              DV=raw.shape[1] // heads)
+    return out
 
 
 def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, mixed: torch.Tensor, b: torch.Tensor,
@@ -263,15 +267,14 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     raw = torch.empty(R * N, H * DV, dtype=torch.float32, device=z.device)
     d = torch.empty(R, H, N, DV, dtype=torch.float32, device=z.device)
     G = torch.empty(R, H, N, dtype=torch.float32, device=z.device)
-    block_v = min(DV, 32)
-    _tree_delta_kernel[(R, H, triton.cdiv(DV, block_v))](
+    assert INTERPRETED or DV >= 64, "the tree kernel's splits take 64 value columns a head at least"
+    fixed = dict(BLOCK_V=min(DV, 32), num_warps=4) if INTERPRETED else {}
+    _tree_delta[lambda meta: (R, H, triton.cdiv(DV, meta["BLOCK_V"]))](
         state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, raw, above, above.stride(0),
         above.stride(1), d, G, state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK,
-        2 * num_k_heads * DK, mixed.shape[1], N, DK=DK, DV=DV, NP=max(16, triton.next_power_of_2(N)),
-        BLOCK_V=block_v, SOLVE="tf32x3" if z.dtype == torch.float32 else "tf32", num_warps=4)
-    out = torch.empty(R * N, H * DV, dtype=z.dtype, device=z.device)
-    _gated_norm_kernel[(R * N, H)](raw, z, z.stride(0), norm_weight, out, eps, H, DV=DV)
-    return out, d, G
+        2 * num_k_heads * DK, mixed.shape[1], N, triton.next_power_of_2(R), DK=DK, DV=DV,
+        NP=max(16, triton.next_power_of_2(N)), SOLVE="tf32x3" if z.dtype == torch.float32 else "tf32", **fixed)
+    return gated_norm(raw, z, norm_weight, eps, H), d, G
 
 
 @triton.jit
