@@ -118,7 +118,8 @@ def run_policy(r: Regime, tokens: int, policy: Policy | None = None) -> tuple[fl
 
 # ----------------------------------------------------------------------------- batches run to completion
 
-# The cost table auto measured on the H200 at 72bc674 (ms; `results/h200_72bc674_grid/`), with a switch's store.
+# The cost table auto measured on the H200 at 72bc674 (ms; results at cf6a3f0, git history:
+# `benchmarks/results/h200_72bc674_grid/`), with a switch's store.
 H200_TABLE = CostTable(
     [1, 2, 4, 8, 16, 32, 64, 128],
     [0.871, 1.065, 1.064, 1.067, 1.104, 1.168, 1.267, 1.412],
