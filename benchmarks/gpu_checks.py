@@ -23,7 +23,7 @@ import torch
 from ddtree import LLM, SamplingParams
 from ddtree.bench.datasets import load_prompts
 from ddtree.ops.attention import make_batch, paged_attention
-from ddtree.spec.tree import build_tree
+from ddtree.speculative.tree import build_tree
 
 
 def check_kernels() -> dict:
@@ -85,7 +85,7 @@ def check_tree_kernels() -> dict:
     scores full of ties)."""
     from ddtree.ops.triton_topk import topk_logprobs
     from ddtree.ops.triton_tree import levels
-    from ddtree.spec.tree import _levels
+    from ddtree.speculative.tree import _levels
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(128, 16, 151936, device="cuda", generator=g) * 3).bfloat16()[:, 1:]
     lp, tok = topk_logprobs(logits, 4)

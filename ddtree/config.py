@@ -180,7 +180,7 @@ def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 @dataclass(slots=True, frozen=True)
 class PolicyConfig:
-    """`budget="auto"`'s tunables (the policy: spec/policy.py; why each value: docs/auto.md)."""
+    """`budget="auto"`'s tunables (the policy: speculative/policy.py; why each value: docs/auto.md)."""
     budgets: tuple[int, ...] = (4, 8, 16, 32)
     """Speculative budgets the plan chooses among (each capped by what the drafter's tree holds); AR is always one."""
     margin: float = 1.05

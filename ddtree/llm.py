@@ -145,7 +145,7 @@ class LLM:
                  cost_table=None) -> None:
         """(Re)builds the engine for a decoding mode, keeping the loaded weights and drafter. `budget`
         "auto" chooses it per step (0 = AR included) from a table of step costs (`cost_table`, a
-        `ddtree.spec.costs.CostTable`; measured on the device when not given)."""
+        `ddtree.speculative.costs.CostTable`; measured on the device when not given)."""
         self.spec, self.budget, self.topk = self._mode(spec, budget, topk)
         if self.engine is not None or self.kept:  # free the old KV caches and graphs before sizing a new one
             self.engine = None
@@ -184,7 +184,7 @@ class LLM:
     def _build(self, cost_table) -> LLMEngine:
         """The engine of the current mode. Budget auto's cost table is measured once per setup (device,
         model, drafter, dtype, engine sizes) and kept in the ddtree cache; a later start reuses it."""
-        from ddtree.spec.costs import cached_costs, store_costs
+        from ddtree.speculative.costs import cached_costs, store_costs
         setup = self._cost_setup() if self.budget == "auto" and cost_table is None else None
         path = cost_cache_path(setup) if setup is not None else None
         cached = cached_costs(path) if path is not None else None
@@ -213,7 +213,7 @@ class LLM:
                     found.append((n, st.st_size, int(st.st_mtime)))
             return found
 
-        from ddtree.spec.policy import candidate_budgets
+        from ddtree.speculative.policy import candidate_budgets
 
         engine = asdict(self.engine_cfg)
         engine.pop("policy")  # (the plan's settings, not the costs')

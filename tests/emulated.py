@@ -47,8 +47,8 @@ def fake_gpu_graphs(monkeypatch) -> None:
     speculative steps, with every replay emulated."""
     import ddtree.engine.ar as ar_mod
     import ddtree.engine.engine as engine_mod
-    import ddtree.spec.auto as auto
-    import ddtree.spec.decode as decode
+    import ddtree.speculative.auto as auto
+    import ddtree.speculative.decode as decode
     monkeypatch.setattr(ar_mod, "GraphPool", emulated_pool())
     monkeypatch.setattr(decode, "GraphPool", emulated_pool())
     monkeypatch.setattr(auto, "GraphPool", emulated_pool())

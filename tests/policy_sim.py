@@ -1,4 +1,4 @@
-"""A synthetic serving loop for `Policy` (spec/policy.py), driven as spec/auto.py drives it on the GPU:
+"""A synthetic serving loop for `Policy` (speculative/policy.py), driven as speculative/auto.py drives it on the GPU:
 plain AR's steps where the batch size is hopeless (each request's drafter context then has a gap, fed
 through the target again at a switch), else the plan's budget: AR bursts that read out the context, or
 speculative bursts of SPEC_BURST steps. The text's difficulty changes every segment and the drafter is
@@ -10,11 +10,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from ddtree.spec.costs import CostTable
-from ddtree.spec.policy import Policy
+from ddtree.speculative.costs import CostTable
+from ddtree.speculative.policy import Policy
 
 AR_BURST = 16  # (ddtree/engine/ar.py DECODE_BURST)
-SPEC_BURST = 8  # (ddtree/spec/decode.py)
+SPEC_BURST = 8  # (ddtree/speculative/decode.py)
 SHARE = {4: 0.6, 8: 0.8, 16: 0.92, 32: 1.0}  # a budget's accepted length, as a share of budget 32's
 REFEED = (20.0, 0.005)  # ms: a refeed's eager forward, and per row (the H200's, roughly)
 

@@ -1,4 +1,4 @@
-"""AdaptiveSpeculator (spec/auto.py, `budget="auto"`) end to end: auto decoding is lossless like every
+"""AdaptiveSpeculator (speculative/auto.py, `budget="auto"`) end to end: auto decoding is lossless like every
 other mode. Greedy output equals AR token for token, with a random drafter (auto runs plain AR's steps),
 an oracle (it speculates), and a scripted policy that switches between AR, plain AR's steps (which skip
 the drafter's context) and every budget, so the drafter's context must catch up after AR steps; the
@@ -14,10 +14,10 @@ from ddtree.config import ModelConfig, PolicyConfig
 from ddtree.llm import LLM
 from ddtree.models.dflash import random_drafter, save_drafter
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.context import context_of
-from ddtree.spec.costs import CostTable
-from ddtree.spec.draft import has_gap, store_shape
-from ddtree.spec.policy import Policy, candidate_budgets
+from ddtree.speculative.context import context_of
+from ddtree.speculative.costs import CostTable
+from ddtree.speculative.draft import has_gap, store_shape
+from ddtree.speculative.policy import Policy, candidate_budgets
 from emulated import fake_gpu_graphs
 from test_policy import BATCHES, BUDGETS, one_thread, roofline, table  # noqa: F401 (one_thread: autouse)
 from test_spec import assert_idle, continuation, hook_draft_logits, noisy_oracle, plant
@@ -239,7 +239,7 @@ def test_drafter_context_after_ar_steps_equals_a_fresh_prefill(pairs, prompts, a
     # and a switch feeds those tokens again; "mixed": prompts in chunks of a few tokens, some steps
     # plain, and refeeds in forwards of at most 3 tokens, so gaps split across them); the next draft must
     # see exactly the context a fresh engine builds by prefilling the same tokens.
-    import ddtree.spec.auto as auto
+    import ddtree.speculative.auto as auto
     family = "qwen2"
     if pending_rows is not None:
         monkeypatch.setattr(auto, "PENDING_ROWS", pending_rows)
@@ -284,7 +284,7 @@ def test_pending_rows_gathers_burst_entries_and_tensors_in_order():
     # A request's pending context mixes tensors (a prompt's, a verified path's) and (buffer, i, n)
     # entries of AR bursts' buffers shared by the batch; one cat and one gather give every row in order.
     from ddtree.engine.sequence import Sequence
-    from ddtree.spec.draft import pending_rows
+    from ddtree.speculative.draft import pending_rows
     F = 5
     a, b, t, u = torch.randn(3, 4, F), torch.randn(2, 6, F), torch.randn(2, F), torch.randn(1, F)
     seqs = [Sequence([0], SamplingParams(), None) for _ in range(4)]
@@ -383,7 +383,7 @@ def test_graphed_auto_path_emulated_on_cpu_equals_ar(pairs, prompts, ar_out, mon
     # The GPU path's plumbing (static inputs padded to batch buckets, pipelined bursts of each budget's
     # whole-step graph reading back E(b) with the packed rows, the cost table measured on the graphs,
     # refeeds timed at start-up) run on CPU with graph replays emulated.
-    import ddtree.spec.auto as auto
+    import ddtree.speculative.auto as auto
     family = "llama"
     ref, longer = ar_out(family), ar_out(family, (max(MAX_TOKENS),) * 4)
     fake_gpu_graphs(monkeypatch)
@@ -467,8 +467,8 @@ def test_graphed_auto_speculates_in_bursts_with_a_good_drafter(pairs, prompts, a
     # Verification priced cheap and an oracle drafter: the real policy plans budgets > 0, which run as
     # pipelined bursts of whole-step graphs; the output is AR's exactly (sampled: seeded requests and a
     # greedy one, the same graphs and the same plan, seeded AR's tokens).
-    import ddtree.spec.auto as auto
-    import ddtree.spec.decode as decode
+    import ddtree.speculative.auto as auto
+    import ddtree.speculative.decode as decode
     llm, ref = graphed_auto_with_an_oracle(pairs, prompts, ar_out, monkeypatch, table(lambda n, bs: 1.0 + 0.01 * n),
                                            sampled)
     spec = llm.engine.speculator
@@ -558,7 +558,7 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
     # drafter context = the accepted path's features) are built on the device from the previous step,
     # requests finishing mid-burst; the output is AR's exactly and no page leaks. Sampled: seeded requests
     # (and a greedy one) run the same graphs and commit exactly seeded AR's tokens.
-    import ddtree.spec.decode as decode
+    import ddtree.speculative.decode as decode
     family = "qwen2"
     ref, longer = ar_out(family, sampled=sampled), ar_out(family, (max(MAX_TOKENS),) * 4, sampled)  # (before graphs are faked)
     fake_gpu_graphs(monkeypatch)
@@ -593,7 +593,7 @@ def test_graphed_speculative_bursts_emulated_on_cpu_equal_ar(pairs, prompts, ar_
 def test_next_burst_inputs_stay_inside_the_pages_the_accepted_path_used(pairs):
     # The next step's drafter context is the accepted path (L + 1 rows); its padding rows must get the
     # scratch slot without indexing past a request's last page (the table may end right after the path).
-    from ddtree.spec.decode import StepInputs
+    from ddtree.speculative.decode import StepInputs
     path, d = pairs("qwen2")
     llm = LLM(path, draft=d, spec="dflash", **ENGINE)  # block 8, page size 4
     spec = llm.engine.speculator
@@ -617,7 +617,7 @@ def test_next_burst_inputs_stay_inside_the_pages_the_accepted_path_used(pairs):
 def test_the_measured_cost_table_is_kept_and_reused_by_a_later_start(pairs, tmp_path, monkeypatch):
     # Budget auto measures its step costs once per setup (device, model, drafter, dtype, engine sizes);
     # a later start with the same setup reads them from the ddtree cache instead of measuring.
-    import ddtree.spec.auto as auto
+    import ddtree.speculative.auto as auto
     monkeypatch.setenv("DDTREE_COST_CACHE", str(tmp_path / "costs"))
     path, d = pairs("qwen2")
     measured = []
@@ -645,7 +645,7 @@ def test_a_kept_table_without_today_s_budgets_is_measured_again(pairs, tmp_path,
     # (a table kept by code with another budget set must not fail a start: it is a miss)
     import json
 
-    import ddtree.spec.auto as auto
+    import ddtree.speculative.auto as auto
     monkeypatch.setenv("DDTREE_COST_CACHE", str(tmp_path / "costs"))
     path, d = pairs("qwen2")
     LLM(path, draft=d, spec="ddtree", budget="auto", topk=4, **ENGINE)

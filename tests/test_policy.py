@@ -1,4 +1,4 @@
-"""`budget="auto"`'s policy (spec/policy.py) through its public interface, on synthetic cost tables: AR
+"""`budget="auto"`'s policy (speculative/policy.py) through its public interface, on synthetic cost tables: AR
 when verification is expensive, a larger budget when it is cheap, AR past the crossover batch size and
 speculation again below it, no flip-flopping at break-even, switches priced, probes spaced by what they
 lose; then in a simulated serving loop (tests/policy_sim.py) against AR and every fixed budget. The
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ddtree.config import PolicyConfig
-from ddtree.spec.costs import CostTable
-from ddtree.spec.policy import Policy, candidate_budgets
-from ddtree.spec.tree import build_tree, candidates, cut_tree, expected_accepts
+from ddtree.speculative.costs import CostTable
+from ddtree.speculative.policy import Policy, candidate_budgets
+from ddtree.speculative.tree import build_tree, candidates, cut_tree, expected_accepts
 from policy_sim import (AR_BURST, H200_TABLE, SPEC_BURST, Batches, HardStart, Regime, run_batches, run_fixed,
                         run_noisy_bursts, run_policy)
 from test_tree import worked_example_logprobs

@@ -1,4 +1,4 @@
-"""Speculative decoding end to end (spec/decode.py, draft.py, tree.py, verify.py through `LLM`).
+"""Speculative decoding end to end (speculative/decode.py, draft.py, tree.py, verify.py through `LLM`).
 
 The contract: DFlash and DDTree are lossless. Greedy output equals plain autoregressive (AR) decoding
 token for token whatever the drafter proposes; sampled output is distributed exactly as the target's
@@ -114,7 +114,7 @@ def assert_idle(llm: LLM) -> None:
 
 def hook_draft_logits(llm: LLM, replace) -> None:
     """Replaces the drafter's logits [R, B-1, V] by `replace(seqs, logits)`. The real drafter still
-    runs first, so its context bookkeeping (spec/context.py, its K/V) is exercised."""
+    runs first, so its context bookkeeping (speculative/context.py, its K/V) is exercised."""
     spec = llm.engine.speculator
     assert spec.graphs is None  # eager steps: the drafter is called with this step's requests in order
     current: list = []

@@ -1,4 +1,4 @@
-"""DDTree construction (spec/tree.py): the docstring's worked example, a heap oracle, and the invariants."""
+"""DDTree construction (speculative/tree.py): the docstring's worked example, a heap oracle, and the invariants."""
 import heapq
 import math
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.spec import tree as tree_mod
-from ddtree.spec.tree import Tree, ancestor_mask, build_tree
+from ddtree.speculative import tree as tree_mod
+from ddtree.speculative.tree import Tree, ancestor_mask, build_tree
 
 VOCAB = 50
 
@@ -241,7 +241,7 @@ def test_tree_ops_trace_under_torch_compile_and_give_the_eager_results():
     # On the GPU the tree ops run through torch.compile (ddtree.ops.fused.compiled_on_cuda); here the
     # same functions are traced by dynamo (aot_eager backend: no code generation, so it stays fast)
     # for DDTree and DFlash shapes, and must reproduce the eager results exactly.
-    from ddtree.spec import verify as V
+    from ddtree.speculative import verify as V
     torch.manual_seed(0)
     R, D, vocab = 3, 15, 200
     lp = torch.randn(R, D, vocab).log_softmax(-1)

@@ -7,7 +7,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from ddtree.ops.attention import make_batch, paged_attention  # noqa: E402
-from ddtree.spec.tree import build_tree  # noqa: E402
+from ddtree.speculative.tree import build_tree  # noqa: E402
 
 tri = pytest.importorskip("ddtree.ops.triton_attention")
 triton = pytest.importorskip("triton")

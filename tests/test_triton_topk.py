@@ -6,7 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: ker
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from ddtree.spec.tree import top_logprobs  # noqa: E402
+from ddtree.speculative.tree import top_logprobs  # noqa: E402
 
 tri = pytest.importorskip("ddtree.ops.triton_topk")
 

@@ -1,4 +1,4 @@
-"""Tree verification: the greedy walk (spec/verify.py) on hand-made trees, and the target's tree forward
+"""Tree verification: the greedy walk (speculative/verify.py) on hand-made trees, and the target's tree forward
 (ModelRunner.verify) against a plain transformers forward over each node's root-to-node path."""
 import dataclasses
 import random
@@ -12,8 +12,8 @@ from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sequence import Sequence
 from ddtree.models.loader import load_model
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.tree import Tree, ancestor_mask, build_tree
-from ddtree.spec.verify import walk
+from ddtree.speculative.tree import Tree, ancestor_mask, build_tree
+from ddtree.speculative.verify import walk
 from tiny import make_tiny_model
 
 

@@ -188,8 +188,8 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
     from ddtree.engine.ar import DecodeInputs
     from ddtree.engine.sampler import COLUMNS
     from ddtree.engine.sequence import Sequence
-    from ddtree.spec.auto import AdaptiveSpeculator
-    from ddtree.spec.draft import StepInputs
+    from ddtree.speculative.auto import AdaptiveSpeculator
+    from ddtree.speculative.draft import StepInputs
 
     eng = llm.engine
     runner, rows = eng.runner, []

@@ -82,7 +82,7 @@ class ARDecoder:
     def __init__(self, runner: ModelRunner, cfg: ModelConfig, engine_cfg: EngineConfig, scheduler: Scheduler,
                  commit: Callable[[Sequence, list[int]], int], timing: Counter, max_model_len: int,
                  use_graphs: bool, max_pages: int, drafter=None, tap_free_graphs: bool = False):
-        """`drafter` (a spec/draft.py DraftRunner): forwards may read out its target features (`taps`);
+        """`drafter` (a speculative/draft.py DraftRunner): forwards may read out its target features (`taps`);
         `tap_free_graphs`: also capture graphs that do not (budget auto runs plain AR's steps where
         speculation cannot win). `commit(seq, tokens)` appends tokens to a request (the engine's stop handling)."""
         self.runner, self.cfg, self.device = runner, cfg, runner.device

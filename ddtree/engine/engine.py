@@ -1,7 +1,7 @@
 """The engine loop: schedule -> decoder step (prefill, decode) -> commit tokens (stops, detokenization).
 
-The decoder is plain AR (engine/ar.py) or a speculative one built on it (spec/decode.py: DFlash and
-DDTree at a fixed budget; spec/auto.py: the budget chosen per burst). The loop knows only its
+The decoder is plain AR (engine/ar.py) or a speculative one built on it (speculative/decode.py: DFlash and
+DDTree at a fixed budget; speculative/auto.py: the budget chosen per burst). The loop knows only its
 interface: `step(prefill chunks, decode requests)`, and the K/V width a decode step writes.
 """
 from __future__ import annotations
@@ -22,11 +22,11 @@ from ddtree.engine.sequence import Sequence
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.auto import AdaptiveSpeculator
-from ddtree.spec.costs import CostTable
-from ddtree.spec.decode import SPEC_BURST, Speculator
-from ddtree.spec.draft import DraftRunner
-from ddtree.spec.policy import candidate_budgets
+from ddtree.speculative.auto import AdaptiveSpeculator
+from ddtree.speculative.costs import CostTable
+from ddtree.speculative.decode import SPEC_BURST, Speculator
+from ddtree.speculative.draft import DraftRunner
+from ddtree.speculative.policy import candidate_budgets
 
 
 class LLMEngine:
@@ -51,7 +51,7 @@ class LLMEngine:
         # it again, not over a recurrent state; their prompt chunks run eagerly)
         use_graphs = engine_cfg.cuda_graphs and self._graphs_supported() and not (cfg.is_hybrid and auto)
         # Host ms of prefills and whole steps in every mode, and how graphed AR steps were grouped into
-        # bursts (auto adds its speculative bursts and context stores: spec/decode.py `SpecStats`):
+        # bursts (auto adds its speculative bursts and context stores: speculative/decode.py `SpecStats`):
         # benchmark rows split the wall time with it.
         self.timing: Counter = Counter()
         # K/V slots a decode step writes past a request's cached tokens: the tree or the draft block,

@@ -141,7 +141,7 @@ class ModelRunner:
     @torch.inference_mode()
     def refeed(self, rows: list[tuple[Sequence, int, int]], taps: list[int]) -> torch.Tensor:
         """The tapped layers' outputs [sum of n, len(taps) * D] at tokens already in the cache, (request,
-        start, n) per row: AR steps or prefills that did not read them out (auto, spec/auto.py), in
+        start, n) per row: AR steps or prefills that did not read them out (auto, speculative/auto.py), in
         forwards of at most `max_num_batched_tokens` tokens. Their K/V are not written again: the writes
         go to the scratch page, so every query attends to the cached K/V exactly as those steps left them."""
         out, part, size = [], [], 0

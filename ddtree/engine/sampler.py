@@ -11,7 +11,7 @@ every token whose logit reaches the row's threshold (`keep_threshold`): top-k fi
 top-k-renormalized distribution at temperature T.
 
 Because a draw never depends on how many draws came before, a seeded request commits the same tokens
-under AR, DFlash and DDTree (verification draws at each tree node's next position, spec/verify.py),
+under AR, DFlash and DDTree (verification draws at each tree node's next position, speculative/verify.py),
 alone or in any batch, and after preemption and recompute. Unseeded requests get a random seed at
 admission (`request_seed`).
 

@@ -37,7 +37,7 @@ class Sequence:
     # params.logprobs most likely), engine/sampler.py `logprob_records`.
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     text: str = ""  # detokenized output, cut at a stop string
-    # Speculative decoding: the drafter's context for this request (spec/context.py `DraftContext`,
+    # Speculative decoding: the drafter's context for this request (speculative/context.py `DraftContext`,
     # owned by the speculative side; dropped with the cache).
     draft_context: object | None = None
 

@@ -1,4 +1,4 @@
-"""DDTree's candidate levels (spec/tree.py `_levels`) in one kernel, one program per request.
+"""DDTree's candidate levels (speculative/tree.py `_levels`) in one kernel, one program per request.
 
 The torch version is a stable sort of W x K candidates per depth (14 levels for a 16-token block)
 and a final sort of the D x W kept nodes: ~60 kernels of a few microseconds each, ~0.2 ms of a
@@ -8,7 +8,7 @@ the best W kept for the next depth and written out; then one sort of all kept no
 
 The depth loop is a device loop, not unrolled: unrolled, the kernel took 132 s to build for sm90
 (15 depths, budget 32, topk 4); as a loop, 2.3 s. On the H200 a graphed DDTree step is 0.21-0.26 ms
-shorter with it at batch 1-32 (spec/tree.py `TREE_KERNEL_MAX_WIDTH`).
+shorter with it at batch 1-32 (speculative/tree.py `TREE_KERNEL_MAX_WIDTH`).
 
 Sort keys make the result match the torch version's stable sorts exactly: a float32 score becomes
 an int32 that orders like it, shifted above the complement of the candidate's index, so equal

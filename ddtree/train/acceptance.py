@@ -22,8 +22,8 @@ import torch
 
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
-from ddtree.spec.tree import build_tree
-from ddtree.spec.verify import walk
+from ddtree.speculative.tree import build_tree
+from ddtree.speculative.verify import walk
 from ddtree.train.blocks import block_logits, fuse_features
 from ddtree.train.features import target_features
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ddtree.ops.fused import compiled_on_cuda
-from ddtree.spec.tree import Tree
+from ddtree.speculative.tree import Tree
 
 
 @dataclass(slots=True)

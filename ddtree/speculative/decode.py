@@ -3,7 +3,7 @@
 The device part (`device_step`) is shape-static and free of host reads, so on GPU it is captured
 in a CUDA graph per batch-size bucket; the host reads back one small tensor per step. DFlash
 linear is the same step with topk = 1 and budget = block_size - 1 (the tree is a chain of the
-drafter's argmax tokens), so both modes share this code. `AdaptiveSpeculator` (spec/auto.py, budget
+drafter's argmax tokens), so both modes share this code. `AdaptiveSpeculator` (speculative/auto.py, budget
 "auto") picks the budget, 0 = AR included, per burst of these steps. Requests that ask for logprobs
 take eager steps beside the graphed ones: the host reads the logits along their accepted paths.
 """
@@ -21,10 +21,10 @@ from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import COLUMNS, logprob_records, sample, wants_logprobs
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import page_slots
-from ddtree.spec.context import context_of
-from ddtree.spec.draft import DraftRunner, StepInputs
-from ddtree.spec.tree import Tree, build_tree
-from ddtree.spec.verify import walk
+from ddtree.speculative.context import context_of
+from ddtree.speculative.draft import DraftRunner, StepInputs
+from ddtree.speculative.tree import Tree, build_tree
+from ddtree.speculative.verify import walk
 
 # Graphed speculative steps per engine step at most, pipelined: each burst pays one drain and one
 # unhidden graph launch, so longer is faster; 8 steps take about as long as 16 AR steps.

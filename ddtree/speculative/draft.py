@@ -13,7 +13,7 @@ import torch
 from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import COLUMNS, sampling_columns
 from ddtree.engine.sequence import Sequence
-from ddtree.spec.context import context_of
+from ddtree.speculative.context import context_of
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.ops.attention import pack_rows, uniform_batch
 

@@ -4,7 +4,7 @@ to be stored, and which were never read out (gaps).
 The drafter's K/V cover positions [0, stored); entries for [stored, covered) wait in `pending` until
 the next draft (or a store) writes them to the drafter cache. An entry is a tensor [n, K*D], or
 (buffer, i, n): the first n rows of row i of an AR burst's buffer [R, steps, K*D] (cut out only when
-stored: spec/draft.py `pending_rows`), or (None, start, n): a gap, n positions from start whose
+stored: speculative/draft.py `pending_rows`), or (None, start, n): a gap, n positions from start whose
 features no forward read out, to be fed through the target again before the next draft.
 
 Positions from `covered` to the request's num_cached are an open gap: steps that do not read out the

@@ -1,7 +1,7 @@
-"""What the drafter's trees accept, as `budget="auto"`'s plan (spec/policy.py) needs it: A(b), the draft
+"""What the drafter's trees accept, as `budget="auto"`'s plan (speculative/policy.py) needs it: A(b), the draft
 tokens per request and verify step that budget b should get accepted.
 
-Every draft carries the drafter's own expected accepted length E(b) of every budget (spec/tree.py
+Every draft carries the drafter's own expected accepted length E(b) of every budget (speculative/tree.py
 `expected_accepts`), so all budgets are ranked on the same text. The drafter is miscalibrated, so
 A(b) is the mean E(b) over the run's drafts times c, what the run's verify steps accepted over what
 their drafts expected (pooled over budgets). Both are sums since the engine began: a property of the

@@ -1,4 +1,4 @@
-"""The cost side of `budget="auto"` (spec/policy.py): step times in milliseconds by batch size, measured
+"""The cost side of `budget="auto"` (speculative/policy.py): step times in milliseconds by batch size, measured
 at start-up on the device (`measure_costs`: one AR step, one draft step and one verify step of each
 candidate width, and the context store a switch from AR pays first, at a few batch sizes), linear in
 between (`CostTable`); and those times as the engine pays them, corrected by what real steps took
@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 AR_TIMING_BURST = 8  # AR steps timed back to back, as the engine's pipelined bursts run them
-STORE_ROWS = 64  # pending context rows per request in the timed store (spec/auto.py PENDING_ROWS caps a stretch's)
+STORE_ROWS = 64  # pending context rows per request in the timed store (speculative/auto.py PENDING_ROWS caps a stretch's)
 STORE_ENTRY_ROWS = 8  # ... in entries of this many (AR bursts run 16 steps, 2 while requests wait for a slot)
 
 

@@ -3,9 +3,9 @@
 The rule. At batch size B the plan compares tokens per ms and request,
 
     AR          1 / ar_ms(B)
-    budget b    (1 + A(b)) / spec_ms(b, B)        A(b): draft tokens a verify step accepts (spec/acceptance.py)
+    budget b    (1 + A(b)) / spec_ms(b, B)        A(b): draft tokens a verify step accepts (speculative/acceptance.py)
 
-on step times from the cost table measured at start-up, corrected by what steps took (spec/costs.py),
+on step times from the cost table measured at start-up, corrected by what steps took (speculative/costs.py),
 and takes the best once it beats the current mode by `margin`: while speculating at this batch size, AR
 must win by it; from AR, speculation must, paying a switch's cost (storing the drafter context the AR
 steps read out, feeding again what they skipped) over the next `horizon` tokens per request (or fewer,
@@ -13,7 +13,7 @@ what the requests have left).
 
 Two consequences:
 - `hopeless(B)`: no budget beats AR by the margin even at an optimistic A. There auto runs plain AR's own
-  steps and never asks the plan (spec/auto.py); when the batch shrinks to a size with hope, the plan
+  steps and never asks the plan (speculative/auto.py); when the batch shrinks to a size with hope, the plan
   prices feeding the skipped context again as part of a switch.
 - On AR where speculation could win, A stands still (only verify steps teach it): a probe, one burst of
   the best budget, comes once `probe_share` of the AR time since the last verify covers its expected
@@ -30,8 +30,8 @@ from collections import Counter
 from collections.abc import Callable
 
 from ddtree.config import PolicyConfig
-from ddtree.spec.acceptance import Acceptance
-from ddtree.spec.costs import CostModel, CostTable, bucket
+from ddtree.speculative.acceptance import Acceptance
+from ddtree.speculative.costs import CostModel, CostTable, bucket
 
 
 def candidate_budgets(depth: int, topk: int, budgets: tuple[int, ...] = PolicyConfig().budgets) -> list[int]:
@@ -66,7 +66,7 @@ class Policy:
         return (1 + a) / self.costs.spec_ms(budget, batch)
 
     def hopeless(self, batch: int) -> bool:
-        """No budget beats AR by the margin at this batch size even at an optimistic A (spec/acceptance.py);
+        """No budget beats AR by the margin at this batch size even at an optimistic A (speculative/acceptance.py);
         False before the first verify step. Kept until something is learnt."""
         verdict = self._hopeless.get(batch)
         if verdict is None:

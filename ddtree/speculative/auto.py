@@ -1,10 +1,10 @@
 """`budget auto`: speculation whose budget, 0 = plain AR included, is chosen per burst of steps for the
-whole batch (the plan: spec/policy.py; a speculative step: spec/decode.py).
+whole batch (the plan: speculative/policy.py; a speculative step: speculative/decode.py).
 
 Each engine step first asks whether speculation could win at the batch size (that of the running batch,
 or the one the waiting prompts are about to fill: `Policy.hopeless`). Where it could not, the step is
 plain AR's own (`ARDecoder.step`: its graphs, no read-out of the drafter's context, no plan): each
-request's context is left with an open gap (spec/context.py). Elsewhere the plan picks the budget:
+request's context is left with an open gap (speculative/context.py). Elsewhere the plan picks the budget:
 - AR runs as the AR decoder's graphed bursts whose steps read out the target features (kept as each
   request's pending drafter context, stored in one go before the next draft), or as eager steps that
   store their own row (no graphs). Where some request has a gap, AR stays plain AR's: a switch feeds the
@@ -32,12 +32,12 @@ from ddtree.engine.sampler import wants_logprobs
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import page_slots
 from ddtree.sampling_params import SamplingParams
-from ddtree.spec.context import context_of
-from ddtree.spec.costs import STORE_ENTRY_ROWS, STORE_ROWS, CostTable, measure_costs, wall_ms
-from ddtree.spec.decode import SPEC_BURST, Speculator, StepOutputs
-from ddtree.spec.draft import DraftRunner, StepInputs, gap_rows, gaps, has_gap
-from ddtree.spec.policy import Policy, candidate_budgets
-from ddtree.spec.tree import Candidates, candidates, cut_tree, expected_accepts
+from ddtree.speculative.context import context_of
+from ddtree.speculative.costs import STORE_ENTRY_ROWS, STORE_ROWS, CostTable, measure_costs, wall_ms
+from ddtree.speculative.decode import SPEC_BURST, Speculator, StepOutputs
+from ddtree.speculative.draft import DraftRunner, StepInputs, gap_rows, gaps, has_gap
+from ddtree.speculative.policy import Policy, candidate_budgets
+from ddtree.speculative.tree import Candidates, candidates, cut_tree, expected_accepts
 
 PENDING_ROWS = 128  # drafter context rows a request may hold pending (7 KB each) before an AR burst stores them
 EXPECTED_SCALE = 1024  # auto's burst steps read E(b) back as integers: E * this, rounded
@@ -61,7 +61,7 @@ class RootInputs:
 
 @dataclass(slots=True)
 class TreeInputs:
-    """A verify step's inputs: the requests' rows and their drafted candidate nodes (spec/tree.py)."""
+    """A verify step's inputs: the requests' rows and their drafted candidate nodes (speculative/tree.py)."""
     roots: torch.Tensor
     starts: torch.Tensor
     block_tables: torch.Tensor
