@@ -52,7 +52,7 @@ def plant_oracle(llm: LLM, ref: dict[tuple, list[int]], ranks: list, step: float
 
     def logits(inp):
         out = real_logits(inp)
-        planted = torch.full(out.shape, -30.0)
+        where, values = [], []  # (request, position, token) and its logit, written on the device at once
         for i, seq in enumerate(current):
             full = ref[tuple(seq.prompt_ids)]
             for j in range(out.shape[1]):
@@ -62,8 +62,12 @@ def plant_oracle(llm: LLM, ref: dict[tuple, list[int]], ranks: list, step: float
                 decoys = [(tok + d) % vocab for d in (1, 2, 3)]
                 order = decoys[:2] if rank is None else decoys[:rank] + [tok] + decoys[rank:2]
                 for r, t in enumerate(order):
-                    planted[i, j, t] = 10.0 - step * r
-        return planted.to(out.device, out.dtype)
+                    where.append((i, j, t))
+                    values.append(10.0 - step * r)
+        planted = torch.full(out.shape, -30.0, dtype=out.dtype, device=out.device)
+        index = torch.tensor(where, device=out.device).T
+        planted[index[0], index[1], index[2]] = torch.tensor(values, dtype=out.dtype, device=out.device)
+        return planted
 
     dr.prepare, dr.logits = prepare, logits
 
