@@ -245,7 +245,8 @@ class GatedDeltaNet(nn.Module):
             out[span] = o.to(out.dtype)
         return self._output(out, z, projected.dtype)
 
-    def _chunks_fla(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def _chunks_fla(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    batch: AttentionBatch) -> torch.Tensor:
         """Prompt chunks (and mixed steps) on the GPU: each request's convolution over its slot's window,
         then one flash-linear-attention call solves every request's chunk from its slot's state
         (`chunk_gated_delta_rule` over variable lengths). Returns the outputs [T, Hv, Dv] (float32)."""

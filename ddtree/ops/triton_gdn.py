@@ -229,7 +229,8 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
 # the first call of each (outside any graph capture; the kernel writes only its own outputs). Triton's
 # interpreter has no timer: there the first split runs.
 TREE_SPLITS = [triton.Config({"BLOCK_V": bv}, num_warps=w) for bv, w in ((32, 4), (16, 4), (32, 8), (64, 8))]
-_tree_delta = _tree_delta_kernel if INTERPRETED else triton.autotune(TREE_SPLITS, key=["N", "R_KEY"])(_tree_delta_kernel)
+_tree_delta = _tree_delta_kernel if INTERPRETED else \
+    triton.autotune(TREE_SPLITS, key=["N", "R_KEY"])(_tree_delta_kernel)
 
 
 @triton.jit
@@ -263,7 +264,8 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     BLOCK_V value columns); then one per (node, head) norms and gates the outputs."""
     R, N = depth.shape
     H, DK, DV = state.shape[1], state.shape[2], state.shape[3]
-    assert N <= MAX_TREE and above.stride(2) == 1 and state.stride(3) == 1 and state.stride(2) == DV and DV & (DV - 1) == 0
+    assert N <= MAX_TREE and above.stride(2) == 1 and state.stride(3) == 1 and state.stride(2) == DV
+    assert DV & (DV - 1) == 0
     raw = torch.empty(R * N, H * DV, dtype=torch.float32, device=z.device)
     d = torch.empty(R, H, N, DV, dtype=torch.float32, device=z.device)
     G = torch.empty(R, H, N, dtype=torch.float32, device=z.device)
@@ -278,8 +280,8 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
 
 
 @triton.jit
-def _commit_state_kernel(State, Slots, stride_slots, Prefix, Mixed, Dbuf, Gbuf, Mask, stride_mask_r, stride_mask_q, Nodes,
-                         stride_slot, stride_head, HV, REPEAT, KEY_DIM, C, N,
+def _commit_state_kernel(State, Slots, stride_slots, Prefix, Mixed, Dbuf, Gbuf, Mask, stride_mask_r, stride_mask_q,
+                         Nodes, stride_slot, stride_head, HV, REPEAT, KEY_DIM, C, N,
                          DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, BLOCK_V: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -341,8 +343,8 @@ def tree_commit(state: torch.Tensor, window: torch.Tensor, slots: torch.Tensor, 
     nodes = nodes.contiguous()
     block_v = min(DV, 32)
     _commit_state_kernel[(R, H, triton.cdiv(DV, block_v))](
-        state, slots, slots.stride(0), prefix, mixed, d, G, above, above.stride(0), above.stride(1), nodes, state.stride(0),
-        state.stride(1), H, H // num_k_heads, num_k_heads * DK, mixed.shape[1], N,
+        state, slots, slots.stride(0), prefix, mixed, d, G, above, above.stride(0), above.stride(1), nodes,
+        state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK, mixed.shape[1], N,
         DK=DK, DV=DV, NP=max(16, triton.next_power_of_2(N)), BLOCK_V=block_v, num_warps=4)
     C = window.shape[1]
     block_c = 256
