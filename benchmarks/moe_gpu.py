@@ -2,7 +2,9 @@
 (`load_format="dummy"`: nothing but config.json is read), so its speed can be measured without its
 weights.
 
-    python benchmarks/moe_gpu.py benchmarks/configs/qwen3-30b-a3b.json OUT.json
+    python benchmarks/moe_gpu.py benchmarks/configs/qwen3-30b-a3b.json OUT.json [--layers 24]
+
+(the whole Qwen3-30B-A3B shape is 61 GB of bfloat16 weights: an H200, or `--layers` on an H100)
 
 bfloat16, CUDA graphs (the experts' grouped products run on the device), a random one-layer drafter
 (acceptance near one: the per-step costs are what is measured). Writes the step times at 512 cached
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -45,17 +46,25 @@ def main() -> None:
     ap.add_argument("config")
     ap.add_argument("out")
     ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="fewer layers than the config's, each of its shapes (where the whole model does not fit)")
     args = ap.parse_args()
     sizes = [int(c) for c in args.concurrency.split(",")]
     work = tempfile.mkdtemp()
     target = os.path.join(work, "target")
     os.makedirs(target)
-    shutil.copy(args.config, os.path.join(target, "config.json"))
+    with open(args.config) as f:
+        config = json.load(f)
+    if args.layers:
+        config["num_hidden_layers"] = args.layers
+    with open(os.path.join(target, "config.json"), "w") as f:
+        json.dump(config, f)
     cfg = ModelConfig.from_dir(target)
     drafter = os.path.join(work, "drafter")
     save_drafter(random_drafter(cfg, num_layers=1, block_size=16, target_layer_ids=[1, cfg.num_layers // 2]),
                  drafter, torch.bfloat16)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": args.config,
+           "layers": cfg.num_layers,
            "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
     llm = LLM(target, draft=drafter, spec="ddtree", budget=32, topk=4, dtype="bfloat16", load_format="dummy",
               max_num_seqs=max(sizes))
