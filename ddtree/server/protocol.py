@@ -22,7 +22,9 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter
 
 from ddtree.sampling_params import SamplingParams
 
-MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed accepts
+# A request's seed: an integer JSON carries exactly everywhere (|n| < 2^53; clients in JavaScript and
+# schema-driven generators compare larger bounds as floats, whose rounding lets 2^63 + 1 pass as 2^63).
+MAX_SEED = 2**53 - 1
 
 
 class APIError(Exception):
@@ -97,7 +99,7 @@ class SamplingRequest(Strict):
     temperature: float | None = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0 = greedy")
     top_p: float | None = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: Integer(ge=-1) | None = Field(0, description="extension; 0 or -1 = off")
-    seed: Integer(ge=-(2**63), le=MAX_SEED) | None = None
+    seed: Integer(ge=-MAX_SEED, le=MAX_SEED) | None = None
     # (bounded: every stop string is searched for in each token's new text)
     stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | \
         Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOPS)] | None = None
