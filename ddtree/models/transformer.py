@@ -207,11 +207,12 @@ def rope_and_store(attn: nn.Module, qkv: torch.Tensor, positions: torch.Tensor, 
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
+        """A SiLU-gated MLP of `width` (default: the config's intermediate_size)."""
         super().__init__()
-        self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
-                                                           "up": cfg.intermediate_size}, bias=False)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = width or cfg.intermediate_size
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate": width, "up": width}, bias=False)
+        self.down_proj = RowParallelLinear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
@@ -230,13 +231,17 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: Rotary, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary)
+        if cfg.mla is not None:
+            from ddtree.models.mla import MLAttention
+            self.self_attn = MLAttention(cfg, rotary)
+        else:
+            self.self_attn = Attention(cfg, rotary)
         self.add_norms_and_mlp(cfg, index)
 
     def add_norms_and_mlp(self, cfg: ModelConfig, index: int) -> None:
         if cfg.moe is not None and index in cfg.moe.layers:
-            from ddtree.models.moe import SparseMoE
-            self.mlp = SparseMoE(cfg)
+            from ddtree.models.moe import SparseMoE, GroupRoutedMoE
+            self.mlp = GroupRoutedMoE(cfg) if cfg.moe.scoring == "sigmoid" else SparseMoE(cfg)
             self.fused_few_rows = False  # (the fused few-rows step packs the dense MLP's products)
         else:
             self.mlp = MLP(cfg)
@@ -298,7 +303,8 @@ class CausalLM(nn.Module):
     packed = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
               "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
               "in_proj_qkv": ("in_proj", "qkv"), "in_proj_z": ("in_proj", "z"), "in_proj_b": ("in_proj", "b"),
-              "in_proj_a": ("in_proj", "a")}
+              "in_proj_a": ("in_proj", "a"),
+              "q_a_proj": ("qkv_proj", "q"), "kv_a_proj_with_mqa": ("qkv_proj", "kv")}  # (MLA: models/mla.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
