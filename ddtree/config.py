@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -146,6 +147,7 @@ class ModelConfig:
         if model_type == "deepseek_v3":
             extra.update(deepseek_v3_parts(cfg, rope))
             head_dim = extra["mla"].kv_lora_rank + extra["mla"].qk_rope_head_dim
+        rope_scaling = extra.pop("rope_scaling", cfg.get("rope_scaling"))
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -163,7 +165,7 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or (model_type == "llama" and bool(cfg.get("attention_bias", False))),
             qk_norm=model_type in ("qwen3", "qwen3_5_text", "qwen3_moe"),
             o_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_scaling=rope_scaling,
             eos_token_ids=eos,
             **extra,
         )
@@ -188,8 +190,10 @@ def deepseek_v3_parts(cfg: dict, rope: dict) -> dict:
     rotary width. Settings ddtree does not run raise ValueError."""
     scaling = cfg.get("rope_scaling") or rope
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"deepseek_v3: rope type {kind!r} is not supported (only 'default')")
+    if kind not in ("default", "yarn"):
+        raise ValueError(f"deepseek_v3: rope type {kind!r} is not supported (only 'default' and 'yarn')")
+    if kind == "yarn" and "original_max_position_embeddings" not in scaling:
+        raise ValueError("deepseek_v3: yarn rope scaling needs original_max_position_embeddings")
     if cfg.get("attention_bias", False):
         raise ValueError("deepseek_v3: attention_bias is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -202,8 +206,14 @@ def deepseek_v3_parts(cfg: dict, rope: dict) -> dict:
         raise ValueError(f"deepseek_v3: n_routed_experts {experts} do not split into n_group {groups} groups "
                          "of 2 or more")
     nope, pe = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    scale = (nope + pe) ** -0.5
+    if kind == "yarn" and scaling.get("mscale_all_dim"):  # YaRN's mscale, on every channel of q . k
+        factor = scaling.get("factor") or \
+            cfg.get("max_position_embeddings", 32768) / scaling["original_max_position_embeddings"]
+        if factor > 1:
+            scale *= (0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0) ** 2
     mla = MLAConfig(cfg.get("q_lora_rank"), cfg["kv_lora_rank"], nope, pe, cfg["v_head_dim"],
-                    bool(cfg.get("rope_interleave", True)), (nope + pe) ** -0.5)
+                    bool(cfg.get("rope_interleave", True)), scale)
     first_moe = cfg.get("first_k_dense_replace") or 0
     moe = MoEConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
                     bool(cfg.get("norm_topk_prob", True)),
@@ -211,7 +221,7 @@ def deepseek_v3_parts(cfg: dict, rope: dict) -> dict:
                     scoring="sigmoid", n_group=groups, topk_group=cfg.get("topk_group") or 1,
                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
                     shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"])
-    return dict(mla=mla, moe=moe, rotary_dim=pe)
+    return dict(mla=mla, moe=moe, rotary_dim=pe, rope_scaling=scaling if kind == "yarn" else None)
 
 
 def default_device() -> str:

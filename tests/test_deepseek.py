@@ -1,5 +1,7 @@
 """DeepSeek-V3 (models/mla.py, moe.py GroupRoutedMoE): tiny targets against transformers, and DFlash /
 DDTree on them against plain AR."""
+import math
+
 import pytest
 import torch
 
@@ -16,8 +18,10 @@ ENGINE = dict(device="cpu", dtype="float32", page_size=4, num_pages=96)
 PROMPTS = [list(range(3, 40)), [5, 9, 11], list(range(200, 290, 3)), [7]]
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 SEEDED = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_p=0.9, seed=i) for i in range(4)]
-# A low-rank query and interleaved rotary pairs; a full-rank query and rotary halves.
-VARIANTS = {"q_lora": {}, "full_q": {"q_lora_rank": None, "rope_interleave": False}}
+# A low-rank query and interleaved rotary pairs; a full-rank query and rotary halves; YaRN rotary scaling.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}
+VARIANTS = {"q_lora": {}, "full_q": {"q_lora_rank": None, "rope_interleave": False}, "yarn": {"rope_parameters": YARN}}
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +39,15 @@ def test_the_config_caches_one_latent_vector_per_token(targets):
     assert (moe.layers, moe.num_experts, moe.top_k, moe.n_group, moe.topk_group) == ([1, 2], 8, 2, 2, 1)
     assert (moe.routed_scaling_factor, moe.shared_intermediate_size, moe.scoring) == (2.5, 32, "sigmoid")
     assert ModelConfig.from_dir(targets["full_q"]).mla.q_lora_rank is None
+    yarn = ModelConfig.from_dir(targets["yarn"])  # (YaRN's mscale_all_dim scales q . k on every channel)
+    assert yarn.mla.scale == pytest.approx((16 + 8) ** -0.5 * (0.1 * 0.7 * math.log(4.0) + 1) ** 2)
     model, cfg = load_model(targets["q_lora"])
     runner = ModelRunner(model, cfg, EngineConfig(page_size=4, num_pages=8), torch.device("cpu"), torch.float32)
     assert runner.kv_cache.shape == (2, 3, 9 * 4, 1, 40)
 
 
-@pytest.mark.parametrize("setting", [{"rope_scaling": {"type": "yarn", "factor": 4.0}}, {"attention_bias": True},
+@pytest.mark.parametrize("setting", [{"rope_scaling": {"type": "dynamic", "factor": 4.0}},
+                                     {"rope_scaling": {"type": "yarn", "factor": 4.0}}, {"attention_bias": True},
                                      {"n_group": 3}, {"scoring_func": "softmax"}])
 def test_unsupported_settings_raise_a_clear_error(setting):
     raw = {**make_config("deepseek_v3", 384).to_dict(), **setting}
@@ -83,7 +90,7 @@ def test_logits_match_transformers_prefill_and_stepwise_decode(targets, variant)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["q_lora", "full_q"])
 def test_batched_greedy_generation_equals_transformers_prompt_by_prompt(targets, variant):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(targets[variant], dtype=torch.float32).eval()
