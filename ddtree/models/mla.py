@@ -48,7 +48,7 @@ class MLAttention(nn.Module):
         self.scale = m.scale
         # Interleaved rotary pairs (2i, 2i + 1) become the pairs (i, i + D/2) that `rope` rotates when the
         # channels are put evens first, then odds, in q_pe and k_pe alike (their dot products are unchanged).
-        self.pe_order = [*range(0, self.pe, 2), *range(1, self.pe, 2)] if m.rope_interleave else None
+        self.interleaved = m.rope_interleave
         self.k_cache = self.v_cache = torch.empty(0)  # [num_slots, 1, kv_lora_rank + qk_rope_head_dim], by the runner
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -60,8 +60,8 @@ class MLAttention(nn.Module):
         return self.qkv_proj
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.pe_order is not None:
-            x = x[..., self.pe_order]
+        if self.interleaved:  # (views only: no index tensor, so CUDA graphs can capture it)
+            x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
         return rope(x, positions, self.rotary[0].cos_sin)
 
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
