@@ -111,3 +111,19 @@ def test_dflash_and_ddtree_commit_exactly_ar_tokens_greedy_and_seeded(targets, t
     llm = LLM(model, draft=str(tmp_path / "drafter"), spec="none", **ENGINE)
     speculation_commits_ar_tokens(llm, PROMPTS, [(GREEDY, llm.generate(PROMPTS, GREEDY)),
                                                  (SEEDED, llm.generate(PROMPTS, SEEDED))])
+
+
+def test_multi_token_prediction_layers_past_the_decoder_are_left_out(targets, tmp_path):
+    # DeepSeek-V3 checkpoints store their MTP modules as layers num_hidden_layers onwards.
+    import os
+    import shutil
+    from safetensors.torch import load_file, save_file
+    model = targets["q_lora"]
+    tensors = load_file(os.path.join(model, "model.safetensors"))
+    extra = {n.replace(".layers.2.", ".layers.3.", 1): t.clone() for n, t in tensors.items() if ".layers.2." in n}
+    shutil.copy(os.path.join(model, "config.json"), tmp_path / "config.json")
+    save_file({**tensors, **extra, "model.layers.3.eh_proj.weight": torch.zeros(64, 128)},
+              str(tmp_path / "model.safetensors"))
+    ours, _ = load_model(str(tmp_path))
+    want, _ = load_model(model)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), want.state_dict().values()))
