@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_5_text", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_5_text", "qwen3_moe", "deepseek_v3")
 HYBRID_MODEL_TYPES = ("qwen3_5_text",)  # Gated DeltaNet layers between full-attention ones (models/hybrid.py)
 
 
@@ -23,6 +24,28 @@ class MoEConfig:
     # Tensor parallelism: the rank holds `held_experts` of them (None: all), from `first_expert` on
     first_expert: int = 0
     held_experts: int | None = None
+    # DeepSeek-V3 routing ("sigmoid"): sigmoid scores, biased by a learnt correction when choosing, the
+    # choice limited to the `topk_group` best of `n_group` expert groups, the weights times
+    # `routed_scaling_factor`; plus a shared SiLU-gated MLP of width `shared_intermediate_size` (0: none).
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0
+
+
+@dataclass(slots=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V3, models/mla.py). The KV cache holds one vector per token:
+    the latent `kv_lora_rank` channels, then the rotated `qk_rope_head_dim` key channels shared by all
+    heads (ModelConfig's num_kv_heads 1 and head_dim their sum)."""
+    q_lora_rank: int | None  # None: q comes from one projection of the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rotary pairs are channels (2i, 2i + 1), not (i, i + D/2)
+    scale: float  # the softmax scale
 
 
 @dataclass(slots=True)
@@ -66,6 +89,7 @@ class ModelConfig:
     rotary_dim: int | None = None  # None: the whole head
     attn_output_gate: bool = False
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
     # Tensor parallelism: this rank's rows [start, end) of the embedding and the LM head (parallel/shard.py)
     vocab_part: tuple[int, int] | None = None
 
@@ -120,6 +144,10 @@ class ModelConfig:
                                      cfg.get("norm_topk_prob", True),
                                      [i for i in range(cfg["num_hidden_layers"])
                                       if i not in dense and experts > 0 and (i + 1) % step == 0])
+        if model_type == "deepseek_v3":
+            extra.update(deepseek_v3_parts(cfg, rope))
+            head_dim = extra["mla"].kv_lora_rank + extra["mla"].qk_rope_head_dim
+        rope_scaling = extra.pop("rope_scaling", cfg.get("rope_scaling"))
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -127,7 +155,7 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            num_kv_heads=1 if model_type == "deepseek_v3" else cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
@@ -137,7 +165,7 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or (model_type == "llama" and bool(cfg.get("attention_bias", False))),
             qk_norm=model_type in ("qwen3", "qwen3_5_text", "qwen3_moe"),
             o_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_scaling=rope_scaling,
             eos_token_ids=eos,
             **extra,
         )
@@ -155,6 +183,45 @@ class ModelConfig:
                 if e not in mc.eos_token_ids:
                     mc.eos_token_ids.append(e)
         return mc
+
+
+def deepseek_v3_parts(cfg: dict, rope: dict) -> dict:
+    """ModelConfig's fields particular to a DeepSeek-V3 config: MLA, the routed and shared experts, the
+    rotary width. Settings ddtree does not run raise ValueError."""
+    scaling = cfg.get("rope_scaling") or rope
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "yarn"):
+        raise ValueError(f"deepseek_v3: rope type {kind!r} is not supported (only 'default' and 'yarn')")
+    if kind == "yarn" and "original_max_position_embeddings" not in scaling:
+        raise ValueError("deepseek_v3: yarn rope scaling needs original_max_position_embeddings")
+    if cfg.get("attention_bias", False):
+        raise ValueError("deepseek_v3: attention_bias is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"deepseek_v3: hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu')")
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"deepseek_v3: scoring_func {cfg.get('scoring_func')!r} / moe_layer_freq "
+                         f"{cfg.get('moe_layer_freq')} are not supported (only 'sigmoid' / 1)")
+    experts, groups = cfg.get("n_routed_experts") or 0, cfg.get("n_group") or 1
+    if experts and (experts % groups or experts // groups < 2):
+        raise ValueError(f"deepseek_v3: n_routed_experts {experts} do not split into n_group {groups} groups "
+                         "of 2 or more")
+    nope, pe = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    scale = (nope + pe) ** -0.5
+    if kind == "yarn" and scaling.get("mscale_all_dim"):  # YaRN's mscale, on every channel of q . k
+        factor = scaling.get("factor") or \
+            cfg.get("max_position_embeddings", 32768) / scaling["original_max_position_embeddings"]
+        if factor > 1:
+            scale *= (0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0) ** 2
+    mla = MLAConfig(cfg.get("q_lora_rank"), cfg["kv_lora_rank"], nope, pe, cfg["v_head_dim"],
+                    bool(cfg.get("rope_interleave", True)), scale)
+    first_moe = cfg.get("first_k_dense_replace") or 0
+    moe = MoEConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                    bool(cfg.get("norm_topk_prob", True)),
+                    [i for i in range(cfg["num_hidden_layers"]) if i >= first_moe] if experts else [],
+                    scoring="sigmoid", n_group=groups, topk_group=cfg.get("topk_group") or 1,
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                    shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"])
+    return dict(mla=mla, moe=moe, rotary_dim=pe, rope_scaling=scaling if kind == "yarn" else None)
 
 
 def default_device() -> str:

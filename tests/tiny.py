@@ -54,6 +54,15 @@ def make_config(family: str, vocab_size: int, **overrides):
         return Qwen3MoeConfig(head_dim=16, rope_theta=10000.0, num_experts=8, num_experts_per_tok=2,
                               moe_intermediate_size=32, decoder_sparse_step=2, norm_topk_prob=True,
                               **{**common, "num_hidden_layers": overrides.get("num_hidden_layers", 4)})
+    if family == "deepseek_v3":  # MLA; a dense first layer, then routed experts in 2 groups and a shared expert
+        from transformers import DeepseekV3Config
+        common["num_key_value_heads"] = common["num_attention_heads"]  # (transformers' MLA: one KV head per head)
+        return DeepseekV3Config(**{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                                   "v_head_dim": 12, "n_routed_experts": 8, "n_shared_experts": 1,
+                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                                   "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+                                   "norm_topk_prob": True, "rope_interleave": True, "num_mtp_layers": 0,
+                                   **{**common, "num_hidden_layers": overrides.get("num_hidden_layers", 3)}})
     raise ValueError(family)
 
 

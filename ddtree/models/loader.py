@@ -118,6 +118,14 @@ def text_model_tensors(tensors):
         yield text_model_name(name), tensor
 
 
+def beyond_layers(name: str, cfg: ModelConfig) -> bool:
+    """Whether `name` is a tensor of a layer past the decoder's: DeepSeek-V3's multi-token-prediction
+    layers (`model.layers.{num_hidden_layers}.*` on), which ddtree does not run."""
+    if cfg.mla is None or not name.startswith("model.layers."):
+        return False
+    return int(name.split(".", 3)[2]) >= cfg.num_layers
+
+
 def text_model_name(name: str) -> str:
     return name.replace("model.language_model.", "model.", 1)
 
@@ -162,7 +170,7 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
         from ddtree.models.hybrid import fold_norm_offsets
         tensors = fold_norm_offsets(tensors)
     load_weights(model, tensors, CausalLM.packed, path,
-                 skip=lambda n: "rotary_emb" in n or (tied and n == "lm_head.weight"))
+                 skip=lambda n: "rotary_emb" in n or (tied and n == "lm_head.weight") or beyond_layers(n, cfg))
     model.tie_weights()
     model.model.rotary.build(device)
     return model.eval().requires_grad_(False), cfg

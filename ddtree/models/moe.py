@@ -123,3 +123,60 @@ class SparseMoE(nn.Module):
         """(self(norm(x + residual)), x + residual): the dense MLP's fused few-rows hook, unfused here."""
         x, residual = norm(x, residual)
         return self(x), residual
+
+
+class Router(nn.Module):
+    """DeepSeek-V3's router: a logit per expert, and the learnt bias added to the scores when choosing."""
+
+    def __init__(self, num_experts: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+
+
+class GroupRoutedMoE(nn.Module):
+    """DeepSeek-V3's MoE layer: group-limited routing over sigmoid scores, and shared experts.
+
+    Each token's scores are sigmoid(router logits); the choice ranks them plus e_score_correction_bias.
+    The experts form `n_group` equal groups, a group ranked by the sum of its two best biased scores; the
+    token's `top_k` experts are the best among the `topk_group` best groups. Their weights are the
+    unbiased scores, renormalised over the k when `norm_topk_prob`, times `routed_scaling_factor`. A
+    dense SiLU-gated MLP (`shared_experts`) runs on every token and its output is added."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        from ddtree.models.transformer import MLP
+        moe = cfg.moe
+        self.moe = moe
+        self.gate = Router(moe.num_experts, cfg.hidden_size)
+        self.experts = Experts(moe.held_experts or moe.num_experts, cfg.hidden_size, moe.intermediate_size,
+                               moe.first_expert)
+        if moe.shared_intermediate_size:
+            self.shared_experts = MLP(cfg, moe.shared_intermediate_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts [T, k], weights [T, k] float32) of each token."""
+        moe, T = self.moe, x.shape[0]
+        scores = torch.sigmoid(x.float() @ self.gate.weight.float().t())
+        biased = scores + self.gate.e_score_correction_bias.float()
+        grouped = biased.view(T, moe.n_group, -1)
+        best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(moe.topk_group, dim=-1).indices
+        keep = torch.zeros(T, moe.n_group, dtype=torch.bool, device=x.device).scatter_(1, best_groups, True)
+        biased = grouped.masked_fill(~keep[..., None], float("-inf")).view(T, -1)
+        experts = biased.topk(moe.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights * moe.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        out = self.experts(x, experts, weights.to(x.dtype))
+        if self.moe.shared_intermediate_size:
+            out = out + self.shared_experts(x)
+        return out
+
+    def after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, batch) -> tuple:
+        """(self(norm(x + residual)), x + residual): the dense MLP's fused few-rows hook, unfused here."""
+        x, residual = norm(x, residual)
+        return self(x), residual

@@ -115,9 +115,52 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor,
                                torch.where(wavelen < old_len / high, inv_freq, smoothed))
+    elif kind == "yarn" and cfg.mla is not None:
+        inv_freq = yarn_inv_freq(inv_freq, dim, cfg.rope_theta, scaling, yarn_factor(cfg))
     elif kind != "default":
         raise ValueError(f"unsupported rope_scaling type {kind!r}")
     return inv_freq
+
+
+def yarn_factor(cfg: ModelConfig) -> float:
+    scaling = cfg.rope_scaling
+    return scaling.get("factor") or cfg.max_position / scaling["original_max_position_embeddings"]
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, scaling: dict, factor: float) -> torch.Tensor:
+    """YaRN: the frequencies of dims that turn fewer than `beta_slow` times over the original context
+    are divided by `factor`, those that turn more than `beta_fast` times are kept, with a linear ramp
+    between (over dim indices, the bounds rounded outwards unless `truncate` is false)."""
+    old_len = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What YaRN multiplies cos and sin by (1 for the other rotary kinds)."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor, mscale, mscale_all = yarn_factor(cfg), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    return yarn_mscale(factor)
 
 
 class Rotary(nn.Module):
@@ -133,7 +176,7 @@ class Rotary(nn.Module):
         # Headroom past max_position: speculative nodes of a request at the limit sit a little beyond it.
         t = torch.arange(self.cfg.max_position + 256, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * rope_attention_factor(self.cfg)  # [P, D]
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotates each [T, heads, D] tensor in `xs` by its token's position."""
@@ -207,11 +250,12 @@ def rope_and_store(attn: nn.Module, qkv: torch.Tensor, positions: torch.Tensor, 
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
+        """A SiLU-gated MLP of `width` (default: the config's intermediate_size)."""
         super().__init__()
-        self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
-                                                           "up": cfg.intermediate_size}, bias=False)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = width or cfg.intermediate_size
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate": width, "up": width}, bias=False)
+        self.down_proj = RowParallelLinear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
@@ -230,13 +274,17 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: Rotary, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary)
+        if cfg.mla is not None:
+            from ddtree.models.mla import MLAttention
+            self.self_attn = MLAttention(cfg, rotary)
+        else:
+            self.self_attn = Attention(cfg, rotary)
         self.add_norms_and_mlp(cfg, index)
 
     def add_norms_and_mlp(self, cfg: ModelConfig, index: int) -> None:
         if cfg.moe is not None and index in cfg.moe.layers:
-            from ddtree.models.moe import SparseMoE
-            self.mlp = SparseMoE(cfg)
+            from ddtree.models.moe import SparseMoE, GroupRoutedMoE
+            self.mlp = GroupRoutedMoE(cfg) if cfg.moe.scoring == "sigmoid" else SparseMoE(cfg)
             self.fused_few_rows = False  # (the fused few-rows step packs the dense MLP's products)
         else:
             self.mlp = MLP(cfg)
@@ -298,7 +346,8 @@ class CausalLM(nn.Module):
     packed = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
               "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
               "in_proj_qkv": ("in_proj", "qkv"), "in_proj_z": ("in_proj", "z"), "in_proj_b": ("in_proj", "b"),
-              "in_proj_a": ("in_proj", "a")}
+              "in_proj_a": ("in_proj", "a"),
+              "q_a_proj": ("qkv_proj", "q"), "kv_a_proj_with_mqa": ("qkv_proj", "kv")}  # (MLA: models/mla.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -32,6 +32,8 @@ class Shard:
 def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     """The shape of rank `shard.rank`'s part of the model (its local heads and MLP width)."""
     n = shard.size
+    if cfg.mla is not None and n > 1:
+        raise ValueError(f"tensor_parallel_size {n}: {cfg.model_type} (MLA attention) runs on one rank only")
     problems = []
     if cfg.num_heads % n:
         problems.append(f"num_attention_heads {cfg.num_heads}")
