@@ -190,7 +190,7 @@ def fla_probe(out: dict) -> None:
     except Exception as e:  # noqa: BLE001 (reported, not raised: the probe is optional)
         out["fla"] = f"not importable: {e!r}"
         return
-    from ddtree.models.hybrid import chunked_delta_rule, l2_normalize
+    from ddtree.models.delta_rule import chunked_delta_rule, l2_normalize
     dev, H, K = "cuda", 16, 128
     g = torch.Generator(device=dev).manual_seed(3)
     lens = [64, 500, 17, 200, 1, 333, 64, 128, 90, 256, 7, 400, 65, 31, 150, 99]

@@ -118,8 +118,8 @@ def run_policy(r: Regime, tokens: int, policy: Policy | None = None) -> tuple[fl
 
 # ----------------------------------------------------------------------------- batches run to completion
 
-# The cost table auto measured on the H200 at 72bc674 (ms; results at cf6a3f0, git history:
-# `benchmarks/results/h200_72bc674_grid/`), with a switch's store.
+# A cost table auto measured on the H200 for the default pair (ms), with a switch's store; where it comes
+# from: docs/auto.md (the H200 table).
 H200_TABLE = CostTable(
     [1, 2, 4, 8, 16, 32, 64, 128],
     [0.871, 1.065, 1.064, 1.067, 1.104, 1.168, 1.267, 1.412],

@@ -232,7 +232,7 @@ def test_a_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path, prompts)
 
 @pytest.mark.parametrize("n", [1, 5, 64, 65, 150])
 def test_the_chunked_delta_rule_equals_the_token_by_token_recurrence(n):
-    from ddtree.models.hybrid import chunked_delta_rule, gated_delta_rule
+    from ddtree.models.delta_rule import chunked_delta_rule, gated_delta_rule
     g = torch.Generator().manual_seed(n)
     H, K, V = 4, 16, 8
     q, k, v = torch.randn(n, H, K, generator=g), torch.randn(n, H, K, generator=g), torch.randn(n, H, V, generator=g)

@@ -26,7 +26,8 @@ their tokens through the recurrence a chunk at a time (`chunked_delta_rule`), an
 (`_tree`) or a decode step (`_decode`) for every request at once with device ops only. On the GPU a
 decode step, a tree and its commit run as Triton kernels (ops/triton_gdn.py, `_triton_step`), and
 prompt chunks go to flash-linear-attention's chunked delta rule where that package is installed
-(`_chunks_fla`). `gated_delta_rule`, the plain token-by-token recurrence, is the oracle in tests.
+(`_chunks_fla`). The delta rule's torch forms live in models/delta_rule.py; its token-by-token
+recurrence (`gated_delta_rule`) is the oracle in tests.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from torch import nn
 from ddtree.config import ModelConfig
 from ddtree.ops.attention import AttentionBatch, paged_attention, store_kv
 from ddtree.ops.fused import _rms_norm, rope
+from ddtree.models.delta_rule import chunked_delta_rule, delta_rule_over, end_state, gated_delta_rule, l2_normalize
 from ddtree.models.transformer import DecoderLayer, PackedLinear, RMSNorm, Rotary, RowParallelLinear, project
 
 
@@ -89,81 +91,6 @@ class GatedAttention(nn.Module):
                  batch.use_triton)
         o = paged_attention(q.contiguous(), None, None, self.k_cache, self.v_cache, batch, self.scale)
         return project(self.o_proj, o.flatten(1) * torch.sigmoid(gate.reshape(T, -1)), batch)
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(|x|^2 + eps), as the Gated DeltaNet kernels normalise q and k."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence over n tokens of one request, in float32: q, k [n, H, Dk] (already one per value
-    head), v [n, H, Dv], g and beta [n, H], state [H, Dk, Dv]. Returns the outputs [n, H, Dv] and the
-    state after the last token."""
-    q = l2_normalize(q.float()) / q.shape[-1] ** 0.5
-    k = l2_normalize(k.float())
-    v, g, beta, state = v.float(), g.float(), beta.float(), state.float()
-    out = []
-    for t in range(q.shape[0]):
-        state = state * g[t].exp()[:, None, None]
-        delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
-        state = state + k[t][:, :, None] * delta[:, None, :]
-        out.append(torch.einsum("hkv,hk->hv", state, q[t]))
-    return torch.stack(out), state
-
-
-def delta_rule_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    state: torch.Tensor, above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gated delta rule over n tokens at once, each continuing from the tokens `above` it
-    ([..., n, n], True for a token's predecessors and itself: a lower triangle for a chain, the
-    ancestor-or-self relation for a tree, predecessors first), all starting from `state`
-    [..., H, Dk, Dv]. q, k [..., H, n, Dk] come normalised (q also scaled), v [..., H, n, Dv], g and
-    beta [..., H, n]. With G[t] the sum of g over t's predecessors and t, and D[t, i] = exp(G[t] - G[i])
-    for i above t, the state after t is exp(G[t]) S0 + sum over i above t of D[t, i] k_i d_i^T, where
-    the updates d solve the unit lower-triangular system
-        d_t + beta_t * sum over i strictly above t of D[t, i] (k_t . k_i) d_i = beta_t (v_t - exp(G[t]) S0^T k_t),
-    and the outputs are exp(G[t]) S0^T q_t + sum over i above t of D[t, i] (q_t . k_i) d_i. Returns
-    (outputs [..., H, n, Dv], d, G): `end_state` rebuilds the state after any token from them."""
-    n = q.shape[-2]
-    eye = torch.eye(n, dtype=torch.bool, device=q.device)
-    rel = above.unsqueeze(-3)  # (over the heads)
-    G = (g[..., None, :] * rel.float()).sum(-1)
-    D = torch.where(rel, G[..., :, None] - G[..., None, :], float("-inf")).exp()
-    lower = torch.where(rel & ~eye, beta[..., None] * D * (k @ k.transpose(-1, -2)), 0)
-    rhs = beta[..., None] * (v - G.exp()[..., None] * (k @ state))
-    d = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
-    return G.exp()[..., None] * (q @ state) + (D * (q @ k.transpose(-1, -2))) @ d, d, G
-
-
-def end_state(state: torch.Tensor, k: torch.Tensor, d: torch.Tensor, G: torch.Tensor, on_path: torch.Tensor,
-              end: torch.Tensor) -> torch.Tensor:
-    """The state after token `end` ([...]) of a `delta_rule_over` solve, whose predecessors and itself are
-    `on_path` ([..., n])."""
-    Ge = G.gather(-1, end[..., None, None].expand(*G.shape[:-1], 1))  # [..., H, 1]
-    weight = torch.where(on_path[..., None, :], (Ge - G).exp(), 0)
-    return Ge.exp()[..., None] * state + k.transpose(-1, -2) @ (weight[..., None] * d)
-
-
-CHUNK = 64  # tokens solved at once by `chunked_delta_rule`
-
-
-def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gated_delta_rule` (same arguments and results) a chunk of tokens at a time: `delta_rule_over` a
-    chain, with matrix products instead of a step per token."""
-    q = l2_normalize(q.float()) / q.shape[-1] ** 0.5
-    k = l2_normalize(k.float())
-    v, g, beta, state = v.float(), g.float(), beta.float(), state.float()
-    out = []
-    for c0 in range(0, q.shape[0], chunk):
-        qc, kc, vc = (x[c0:c0 + chunk].transpose(0, 1) for x in (q, k, v))  # [H, C, ...]: heads first
-        n = qc.shape[1]
-        chain = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        o, d, G = delta_rule_over(qc, kc, vc, g[c0:c0 + chunk].T, beta[c0:c0 + chunk].T, state, chain)
-        out.append(o.transpose(0, 1))
-        state = end_state(state, kc, d, G, chain[-1], torch.tensor(n - 1, device=q.device))
-    return torch.cat(out), state
 
 
 @functools.cache
@@ -255,11 +182,8 @@ class GatedDeltaNet(nn.Module):
         lens = batch.q_lens.long()
         mixed = torch.empty(qkv.shape[0], lin.conv_dim, dtype=torch.float32, device=qkv.device)
         windows, states = self._slot_states(slots, prefix)
-        weight = self.conv1d.weight.float()
         for r, (start, n) in enumerate(zip(batch.q_starts.tolist(), lens.tolist())):
-            seq = torch.cat([windows[r], qkv[start:start + n].T.float()], dim=-1)  # [conv_dim, K - 1 + n]
-            mixed[start:start + n] = F.silu(F.conv1d(seq[None], weight, groups=lin.conv_dim)[0]).T
-            self.conv_state[slots[r]] = seq[:, seq.shape[1] - windows.shape[2]:].to(self.conv_state.dtype)
+            mixed[start:start + n], self.conv_state[slots[r]] = self._convolve(qkv[start:start + n], windows[r])
         q, k, v = self._heads(mixed)
         cu = F.pad(lens.cumsum(0), (1, 0))
         out, final = fla_chunk_rule()(q[None], k[None], v[None], g.float()[None], beta.float()[None], scale=1.0,
@@ -320,16 +244,22 @@ class GatedDeltaNet(nn.Module):
         """n tokens in a row after (window, state): their outputs [n, Hv, Dv] and the window and state
         after the last."""
         lin, n = self.cfg, qkv.shape[0]
-        seq = torch.cat([window, qkv.T.to(window.dtype)], dim=-1)  # [conv_dim, K - 1 + n]
-        # (the convolution in float32 here and in `_decode`: the two paths then round alike)
-        mixed = F.silu(F.conv1d(seq.float()[None], self.conv1d.weight.float(), groups=lin.conv_dim)[0]).T
+        mixed, window = self._convolve(qkv, window)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         repeat = lin.num_v_heads // lin.num_k_heads  # each q/k head serves this many value heads
         q = q.reshape(n, lin.num_k_heads, lin.k_head_dim).repeat_interleave(repeat, dim=1)
         k = k.reshape(n, lin.num_k_heads, lin.k_head_dim).repeat_interleave(repeat, dim=1)
         rule = gated_delta_rule if n == 1 else chunked_delta_rule
         o, state = rule(q, k, v.reshape(n, lin.num_v_heads, lin.v_head_dim), g, beta, state)
-        return o, seq[:, seq.shape[1] - window.shape[1]:], state
+        return o, window, state
+
+    def _convolve(self, qkv: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """n tokens' convolution after `window` [conv_dim, K - 1]: silu(conv) [n, conv_dim] (float32) and
+        the window after the last, in the slots' dtype. Inputs round to that dtype first, and the product
+        runs in float32, as in `_decode`, so the paths round alike."""
+        seq = torch.cat([window, qkv.T], dim=-1).to(self.conv_state.dtype)  # [conv_dim, K - 1 + n]
+        mixed = F.silu(F.conv1d(seq.float()[None], self.conv1d.weight.float(), groups=self.cfg.conv_dim)[0]).T
+        return mixed, seq[:, seq.shape[1] - window.shape[1]:]
 
     def _slot_states(self, slots: torch.Tensor, prefix_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The requests' windows [R, C, K - 1] and states [R, Hv, Dk, Dv] (float32), zeros for a request with

@@ -53,14 +53,6 @@ def _unit_rows(x, scale):
 
 
 @triton.jit
-def _norm_and_gate(o, inv_rms, w, z, dtype: tl.constexpr):
-    """rms_norm(o) * w * silu(z), rounded to the model dtype where the torch path rounds (o arrives
-    rounded; inv_rms is 1 / sqrt(mean(o^2) + eps))."""
-    normed = (o * inv_rms).to(dtype).to(tl.float32) * w
-    return (normed.to(dtype).to(tl.float32) * (z * tl.sigmoid(z))).to(dtype)
-
-
-@triton.jit
 def _conv_step_kernel(Window, Slots, stride_slots, Prefix, X, W, Out, stride_slot, stride_x, C,
                       K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0)
@@ -238,11 +230,12 @@ def _gated_norm_kernel(O, Z, stride_z, NormW, Out, eps, HV, DV: tl.constexpr):
     row = tl.program_id(0)
     h = tl.program_id(1)
     dv = tl.arange(0, DV)
-    o = tl.load(O + row * HV * DV + h * DV + dv).to(Out.dtype.element_ty).to(tl.float32)
+    # rounded to the model dtype where the torch path rounds: o, the normed o, its product with the weight
+    dtype = Out.dtype.element_ty
+    o = tl.load(O + row * HV * DV + h * DV + dv).to(dtype).to(tl.float32)
     z = tl.load(Z + row * stride_z + h * DV + dv).to(tl.float32)
-    gated = _norm_and_gate(o, tl.rsqrt(tl.sum(o * o, 0) / DV + eps), tl.load(NormW + dv).to(tl.float32), z,
-                           Out.dtype.element_ty)
-    tl.store(Out + row * HV * DV + h * DV + dv, gated)
+    normed = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(dtype).to(tl.float32) * tl.load(NormW + dv).to(tl.float32)
+    tl.store(Out + row * HV * DV + h * DV + dv, (normed.to(dtype).to(tl.float32) * (z * tl.sigmoid(z))).to(dtype))
 
 
 def gated_norm(raw: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, heads: int) -> torch.Tensor:
