@@ -326,7 +326,7 @@ def test_the_triton_kernels_equal_the_torch_path_for_decode_steps_trees_and_comm
                                atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(ours.conv_state, layer.conv_state, atol=0, rtol=0)
     torch.testing.assert_close(ours.recurrent_state, layer.recurrent_state, atol=1e-5, rtol=1e-4)
-    for N, chain in ((5, True), (11, False), (20, False)):
+    for N, chain in ((5, True), (11, False), (20, False), (33, True)):
         mask = torch.zeros(R, N, N, dtype=torch.bool)
         depths = torch.zeros(R, N, dtype=torch.long)
         parents = []
@@ -351,6 +351,46 @@ def test_the_triton_kernels_equal_the_torch_path_for_decode_steps_trees_and_comm
         layer.commit(slots, ends)
         torch.testing.assert_close(ours.conv_state, layer.conv_state, atol=0, rtol=0)
         torch.testing.assert_close(ours.recurrent_state, layer.recurrent_state, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("N, chain", [(40, True), (64, False)])
+def test_the_tree_solve_holds_every_ancestor_when_keys_align(N, chain):
+    # Nearly parallel keys, beta near 1 and no decay make every ancestor's update count in a node's
+    # (the solve's deep terms are of order one), as in trained models where neighbouring keys align. The
+    # kernel's updates and outputs equal the torch solve's over a deep chain and a wide tree.
+    from ddtree.models.delta_rule import delta_rule_over, l2_normalize
+    from ddtree.ops.triton_gdn import tree_delta
+    g = torch.Generator().manual_seed(N)
+    H, DK, DV, R = 2, 16, 16, 2
+    parents = [list(range(-1, N - 1)) if chain else random_tree(N, g)[0] for _ in range(R)]
+    above = torch.zeros(R, N, N, dtype=torch.bool)
+    for r in range(R):
+        for i in range(N):
+            j = i
+            while j >= 0:
+                above[r, i, j], j = True, parents[r][j]
+    depth = above.sum(-1) - 1
+    q = torch.randn(R * N, H, DK, generator=g)
+    k = torch.randn(H, DK, generator=g) + 0.05 * torch.randn(R * N, H, DK, generator=g)
+    v = torch.randn(R * N, H, DV, generator=g)
+    mixed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+    b = torch.full((R * N, H), 4.0) + torch.rand(R * N, H, generator=g)  # beta = sigmoid(b) near 1
+    a = torch.full((R * N, H), -30.0)  # softplus(a) near 0: no decay
+    A_log, dt_bias = torch.zeros(H), torch.zeros(H)
+    state = torch.randn(3, H, DK, DV, generator=g) * 0.3
+    slots, prefix = torch.tensor([2, 0]), torch.tensor([5, 7])
+    z = torch.randn(R * N, H * DV, generator=g)
+    _, d, G = tree_delta(state, slots, prefix, mixed, b, a, A_log, dt_bias, z, torch.ones(DV), 1e-6, H, above, depth)
+    qn = (l2_normalize(q) / DK ** 0.5).view(R, N, H, DK).transpose(1, 2)
+    kn = l2_normalize(k).view(R, N, H, DK).transpose(1, 2)
+    gate = (-torch.nn.functional.softplus(a)).view(R, N, H).transpose(1, 2)
+    beta = torch.sigmoid(b).view(R, N, H).transpose(1, 2)
+    _, d_ref, G_ref = delta_rule_over(qn, kn, v.view(R, N, H, DV).transpose(1, 2), gate, beta, state[slots], above)
+    assert d_ref.abs().max() > 1.0  # (the deep terms are not negligible)
+    torch.testing.assert_close(G, G_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(d, d_ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

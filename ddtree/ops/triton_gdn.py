@@ -13,7 +13,7 @@ The layer's in-projection yields, per token, the q|k|v stream x [conv_dim] and t
   A tree solves every node at once from the slot's S0 (models/hybrid.py's `delta_rule_over`): with G
   the sum of g over a node's ancestors and itself and D[t, i] = exp(G[t] - G[i]) over ancestors i,
   the updates d solve (I + A) d = beta (v - exp(G) K S0), A[t, i] = beta_t D[t, i] (k_t . k_i) over
-  strict ancestors, by forward substitution (ancestors come first), and o = exp(G) Q S0 + (D o QK^T) d
+  strict ancestors, through (I + A)^-1 formed block by block, and o = exp(G) Q S0 + (D o QK^T) d
   (`tree_delta`). The commit rebuilds the accepted path's end state from d (`tree_commit`).
 - the output: RMS norm of o (over Dv) times the norm weight, gated by silu(z), in the model dtype.
 
@@ -171,7 +171,7 @@ def tree_conv(window: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, x
 def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_ba, ALog, DtBias, Out, Mask,
                        stride_mask_r, stride_mask_q, Dbuf, Gbuf, stride_slot, stride_head, HV, REPEAT, KEY_DIM,
                        VALUE_OFF, C, N, R_KEY, DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr,
-                       SOLVE: tl.constexpr, BLOCK_V: tl.constexpr):
+                       LOG_NP: tl.constexpr, SOLVE: tl.constexpr, BLOCK_V: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -205,10 +205,18 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     P = D * qk
     eG = tl.exp(G)
     v = tl.load(Mixed + rows[:, None] * C + VALUE_OFF + h * DV + dv[None, :], mask=valid[:, None], other=0.0)
-    d = beta[:, None] * (v - eG[:, None] * ks0)
-    for t in range(1, N):  # forward substitution: node t's ancestors come before it and are final
-        a_t = tl.sum(tl.where(i[:, None] == t, Amat, 0.0), 0)  # row t of A, over the nodes
-        d = tl.where(i[:, None] == t, d - tl.sum(a_t[:, None] * d, 0)[None, :], d)
+    rhs = beta[:, None] * (v - eG[:, None] * ks0)
+    # (I + A)^-1 block by block, as blocked forward substitution: with T the inverse of the diagonal blocks
+    # of size s, the inverse over blocks of 2s is T - T A' T, A' holding A's lower-left quarter of each
+    # 2s block. Its entries are the solve's own (no powers of A, which grow with a chain's depth).
+    inverse = tl.where(i[:, None] == i[None, :], 1.0, 0.0) - \
+        tl.where(((i[:, None] ^ 1) == i[None, :]) & ((i[:, None] & 1) == 1), Amat, 0.0)
+    for lvl in tl.static_range(1, LOG_NP):
+        quarter = ((i[:, None] >> (lvl + 1)) == (i[None, :] >> (lvl + 1))) & \
+            (((i[:, None] >> lvl) & 1) == 1) & (((i[None, :] >> lvl) & 1) == 0)
+        step = tl.dot(tl.where(quarter, Amat, 0.0), inverse, input_precision=SOLVE)
+        inverse -= tl.dot(inverse, step, input_precision=SOLVE)
+    d = tl.dot(inverse, rhs, input_precision=SOLVE)
     o = eG[:, None] * qs0 + tl.dot(P, d, input_precision=SOLVE)
     ok = valid[:, None]
     tl.store(Dbuf + ((r * HV + h) * N + i[:, None]) * DV + dv[None, :], d, mask=ok)
@@ -264,11 +272,12 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     G = torch.empty(R, H, N, dtype=torch.float32, device=z.device)
     assert INTERPRETED or DV >= 64, "the tree kernel's splits take 64 value columns a head at least"
     fixed = dict(BLOCK_V=min(DV, 32), num_warps=4) if INTERPRETED else {}
+    NP = max(16, triton.next_power_of_2(N))
     _tree_delta[lambda meta: (R, H, triton.cdiv(DV, meta["BLOCK_V"]))](
         state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, raw, above, above.stride(0),
         above.stride(1), d, G, state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK,
         2 * num_k_heads * DK, mixed.shape[1], N, triton.next_power_of_2(R), DK=DK, DV=DV,
-        NP=max(16, triton.next_power_of_2(N)), SOLVE="tf32x3" if z.dtype == torch.float32 else "tf32", **fixed)
+        NP=NP, LOG_NP=NP.bit_length() - 1, SOLVE="tf32x3" if z.dtype == torch.float32 else "tf32", **fixed)
     return gated_norm(raw, z, norm_weight, eps, H), d, G
 
 
