@@ -11,7 +11,8 @@
    speculative path: AR's recorded continuation at rank 0 with two wrong siblings under it at every
    depth ("siblings": whole blocks accepted, so the deepest nodes are verified), or the right token
    at rank 0, 1, 2 or missing ("noisy": accepts along side branches). Then the graphed DDTree path
-   with the random drafter (acceptance near 1) against the same AR outputs.
+   and budget auto (graphed AR bursts that read out the drafter's context) with the random drafter
+   (acceptance near 1) against the same AR outputs.
    Before those, float32 greedy output against transformers' on the same GPU (4 prompts).
 4. flash-linear-attention's chunked delta rule, if importable, against ours (models/hybrid.py) on
    variable-length prompts with initial states: agreement and time.
@@ -178,6 +179,11 @@ def fp32_runs(target: str, drafter: str, vocab: int, n: int, max_tokens: int, ou
         llm = LLM(target, draft=drafter, spec="ddtree", budget=32, topk=4, **kw)
         assert llm.engine.speculator.graphs is not None
         out[f"fp32_{mode}_ddtree_graphed_random_drafter"] = compare(llm.generate(prompts, params), ar)
+        del llm
+        llm = LLM(target, draft=drafter, spec="ddtree", budget="auto", topk=4, **kw)  # graphed AR bursts that read out
+        out[f"fp32_{mode}_auto_graphed_random_drafter"] = compare(llm.generate(prompts, params), ar)
+        out[f"fp32_{mode}_auto_bursts"] = llm.last_stats.get("bursts")
+        print(mode, "auto", json.dumps(out[f"fp32_{mode}_auto_graphed_random_drafter"]), flush=True)
         del llm
     torch.cuda.empty_cache()
 

@@ -205,11 +205,24 @@ def test_switching_between_ar_and_budgets_every_step_stays_lossless(family, pair
     assert (refeeds > 0) == (family != "qwen3_5")  # (a hybrid target never skips its drafter context)
 
 
-def test_a_hybrid_target_under_auto_runs_without_graphs_and_never_skips_the_context(pairs, monkeypatch):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_hybrid_target_under_graphed_auto_switches_without_skipping_the_context(pairs, prompts, ar_out, monkeypatch,
+                                                                                    sampled):
+    # CUDA graphs emulated: graphed AR bursts that read out the context and speculative bursts of every
+    # budget, switching back and forth over the recurrent states, commit exactly AR's tokens; nothing is
+    # fed through the target again.
+    family = "qwen3_5"
     fake_gpu_graphs(monkeypatch)
-    llm = auto_llm(pairs, "qwen3_5", cost_table=table(roofline))
+    llm = auto_llm(pairs, family, cost_table=table(roofline), max_num_seqs=3)
     spec = llm.engine.speculator
-    assert llm.engine.ar.decode_graphs is None and spec.draft_graphs is None and not spec.skips_context
+    assert llm.engine.ar.decode_graphs is not None and spec.draft_graphs is not None and not spec.skips_context
+    plant_by_position(llm, noisy_oracle(continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4, sampled)),
+                                        vocab=llm.config.vocab_size))
+    spec.policy = Scripted(["ar", 4, 8, "ar", 32, 16, "ar", "ar", 8, 32])
+    _, hist = check_lossless(llm, prompts, ar_out(family, sampled=sampled), sampled=sampled)
+    assert set(hist) == set(BUDGETS), hist
+    stats = llm.last_stats["bursts"]
+    assert stats["ar_bursts"] > 0 and stats["spec_bursts"] > 0 and stats.get("refeeds", 0) == 0, stats
 
 
 def test_policy_settings_come_from_the_engine_config(pairs, tmp_path):

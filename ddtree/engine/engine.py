@@ -47,9 +47,7 @@ class LLMEngine:
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
                                        engine_cfg.max_num_seqs if cfg.is_hybrid else 0)
         capacity = self.runner.num_pages * engine_cfg.page_size
-        # (hybrid models: no graphs under auto, which skips the drafter's context only where a refeed can fill
-        # it again, not over a recurrent state; their prompt chunks run eagerly)
-        use_graphs = engine_cfg.cuda_graphs and self._graphs_supported() and not (cfg.is_hybrid and auto)
+        use_graphs = engine_cfg.cuda_graphs and self._graphs_supported()
         # Host ms of prefills and whole steps in every mode, and how graphed AR steps were grouped into
         # bursts (auto adds its speculative bursts and context stores: speculative/decode.py `SpecStats`):
         # benchmark rows split the wall time with it.

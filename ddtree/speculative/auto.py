@@ -14,7 +14,7 @@ request's context is left with an open gap (speculative/context.py). Elsewhere t
   E(b) of every budget for the policy; or as one eager step (no graphs, requests that ask for logprobs).
 
 Hybrid targets never skip the read-out: feeding skipped rows again would advance their recurrent states
-twice (and the engine runs them without CUDA graphs under auto).
+twice.
 """
 from __future__ import annotations
 
