@@ -34,7 +34,7 @@ from ddtree.ops.triton_linear import INTERPRETED
 # interpreter computes them exactly). A tree's solve in a 16-bit model takes one TF32 product: its
 # error (about 1e-3) is below the rounding of the outputs it feeds.
 PRECISION: tl.constexpr = tl.constexpr("tf32x3")
-MAX_TREE = 64  # the most nodes a tree kernel takes (its tiles are NP x NP and NP x Dk in registers)
+MAX_TREE = 65  # the most nodes a tree kernel takes (a root and NP x NP, NP x Dk tiles in registers)
 
 
 @triton.jit
@@ -172,22 +172,29 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
                        stride_mask_r, stride_mask_q, Dbuf, Gbuf, stride_slot, stride_head, HV, REPEAT, KEY_DIM,
                        VALUE_OFF, C, N, R_KEY, DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr,
                        LOG_NP: tl.constexpr, SOLVE: tl.constexpr, BLOCK_V: tl.constexpr):
+    # Node 0 (the root: ancestors come first, so it has none) is solved on its own, and the NP-row tiles
+    # hold nodes 1 to N - 1: a tree of 2^m + 1 nodes (a budget of 2^m) fills them without padding.
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
     i = tl.arange(0, NP)
-    valid = i < N
-    rows = r * N + i
+    node = i + 1
+    valid = node < N
+    rows = r * N + node
+    root = r * N
     dk = tl.arange(0, DK)
+    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     hk = h // REPEAT
-    q = tl.load(Mixed + rows[:, None] * C + hk * DK + dk[None, :], mask=valid[:, None], other=0.0)
-    k = tl.load(Mixed + rows[:, None] * C + KEY_DIM + hk * DK + dk[None, :], mask=valid[:, None], other=0.0)
-    q = _unit_rows(q, 1.0 / tl.sqrt(DK * 1.0))
-    k = _unit_rows(k, 1.0)
+    scale = 1.0 / tl.sqrt(DK * 1.0)
+    q = _unit_rows(tl.load(Mixed + rows[:, None] * C + hk * DK + dk[None, :], mask=valid[:, None], other=0.0), scale)
+    k = _unit_rows(tl.load(Mixed + rows[:, None] * C + KEY_DIM + hk * DK + dk[None, :], mask=valid[:, None],
+                           other=0.0), 1.0)
+    q0 = _unit_rows(tl.load(Mixed + root * C + hk * DK + dk)[None, :], scale)
+    k0 = _unit_rows(tl.load(Mixed + root * C + KEY_DIM + hk * DK + dk)[None, :], 1.0)
     beta, g = _gate_inputs(B, A, ALog, DtBias, rows * stride_ba + h, h, valid)
     beta = tl.where(valid, beta, 0.0)
     g = tl.where(valid, g, 0.0)
-    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    beta0, g0 = _gate_inputs(B, A, ALog, DtBias, root * stride_ba + h, h, r >= 0)
     keep = tl.load(Prefix + r) != 0
     base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
     s0 = tl.where(keep, tl.load(base + dk[:, None] * DV + dv[None, :]), 0.0)
@@ -196,16 +203,23 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     ks0 = tl.dot(k, s0, input_precision=SOLVE)
     kk = tl.dot(k, tl.trans(k), input_precision=SOLVE)
     qk = tl.dot(q, tl.trans(k), input_precision=SOLVE)
-    above = tl.load(Mask + r * stride_mask_r + i[:, None] * stride_mask_q + i[None, :],
-                    mask=valid[:, None] & valid[None, :], other=0) != 0
-    G = tl.sum(tl.where(above, g[None, :], 0.0), 1)
+    kk0 = tl.sum(k * k0, 1)
+    qk0 = tl.sum(q * k0, 1)
+    q0s0 = tl.sum(tl.trans(q0) * s0, 0)
+    k0s0 = tl.sum(tl.trans(k0) * s0, 0)
+    q0k0 = tl.sum(tl.sum(q0 * k0, 1), 0)
+    row_mask = Mask + r * stride_mask_r + node * stride_mask_q
+    above = tl.load(row_mask[:, None] + node[None, :], mask=valid[:, None] & valid[None, :], other=0) != 0
+    under_root = tl.load(row_mask, mask=valid, other=0) != 0
+    G = tl.sum(tl.where(above, g[None, :], 0.0), 1) + tl.where(under_root, g0, 0.0)
     D = tl.where(above, tl.exp(tl.where(above, G[:, None] - G[None, :], 0.0)), 0.0)  # (no overflow off the relation)
+    D0 = tl.where(under_root, tl.exp(tl.where(under_root, G - g0, 0.0)), 0.0)
     strict = above & (i[:, None] != i[None, :])
     Amat = tl.where(strict, beta[:, None] * D * kk, 0.0)
-    P = D * qk
     eG = tl.exp(G)
+    d0 = beta0 * (tl.load(Mixed + root * C + VALUE_OFF + h * DV + dv) - tl.exp(g0) * k0s0)
     v = tl.load(Mixed + rows[:, None] * C + VALUE_OFF + h * DV + dv[None, :], mask=valid[:, None], other=0.0)
-    rhs = beta[:, None] * (v - eG[:, None] * ks0)
+    rhs = beta[:, None] * (v - eG[:, None] * ks0 - (D0 * kk0)[:, None] * d0[None, :])
     # (I + A)^-1 block by block, as blocked forward substitution: with T the inverse of the diagonal blocks
     # of size s, the inverse over blocks of 2s is T - T A' T, A' holding A's lower-left quarter of each
     # 2s block. Its entries are the solve's own (no powers of A, which grow with a chain's depth).
@@ -217,12 +231,17 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
         step = tl.dot(tl.where(quarter, Amat, 0.0), inverse, input_precision=SOLVE)
         inverse -= tl.dot(inverse, step, input_precision=SOLVE)
     d = tl.dot(inverse, rhs, input_precision=SOLVE)
-    o = eG[:, None] * qs0 + tl.dot(P, d, input_precision=SOLVE)
+    o = eG[:, None] * qs0 + tl.dot(D * qk, d, input_precision=SOLVE) + (D0 * qk0)[:, None] * d0[None, :]
+    o0 = tl.exp(g0) * q0s0 + q0k0 * d0
     ok = valid[:, None]
-    tl.store(Dbuf + ((r * HV + h) * N + i[:, None]) * DV + dv[None, :], d, mask=ok)
+    head_rows = (r * HV + h) * N
+    tl.store(Dbuf + (head_rows + node[:, None]) * DV + dv[None, :], d, mask=ok)
+    tl.store(Dbuf + head_rows * DV + dv, d0)
     tl.store(Out + rows[:, None] * (HV * DV) + h * DV + dv[None, :], o, mask=ok)
+    tl.store(Out + root * (HV * DV) + h * DV + dv, o0)
     if vb == 0:
-        tl.store(Gbuf + (r * HV + h) * N + i, G, mask=valid)
+        tl.store(Gbuf + head_rows + node, G, mask=valid)
+        tl.store(Gbuf + head_rows, g0)
 
 
 # The best split of a head's value columns, and warps, depend on the tree's size and the batch: tried at
@@ -272,7 +291,7 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     G = torch.empty(R, H, N, dtype=torch.float32, device=z.device)
     assert INTERPRETED or DV >= 64, "the tree kernel's splits take 64 value columns a head at least"
     fixed = dict(BLOCK_V=min(DV, 32), num_warps=4) if INTERPRETED else {}
-    NP = max(16, triton.next_power_of_2(N))
+    NP = max(16, triton.next_power_of_2(N - 1))  # (the nodes past the root)
     _tree_delta[lambda meta: (R, H, triton.cdiv(DV, meta["BLOCK_V"]))](
         state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, raw, above, above.stride(0),
         above.stride(1), d, G, state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK,
