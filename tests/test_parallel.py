@@ -13,7 +13,8 @@ from ddtree import LLM, SamplingParams
 from ddtree.config import ModelConfig, ParallelConfig
 from ddtree.parallel.shard import ELSEWHERE, ZEROS, Shard, shard_config, tensor_part
 from ddtree.parallel.workers import WorkerError
-from tiny import make_tiny_model
+from test_deepseek import VARIANTS as DEEPSEEK
+from tiny import make_config, make_tiny_model
 
 ENGINE = dict(device="cpu", dtype="float32", page_size=4, num_pages=96)
 PROMPTS = [list(range(3, 40)), list(range(100, 107)), [5], list(range(200, 290, 3))]
@@ -22,10 +23,13 @@ SEEDED = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_p=
 # (family, overrides): 2 KV heads over 2 ranks, 1 KV head on both ranks, and a hybrid (Gated DeltaNet heads
 # split). An even vocabulary is split between the ranks; the odd one (the tokenizer's 381) stays whole.
 EVEN = dict(vocab_size=384)
-# And routed experts, 4 of 8 on each rank.
+# And routed experts, 4 of 8 on each rank; DeepSeek-V3 (MLA heads split, the latent whole; routed experts
+# split, the shared expert and the dense first layer's MLP split like an MLP), with a low-rank query and
+# with a full-rank one (test_deepseek.py's variants).
 TARGETS = {"qwen2": ("qwen2", EVEN), "qwen3": ("qwen3", EVEN), "llama": ("llama", EVEN),
            "qwen3-1kv-odd-vocab": ("qwen3", dict(num_key_value_heads=1)), "qwen3_5": ("qwen3_5", EVEN),
-           "qwen3_moe": ("qwen3_moe", EVEN)}
+           "qwen3_moe": ("qwen3_moe", EVEN), "deepseek_v3": ("deepseek_v3", {**EVEN, **DEEPSEEK["q_lora"]}),
+           "deepseek_v3-full-q-odd-vocab": ("deepseek_v3", DEEPSEEK["full_q"])}
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
@@ -65,13 +69,22 @@ def test_two_ranks_equal_one_rank_and_transformers_under_ar_dflash_and_ddtree(ta
 
 def test_each_rank_reads_a_tiling_share_of_every_split_tensor(target):
     # The ranks' slices of each checkpoint tensor cover it exactly once (KV heads fewer than the ranks:
-    # each rank the one its query heads share); row-parallel biases live on rank 0 only.
+    # each rank the one its query heads share); row-parallel biases live on rank 0 only. MLA: the latent
+    # projections, their norms and the router are whole on both ranks, and the per-head tensors split
+    # between heads (kv_b_proj's rows: each head's key part, then its value part).
     from ddtree.models.loader import iter_tensors, text_model_name
     model, _ = target
     cfg = ModelConfig.from_dir(model)
+    mla = cfg.mla
+    per_head = mla and {"q_proj": mla.qk_nope_head_dim + mla.qk_rope_head_dim, "o_proj": mla.v_head_dim,
+                        "q_b_proj": mla.qk_nope_head_dim + mla.qk_rope_head_dim,
+                        "kv_b_proj": mla.qk_nope_head_dim + mla.v_head_dim}
     for name, tensor in iter_tensors(model):
         name = text_model_name(name)
         parts = [tensor_part(name, cfg, Shard(r, 2)) for r in range(2)]
+        module = name.rsplit(".", 2)[-2]
+        if mla and module in ("q_a_proj", "kv_a_proj_with_mqa", "q_a_layernorm", "kv_a_layernorm", "gate"):
+            assert parts == [None, None], name
         if parts[0] is None and parts[1] is None:
             continue
         if ZEROS in parts:
@@ -87,6 +100,8 @@ def test_each_rank_reads_a_tiling_share_of_every_split_tensor(target):
             continue
         assert got[0][0] == 0 and got[-1][1] == tensor.shape[dim], name
         assert all(a[1] == b[0] for a, b in zip(got, got[1:])), (name, got)
+        if mla and module in per_head:  # (each rank: num_heads / 2 whole heads)
+            assert got[1][0] == cfg.num_heads // 2 * per_head[module], (name, got)
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_worker_starts(tiny_qwen2):
@@ -109,6 +124,27 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_worker_star
     assert shard_config(moe, Shard(1, 2)).moe.first_expert == 3
     with pytest.raises(ValueError, match="num_experts 6"):
         shard_config(moe, Shard(0, 4))
+    deepseek = ModelConfig.from_dict(make_config("deepseek_v3", 384).to_dict())  # (4 heads, 8 experts, shared 32)
+    part = shard_config(deepseek, Shard(1, 2))
+    assert (part.num_heads, part.num_kv_heads, part.head_dim, part.intermediate_size) == (2, 1, 40, 64)
+    assert (part.moe.first_expert, part.moe.held_experts, part.moe.shared_intermediate_size) == (4, 4, 16)
+    with pytest.raises(ValueError, match="num_attention_heads 4, .*num_experts 8, shared experts' width 32"):
+        shard_config(deepseek, Shard(0, 64))
+
+
+def test_a_deepseek_moe_layer_sums_its_shared_and_routed_shares_in_one_all_reduce(monkeypatch):
+    # The shared experts' partial output joins the routed experts' share before the layer's all-reduce.
+    from ddtree.models.loader import fill_random
+    from ddtree.models.transformer import CausalLM
+    from ddtree.parallel.workers import bind_group
+    cfg = shard_config(ModelConfig.from_dict(make_config("deepseek_v3", 384).to_dict()), Shard(0, 2))
+    model = CausalLM(cfg)
+    fill_random(model)
+    bind_group(model, "step")
+    calls = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, group: calls.append(group))
+    out = model.model.layers[1].mlp(torch.randn(5, cfg.hidden_size))
+    assert out.shape == (5, cfg.hidden_size) and calls == ["step"]
 
 
 def worker() -> multiprocessing.Process:

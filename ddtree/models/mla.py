@@ -12,6 +12,10 @@ the cached vectors, with the existing `paged_attention` and the masks of the ste
 channels of each head's output are its attention-weighted latent, which W_UV[h] takes to the head's
 values before o_proj.
 
+Under tensor parallelism (parallel/shard.py) each rank holds num_heads / N heads, their rows of
+q_b_proj (or q_proj) and kv_b_proj and their columns of o_proj, whose all-reduce sums the heads'
+outputs; the latent projections are whole, and every rank caches the same latent vectors.
+
 The input projection packs the query's (q_proj, or q_a_proj when the query is low-rank) and
 kv_a_proj_with_mqa's rows, so the decoder layer's few-rows path fuses it with the input norm.
 """

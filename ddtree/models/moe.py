@@ -46,9 +46,16 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum over k of weights[t, k] * expert experts[t, k] (x[t]); x [T, D], experts and weights [T, k]
-        (the model's expert numbers). The token-expert pairs are sorted by expert; pairs of experts held
-        by other ranks come last and are left out."""
-        out = self._grouped(x, experts, weights) if grouped_mm_runs(x) else self._by_expert(x, experts, weights)
+        (the model's expert numbers): the ranks' shares, all-reduced."""
+        return self.reduce(self.share(x, experts, weights))
+
+    def share(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's share of forward(): the token-expert pairs are sorted by expert; pairs of experts
+        held by other ranks come last and are left out."""
+        return self._grouped(x, experts, weights) if grouped_mm_runs(x) else self._by_expert(x, experts, weights)
+
+    def reduce(self, out: torch.Tensor) -> torch.Tensor:
+        """The ranks' shares `out` summed over `group`, in place (unchanged without a group)."""
         if self.group is not None:
             torch.distributed.all_reduce(out, group=self.group)
         return out
@@ -141,7 +148,11 @@ class GroupRoutedMoE(nn.Module):
     The experts form `n_group` equal groups, a group ranked by the sum of its two best biased scores; the
     token's `top_k` experts are the best among the `topk_group` best groups. Their weights are the
     unbiased scores, renormalised over the k when `norm_topk_prob`, times `routed_scaling_factor`. A
-    dense SiLU-gated MLP (`shared_experts`) runs on every token and its output is added."""
+    dense SiLU-gated MLP (`shared_experts`) runs on every token and its output is added.
+
+    Under tensor parallelism the shared experts' width is split like a dense MLP's: the rank's partial
+    shared output (its down_proj product, not reduced) is added to its routed experts' share, and one
+    all-reduce sums both."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -171,10 +182,10 @@ class GroupRoutedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        out = self.experts(x, experts, weights.to(x.dtype))
+        out = self.experts.share(x, experts, weights.to(x.dtype))
         if self.moe.shared_intermediate_size:
-            out = out + self.shared_experts(x)
-        return out
+            out = out + self.shared_experts.partial(x)
+        return self.experts.reduce(out)
 
     def after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, batch) -> tuple:
         """(self(norm(x + residual)), x + residual): the dense MLP's fused few-rows hook, unfused here."""

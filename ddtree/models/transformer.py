@@ -260,6 +260,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x) before down_proj's all-reduce: this rank's partial sum under tensor parallelism."""
+        return nn.functional.linear(silu_mul(self.gate_up_proj(x)), self.down_proj.weight)
+
     def after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: "RMSNorm",
                    batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x + residual)), x + residual) for a few rows: the residual add, the norm and

@@ -11,6 +11,13 @@ value heads alike, the convolution's channels with them, and their recurrent sta
 Routed experts (MoE layers) are split whole: each rank holds E / N experts and adds its experts' share
 of each token's output, and an all-reduce sums the shares (the router is whole on every rank, and the
 tokens are already on every rank, so no all-to-all is needed).
+Multi-head latent attention (DeepSeek-V3, models/mla.py) splits its query heads alike: q_proj (or
+q_b_proj) and kv_b_proj by rows, head by head (kv_b_proj's rows are each head's key part, then its
+value part, so a rank's heads are one block of rows), o_proj by input columns. The latent projections
+(q_a_proj, kv_a_proj_with_mqa) and their norms are whole on every rank, and so is the cached latent
+vector, one KV head that every rank holds. DeepSeek-V3's shared experts and its first, dense layers'
+MLPs split like any MLP; the router and its e_score_correction_bias are whole, and the shared experts'
+partial output joins the routed experts' share before the layer's one all-reduce (GroupRoutedMoE).
 The embedding and the LM head are split by vocabulary rows where the ranks divide the vocabulary
 (`VocabParallelEmbedding`, `VocabParallelLMHead`), and are whole on every rank otherwise; the norms are
 whole on every rank.
@@ -32,8 +39,6 @@ class Shard:
 def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     """The shape of rank `shard.rank`'s part of the model (its local heads and MLP width)."""
     n = shard.size
-    if cfg.mla is not None and n > 1:
-        raise ValueError(f"tensor_parallel_size {n}: {cfg.model_type} (MLA attention) runs on one rank only")
     problems = []
     if cfg.num_heads % n:
         problems.append(f"num_attention_heads {cfg.num_heads}")
@@ -45,12 +50,16 @@ def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
         problems.append(f"linear attention heads {cfg.linear.num_k_heads}/{cfg.linear.num_v_heads}")
     if cfg.moe is not None and cfg.moe.num_experts % n:
         problems.append(f"num_experts {cfg.moe.num_experts}")
+    if cfg.moe is not None and cfg.moe.shared_intermediate_size % n:
+        problems.append(f"shared experts' width {cfg.moe.shared_intermediate_size} (n_shared_experts x "
+                        f"moe_intermediate_size)")
     if problems:
         raise ValueError(f"tensor_parallel_size {n} does not divide the model's {', '.join(problems)}")
     linear = cfg.linear and dataclasses.replace(cfg.linear, num_k_heads=cfg.linear.num_k_heads // n,
                                                 num_v_heads=cfg.linear.num_v_heads // n)
     moe = cfg.moe and dataclasses.replace(cfg.moe, held_experts=cfg.moe.num_experts // n,
-                                          first_expert=shard.rank * cfg.moe.num_experts // n)
+                                          first_expert=shard.rank * cfg.moe.num_experts // n,
+                                          shared_intermediate_size=cfg.moe.shared_intermediate_size // n)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=max(cfg.num_kv_heads // n, 1),
                                intermediate_size=cfg.intermediate_size // n, linear=linear, moe=moe,
                                eos_token_ids=list(cfg.eos_token_ids), vocab_part=vocab_part(cfg, shard))
@@ -97,6 +106,16 @@ def tensor_part(name: str, cfg: ModelConfig, shard: Shard) -> Take | str | None:
         if index.isdigit():  # (one tensor per expert)
             return None if r * per <= int(index) < (r + 1) * per else ELSEWHERE
         return Take(0, ((r * per, (r + 1) * per),))  # (stacked: [E, ...])
+    mla = cfg.mla
+    if mla is not None and ".self_attn." in name:  # MLA: heads split, the latent projections whole
+        H = cfg.num_heads
+        if module in ("q_proj", "q_b_proj"):
+            return rows(0, H * (mla.qk_nope_head_dim + mla.qk_rope_head_dim))
+        if module == "kv_b_proj":  # (each head's rows: its key part, then its value part)
+            return rows(0, H * (mla.qk_nope_head_dim + mla.v_head_dim))
+        if module == "o_proj":
+            return rows(0, H * mla.v_head_dim, dim=1)
+        return None  # q_a_proj, kv_a_proj_with_mqa and their norms
     D = cfg.head_dim
     if module == "q_proj":  # (gated attention: each head's query, then its gate)
         return rows(0, cfg.num_heads * D * (2 if cfg.attn_output_gate else 1))
@@ -107,10 +126,9 @@ def tensor_part(name: str, cfg: ModelConfig, shard: Shard) -> Take | str | None:
         return Take(0, ((head * D, (head + 1) * D),))
     if module == "o_proj":
         return (None if r == 0 else ZEROS) if kind == "bias" else rows(0, cfg.num_heads * D, dim=1)
-    if module in ("gate_proj", "up_proj"):
-        return rows(0, cfg.intermediate_size)
-    if module == "down_proj":
-        return rows(0, cfg.intermediate_size, dim=1)
+    if module in ("gate_proj", "up_proj", "down_proj"):  # a dense MLP, or DeepSeek-V3's shared experts
+        width = cfg.moe.shared_intermediate_size if ".shared_experts." in name else cfg.intermediate_size
+        return rows(0, width, dim=1 if module == "down_proj" else 0)
     lin = cfg.linear
     if lin is None or ".linear_attn." not in name:
         return None
