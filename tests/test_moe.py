@@ -110,3 +110,40 @@ def test_graphed_bursts_emulated_on_cpu_equal_eager_ar(spec, moe_pair, monkeypat
     llm = LLM(model, draft=drafter if spec else None, spec=spec or "none", budget=8, topk=2, **ENGINE, max_num_seqs=3)
     assert (llm.engine.speculator.graphs if spec else llm.engine.ar.decode_graphs) is not None
     assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == want
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("tokens, first", [(3, 0), (40, 0), (9, 4)])
+def test_the_triton_experts_equal_one_product_per_expert(tokens, first):
+    # ops/triton_moe.py over few pairs an expert (3 tokens), an expert with more pairs than a tile (40
+    # tokens piled on two experts), and a rank holding experts 4-7 of 12 (pairs of the others left out);
+    # widths off the column and depth tiles.
+    from ddtree.models.moe import Experts
+    g = torch.Generator().manual_seed(tokens)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    experts = Experts(4 if first else 8, hidden=40, width=24, first=first)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.2, generator=g)
+        experts.down_proj.normal_(0, 0.2, generator=g)
+    experts = experts.to(dev)
+    x = torch.randn(tokens, 40, generator=g).to(dev)
+    chosen = torch.randint(0, 12 if first else 8, (tokens, 2), generator=g)
+    if tokens > 32:
+        chosen = torch.stack([torch.full((tokens,), 1), torch.randint(0, 8, (tokens,), generator=g)], 1)
+        chosen[:, 1] = torch.where(chosen[:, 1] == 1, 3, chosen[:, 1])
+    weights = torch.rand(tokens, 2, generator=g)
+    chosen, weights = chosen.to(dev), weights.to(dev)
+    want = experts._by_expert(x, chosen, weights)
+    got = experts(x, chosen, weights, use_triton=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton path on the CPU: its interpreter")
+def test_the_triton_path_generates_like_the_torch_path(moe_pair):
+    # The whole target on the Triton kernels (attention, few-row products, routed experts), batched
+    # prompts and decode steps, gives the torch path's tokens.
+    model, _ = moe_pair
+    prompts, params = PROMPTS[:2], SamplingParams(max_tokens=5, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model, kernels="torch", **ENGINE).generate(prompts, params)]
+    assert [o.token_ids for o in LLM(model, kernels="triton", **ENGINE).generate(prompts, params)] == want

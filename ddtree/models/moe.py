@@ -9,6 +9,10 @@ The experts' weights are stacked, `gate_up_proj` [E, 2I, D] (gate rows, then up 
 [E, D, I], as transformers stores them; checkpoints with one tensor per expert
 (`experts.{e}.gate_proj.weight`, ...) load into them through `load_expert`.
 
+On the Triton path (`kernels`), steps with a few pairs an expert (decode steps, small verifies) run the
+experts as ops/triton_moe.py's kernels, each expert's weights read once; more pairs run as two grouped
+products (`torch._grouped_mm`), or a product per expert where those do not run.
+
 Under tensor parallelism each rank holds the experts `first` .. `first` + E - 1 (parallel/shard.py):
 it adds those experts' share of each token's output, and an all-reduce over `group` sums the shares.
 """
@@ -44,14 +48,21 @@ class Experts(nn.Module):
             raise ValueError(f"expert {expert} {proj}: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
         target.copy_(tensor)
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                use_triton: bool = False) -> torch.Tensor:
         """sum over k of weights[t, k] * expert experts[t, k] (x[t]); x [T, D], experts and weights [T, k]
         (the model's expert numbers): the ranks' shares, all-reduced."""
-        return self.reduce(self.share(x, experts, weights))
+        return self.reduce(self.share(x, experts, weights, use_triton))
 
-    def share(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def share(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+              use_triton: bool = False) -> torch.Tensor:
         """This rank's share of forward(): the token-expert pairs are sorted by expert; pairs of experts
-        held by other ranks come last and are left out."""
+        held by other ranks come last and are left out. `use_triton`: a few pairs an expert run as the
+        Triton kernels (ops/triton_moe.py), the rest as grouped products where they run."""
+        from ddtree.ops.triton_moe import experts_fit, routed_experts
+        if use_triton and experts_fit(experts.numel(), self.gate_up_proj.shape[0]):
+            local, order, counts = self._sorted_pairs(experts)
+            return routed_experts(x, local, order, counts, self.gate_up_proj, self.down_proj, weights)
         return self._grouped(x, experts, weights) if grouped_mm_runs(x) else self._by_expert(x, experts, weights)
 
     def reduce(self, out: torch.Tensor) -> torch.Tensor:
@@ -119,17 +130,19 @@ class SparseMoE(nn.Module):
         self.experts = Experts(moe.held_experts or moe.num_experts, cfg.hidden_size, moe.intermediate_size,
                                moe.first_expert)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        """The layer's output for x [T, D]; `batch` (the step's AttentionBatch) says whether the Triton
+        kernels run."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, experts, weights.to(x.dtype))
+        return self.experts(x, experts, weights.to(x.dtype), batch is not None and batch.use_triton)
 
     def after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, batch) -> tuple:
         """(self(norm(x + residual)), x + residual): the dense MLP's fused few-rows hook, unfused here."""
         x, residual = norm(x, residual)
-        return self(x), residual
+        return self(x, batch), residual
 
 
 class Router(nn.Module):
@@ -180,9 +193,9 @@ class GroupRoutedMoE(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return experts, weights * moe.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         experts, weights = self.route(x)
-        out = self.experts.share(x, experts, weights.to(x.dtype))
+        out = self.experts.share(x, experts, weights.to(x.dtype), batch is not None and batch.use_triton)
         if self.moe.shared_intermediate_size:
             out = out + self.shared_experts.partial(x)
         return self.experts.reduce(out)
@@ -190,4 +203,4 @@ class GroupRoutedMoE(nn.Module):
     def after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, batch) -> tuple:
         """(self(norm(x + residual)), x + residual): the dense MLP's fused few-rows hook, unfused here."""
         x, residual = norm(x, residual)
-        return self(x), residual
+        return self(x, batch), residual

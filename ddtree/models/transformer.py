@@ -257,7 +257,8 @@ class MLP(nn.Module):
         self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate": width, "up": width}, bias=False)
         self.down_proj = RowParallelLinear(width, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: AttentionBatch | None = None) -> torch.Tensor:
+        """(batch: as the routed experts' forward takes it; a dense MLP's kernels do not depend on it)"""
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
@@ -313,7 +314,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(h, residual)
         entering = residual
         x, residual = self.post_attention_layernorm(self.mixer(x, positions, batch), residual)
-        return self.mlp(x), residual, entering
+        return self.mlp(x, batch), residual, entering
 
     def few_rows(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                  batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
