@@ -10,7 +10,8 @@ bfloat16, CUDA graphs (the experts' grouped products run on the device), a rando
 (acceptance near one: the per-step costs are what is measured). Writes the step times at 512 cached
 tokens (an AR step, a draft, a verify of 17, 33 and 65 nodes) at C=1 and 64, verify-33 over an AR step,
 and output tokens per second of AR and DDTree (budget 32, top-4) at C=1 and 64 (64-token prompts,
-128 new tokens).
+128 new tokens); once with the Triton experts kernels where a step's pairs fit them, once with grouped
+products at every width.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("config")
     ap.add_argument("out")
     ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--experts", default="triton,grouped", help="the routed experts' paths to measure, in turn")
     ap.add_argument("--layers", type=int, default=None,
                     help="fewer layers than the config's, each of its shapes (where the whole model does not fit)")
     args = ap.parse_args()
@@ -66,20 +68,29 @@ def main() -> None:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": args.config,
            "layers": cfg.num_layers,
            "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
-    llm = LLM(target, draft=drafter, spec="ddtree", budget=32, topk=4, dtype="bfloat16", load_format="dummy",
-              max_num_seqs=max(sizes))
-    out["params"] = sum(p.numel() for p in llm.net.parameters())
-    out["graphs"] = llm.engine.speculator.graphs is not None
-    rows = step_times(llm, sizes, [17, 33, 65], context=512)
-    for row in rows:
-        row["verify_33_over_ar"] = round(row["verify_33_ms"] / row["ar_step_ms"], 3)
-    out["step_times"] = rows
-    print(json.dumps(rows), flush=True)
-    for mode, budget in (("none", None), ("ddtree", 32)):
-        llm.set_mode(mode, budget, 4 if budget else None)
-        for C in sizes:
-            out[f"{mode}_C{C}_tok_s"] = throughput(llm, cfg.vocab_size, C)
-            print(mode, C, out[f"{mode}_C{C}_tok_s"], flush=True)
+    import ddtree.ops.triton_moe as triton_moe
+    fits = triton_moe.experts_fit
+    for experts in args.experts.split(","):  # the routed experts' kernels at decode widths, one engine each
+        # ("grouped": grouped products at every width, as where the Triton kernels do not run)
+        triton_moe.experts_fit = fits if experts == "triton" else (lambda pairs, held: False)
+        llm = LLM(target, draft=drafter, spec="ddtree", budget=32, topk=4, dtype="bfloat16", load_format="dummy",
+                  max_num_seqs=max(sizes))
+        out["params"] = sum(p.numel() for p in llm.net.parameters())
+        out["graphs"] = llm.engine.speculator.graphs is not None
+        rows = step_times(llm, sizes, [17, 33, 65], context=512)
+        for row in rows:
+            row["verify_33_over_ar"] = round(row["verify_33_ms"] / row["ar_step_ms"], 3)
+            row["experts"] = experts
+        out.setdefault("step_times", []).extend(rows)
+        print(json.dumps(rows), flush=True)
+        for mode, budget in (("none", None), ("ddtree", 32)):
+            llm.set_mode(mode, budget, 4 if budget else None)
+            for C in sizes:
+                out[f"{experts}_{mode}_C{C}_tok_s"] = throughput(llm, cfg.vocab_size, C)
+                print(experts, mode, C, out[f"{experts}_{mode}_C{C}_tok_s"], flush=True)
+        del llm
+        torch.cuda.empty_cache()
+    triton_moe.experts_fit = fits
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out, indent=1))
