@@ -98,8 +98,10 @@ def _sum_pairs_kernel(Y, Local, Out, HELD, D, TOP_K: tl.constexpr, BLOCK: tl.con
 # Column blocks and reduction depth, tried at the first call of each shape and number of pairs rounded up
 # to a power of two (a handful of trials, not one per prompt length; the kernels write only their own
 # outputs, so the trials are harmless). Triton's interpreter has no timer: there the first runs.
-SPLITS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4) for n, k in ((32, 128), (64, 64), (32, 256), (64, 128))]
-_experts_up = _experts_up_kernel if INTERPRETED else triton.autotune(SPLITS, key=["D", "I", "PAIRS"])(_experts_up_kernel)
+SPLITS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4)
+          for n, k in ((32, 128), (64, 64), (32, 256), (64, 128))]
+_experts_up = _experts_up_kernel if INTERPRETED else \
+    triton.autotune(SPLITS, key=["D", "I", "PAIRS"])(_experts_up_kernel)
 _experts_down = _experts_down_kernel if INTERPRETED else \
     triton.autotune(SPLITS, key=["D", "I", "PAIRS"])(_experts_down_kernel)
 
@@ -119,10 +121,11 @@ def routed_experts(x: torch.Tensor, local: torch.Tensor, order: torch.Tensor, co
     h = torch.empty(T * top_k, I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * top_k, D, dtype=x.dtype, device=x.device)
     fixed = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4) if INTERPRETED else {}
+    pairs = triton.next_power_of_2(T * top_k)  # (the tuning key)
     _experts_up[lambda meta: (held, triton.cdiv(I, meta["BLOCK_N"]))](
-        x, x.stride(0), order, starts, counts, gate_up, h, top_k, D, I, triton.next_power_of_2(T * top_k), BLOCK_M=BLOCK_M, **fixed)
+        x, x.stride(0), order, starts, counts, gate_up, h, top_k, D, I, pairs, BLOCK_M=BLOCK_M, **fixed)
     _experts_down[lambda meta: (held, triton.cdiv(D, meta["BLOCK_N"]))](
-        h, order, starts, counts, down, weights.contiguous(), y, top_k, D, I, triton.next_power_of_2(T * top_k), BLOCK_M=BLOCK_M, **fixed)
+        h, order, starts, counts, down, weights.contiguous(), y, top_k, D, I, pairs, BLOCK_M=BLOCK_M, **fixed)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(D))
     _sum_pairs_kernel[(T, triton.cdiv(D, block))](y, local.contiguous(), out, held, D, TOP_K=top_k, BLOCK=block)
