@@ -78,7 +78,8 @@ def _experts_down_kernel(Hbuf, Order, Starts, Counts, W, Weights, Y, TOP_K, D, I
             k_ok = k < I
             h = tl.load(Hbuf + pair[:, None] * I + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(h, tl.load(rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
-        y = acc.to(Y.dtype.element_ty).to(tl.float32) * tl.load(Weights + pair, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+        weight = tl.load(Weights + pair, mask=m_ok, other=0.0).to(tl.float32)
+        y = acc.to(Y.dtype.element_ty).to(tl.float32) * weight[:, None]
         tl.store(Y + pair[:, None] * D + n[None, :], y.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
