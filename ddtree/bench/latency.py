@@ -203,7 +203,9 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
             s.num_cached = context  # K/V content is irrelevant for timing
         tables = runner.tables(seqs)
         starts = torch.full((bs,), context, device=dev)
-        ids = torch.full((bs,), 7, device=dev)
+        # (distinct tokens: a routed-experts layer sends them to different experts, as real text does)
+        vocab = llm.config.vocab_size
+        ids = (torch.arange(bs, device=dev) * 7919 + 11) % vocab
         # (hybrid targets: the fake requests' recurrent-state slots, handed out with their pages)
         slots = torch.tensor([s.state_slot for s in seqs], device=dev) if llm.config.is_hybrid else None
         row = {"concurrency": bs, "context": context}
@@ -225,7 +227,7 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
             for n in widths:
                 depth = torch.arange(n, device=dev).expand(bs, n).contiguous()
                 mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)).expand(bs, n, n).contiguous()
-                toks = torch.full((bs, n), 7, device=dev)
+                toks = (torch.arange(bs * n, device=dev).view(bs, n) * 7919 + 13) % vocab
                 vin = DecodeInputs(toks, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots)
                 row[f"verify_{n}_ms"] = time_graph(
                     lambda i, d=depth, m=mask: runner.verify(i.block_tables, i.starts, i.ids, d, m, taps,
