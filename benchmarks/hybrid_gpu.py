@@ -119,15 +119,10 @@ def bf16_runs(target: str, drafter: str, vocab: int, out: dict) -> None:
 def profile(target: str, drafter: str, out: dict) -> None:
     """Kernel time by name over `step_times`' replays of an AR step and a verify of 33 nodes at C=1
     (bfloat16, CUDA graphs): where a step's time goes."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    from ddtree.bench.latency import step_times
+    from ddtree.bench.latency import kernel_table, step_times
     llm = LLM(target, draft=drafter, spec="ddtree", budget=32, topk=4, dtype="bfloat16", num_pages=2048, max_num_seqs=1)
     step_times(llm, [1], [33], context=512)  # warm: graphs captured, kernels compiled
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step_times(llm, [1], [33], context=512)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    table = kernel_table(lambda: step_times(llm, [1], [33], context=512))
     out["profile_C1"] = table
     print(table, flush=True)
     del llm

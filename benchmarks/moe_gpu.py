@@ -25,7 +25,7 @@ import time
 import torch
 
 from ddtree import LLM, SamplingParams
-from ddtree.bench.latency import step_times
+from ddtree.bench.latency import kernel_table, step_times
 from ddtree.config import ModelConfig
 from ddtree.models.dflash import random_drafter, save_drafter
 
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--experts", default="triton,grouped", help="the routed experts' paths to measure, in turn")
+    ap.add_argument("--profile", action="store_true", help="also kernel time by name at C=1 (AR step, verify 33)")
     ap.add_argument("--layers", type=int, default=None,
                     help="fewer layers than the config's, each of its shapes (where the whole model does not fit)")
     args = ap.parse_args()
@@ -83,6 +84,9 @@ def main() -> None:
             row["experts"] = experts
         out.setdefault("step_times", []).extend(rows)
         print(json.dumps(rows), flush=True)
+        if args.profile:  # where an AR step and a 33-node verify at C=1 spend their time
+            out[f"{experts}_profile_C1"] = kernel_table(lambda: step_times(llm, [1], [33], context=512))
+            print(out[f"{experts}_profile_C1"], flush=True)
         for mode, budget in (("none", None), ("ddtree", 32)):
             llm.set_mode(mode, budget, 4 if budget else None)
             for C in sizes:

@@ -242,6 +242,14 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
     return rows
 
 
+def kernel_table(fn, rows: int = 30) -> str:
+    """GPU kernel time by name over one call of `fn` (torch's profiler), the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
 @dataclasses.dataclass
 class AllReduceInputs:
     x: torch.Tensor
