@@ -13,6 +13,7 @@
 #   CONTINUOUS=1 bash benchmarks/h200_suite.sh grid   # ... every prompt queued, at most C running (not
 #                                           # batches run to completion); rows to sweep_auto_continuous_h200.jsonl
 #                                           # (TRACE=1: and auto's plans, one JSON line each)
+#                                           # (TEMPERATURE=0.7: seeded sampled requests, the same draws in every mode)
 #   bash benchmarks/h200_suite.sh autocheck 1,32,64,128   # AR and auto only, continuous, one run each
 #   bash benchmarks/h200_suite.sh checks    # greedy DDTree and DFlash vs AR on HumanEval in float32
 set -u
@@ -29,6 +30,7 @@ auto_sweep() {  # REPEATS CONCURRENCIES: auto vs AR, DFlash and DDTree 8/16/32 (
   [ "${INTERLEAVE:-1}" = 1 ] && cont+=(--interleave)  # (INTERLEAVE=0: each mode's runs back to back)
   "${cli[@]}" bench sweep --dataset mtbench --num-prompts 80 --max-tokens 128 --budget 8,16,32 --topk 4 \
     --with-auto --repeats "$1" --concurrency "$2" --num-pages 16384 "${warm[@]}" "${cont[@]}" \
+    ${TEMPERATURE:+--temperature "$TEMPERATURE"} \
     ${TRACE_ARGS[@]+"${TRACE_ARGS[@]}"} --out "$OUT/$out"
 }
 case $1 in
