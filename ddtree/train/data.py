@@ -117,13 +117,14 @@ def read_prompt_file(path: str) -> list[str | list[dict]]:
     return [r if isinstance(r, (str, list)) else r["messages"] if "messages" in r else r["prompt"] for r in rows]
 
 
-def generate_dataset(target: str, prompts: Iterable[str | list[dict]], out: str | None = None, max_new_tokens: int = 512,
-                     device: str | None = None, dtype: str | None = None, batch_size: int = 64,
-                     ignore_eos: bool = False, max_prompt_tokens: int = 1024, llm=None,
+def generate_dataset(target: str, prompts: Iterable[str | list[dict]], out: str | None = None,
+                     max_new_tokens: int = 512, device: str | None = None, dtype: str | None = None,
+                     batch_size: int = 64, ignore_eos: bool = False, max_prompt_tokens: int = 1024, llm=None,
                      time_limit_s: float | None = None, temperature: float = 0.0, seed: int = 0) -> list[dict]:
-    """Answers `prompts` (strings, each a single user turn, or conversations) with the target and returns (and saves to `out`, a
-    torch file) records {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T]}. `time_limit_s`:
-    start no new batch of `batch_size` prompts after this long (a fixed-time data budget).
+    """Answers `prompts` (strings, each a single user turn, or conversations) with the target and
+    returns (and saves to `out`, a torch file) records {"input_ids": LongTensor[T], "loss_mask":
+    BoolTensor[T]}. `time_limit_s`: start no new batch of `batch_size` prompts after this long (a
+    fixed-time data budget).
 
     Greedy by default: the drafter learns to predict the target's own greedy continuation, which is
     exactly what greedy verification accepts (and what sampled verification accepts most often, since
@@ -221,10 +222,12 @@ def write_prompt_file(prompts: Iterable[str | list[dict] | dict], path: str) -> 
     """Writes prompts as JSON lines (gzip for a `.gz` path), the format `read_prompt_file` reads: strings,
     conversations, or records holding "prompt" or "messages" (other keys are kept and ignored there)."""
     import gzip
-    opener = gzip.open if path.endswith(".gz") else open
+    import io
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     n = 0
-    with opener(path, "wt", encoding="utf-8") as f:
+    # (gzip without a time stamp: the same prompts give the same bytes)
+    with (io.TextIOWrapper(gzip.GzipFile(path, "wb", mtime=0), encoding="utf-8") if path.endswith(".gz")
+          else open(path, "w", encoding="utf-8")) as f:
         for p in prompts:
             f.write(json.dumps(p) + "\n")
             n += 1

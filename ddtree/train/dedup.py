@@ -29,7 +29,7 @@ import numpy as np
 NGRAM = 13
 EVALUATION_SETS = ("humaneval", "mtbench", "sharegpt_heldout")
 _WORD = re.compile(r"\w+")
-_BASE = np.uint64(0x100000001B3)  # the n-gram polynomial's base (odd, so no hash collapses to 0 by it)
+_BASE = np.uint64(0x100000001B3)  # the n-gram polynomial's base (odd: multiplying by it modulo 2^64 loses no bits)
 
 
 def words(text: str) -> list[str]:
@@ -41,12 +41,14 @@ def normalized(text: str) -> str:
     return " ".join(words(text))
 
 
-def record_text(record: dict | str) -> str:
-    """A prompt record's whole text: the prompt, or every message of a conversation."""
+def record_text(record: dict | str | list[dict]) -> str:
+    """A prompt's whole text: the prompt, or every message of a conversation (a record holding
+    "prompt" or "messages", or what `read_prompt_file` returns: a string or a list of messages)."""
     if isinstance(record, str):
         return record
-    if "messages" in record:
-        return "\n".join(m["content"] for m in record["messages"])
+    messages = record if isinstance(record, list) else record.get("messages")
+    if messages is not None:
+        return "\n".join(m["content"] for m in messages)
     return record["prompt"]
 
 
@@ -73,25 +75,30 @@ def ngram_hashes(text: str, n: int = NGRAM) -> np.ndarray:
     return out
 
 
+def _parse(code: str) -> ast.Module | None:
+    try:
+        return ast.parse(code)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _defined(tree: ast.AST) -> set[str]:
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
 def function_names(code: str) -> set[str]:
     """Names of the functions that Python source defines (nested ones too); none if it does not parse."""
-    try:
-        tree = ast.parse(code)
-    except SyntaxError:
-        return set()
-    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    tree = _parse(code)
+    return set() if tree is None else _defined(tree)
 
 
 def names_used(code: str) -> set[str]:
     """Function names a piece of Python defines and plain names it reads or binds (not attributes:
     `s.add(x)` uses the method `add` of something else, not a function named add)."""
-    try:
-        tree = ast.parse(code)
-    except SyntaxError:
+    tree = _parse(code)
+    if tree is None:
         return set()
-    found = function_names(code)
-    found.update(n.id for n in ast.walk(tree) if isinstance(n, ast.Name))
-    return found
+    return _defined(tree) | {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
 
 
 @dataclass

@@ -62,8 +62,8 @@ def manifest_path(prompt_file: str) -> str:
 
 
 def sharegpt_records(cfg: ShareGPTConfig) -> Iterator[dict]:
-    """{"prompt", "source": "sharegpt", "index"} for the human turns (first turns unless `every_turn`) of
-    the conversations with index < 15000, within `max_chars`."""
+    """{"prompt", "source": "sharegpt", "index"} for each human turn (only the first of each
+    conversation unless `every_turn`) of the conversations with index < 15000, within `max_chars`."""
     for index, text in sharegpt_human_turns(cfg.every_turn):
         if index >= SHAREGPT_MAX_INDEX:
             return
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         from ddtree.llm import load_tokenizer
         from ddtree.models.hub import resolve_model
         tokenizer = load_tokenizer(resolve_model(args.tokenizer))
-    index = evaluation_index([t if isinstance(t, str) else "\n".join(m["content"] for m in t) for t in heldout])
+    index = evaluation_index([record_text(t) for t in heldout])
     build_prompt_sets(args.out_dir, cfg, index, llm, tokenizer)
     return 0
 

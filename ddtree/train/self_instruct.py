@@ -59,28 +59,35 @@ FOLLOW_UPS = [
 # Example messages for the few-shot meta-prompt, written for it: (kind, language, persona, topic, message). A plan
 # is shown examples of other kinds than its own, so that it is not led to copy one.
 EXAMPLES = [
-    ("code_write", "Python", "a teacher", "statistics", "Can you write a Python function that takes a list of exam scores "
-     "and returns the mean, the median and the standard deviation? I can't use numpy on the school computers."),
-    ("code_fix", "JavaScript", "a beginner programmer", "web development", "My fetch call returns \"Unexpected token < in JSON "
-     "at position 0\". Here is the code:\n\nfetch('/api/items').then(r => r.json()).then(console.log)\n\nWhat "
-     "am I doing wrong?"),
-    ("code_howto", "Python", "a data analyst", "spreadsheets", "How do I read only the columns 'date' and 'amount' from a "
-     "big CSV file with pandas, and parse the dates while reading?"),
-    ("json", "", "a product manager", "mobile apps", "Turn these notes into a JSON array of objects with the fields "
-     "title, owner and due_date: login screen redesign - Maria - May 3; push notifications - Tom - May 10."),
-    ("structured", "", "a student", "chemistry", "Make a markdown table of the first ten elements with their symbol, "
-     "atomic number and whether each is a metal."),
-    ("math", "", "a small business owner", "retail", "I buy mugs at $4.20 each and sell them for $9. If card fees "
-     "take 3% of each sale, how many mugs do I need to sell to make $1,000 profit?"),
+    ("code_write", "Python", "a teacher", "statistics",
+     "Can you write a Python function that takes a list of exam scores and returns the mean, the median and the "
+     "standard deviation? I can't use numpy on the school computers."),
+    ("code_fix", "JavaScript", "a beginner programmer", "web development",
+     "My fetch call returns \"Unexpected token < in JSON at position 0\". Here is the code:\n\n"
+     "fetch('/api/items').then(r => r.json()).then(console.log)\n\nWhat am I doing wrong?"),
+    ("code_howto", "Python", "a data analyst", "spreadsheets",
+     "How do I read only the columns 'date' and 'amount' from a big CSV file with pandas, and parse the dates "
+     "while reading?"),
+    ("json", "", "a product manager", "mobile apps",
+     "Turn these notes into a JSON array of objects with the fields title, owner and due_date: login screen "
+     "redesign - Maria - May 3; push notifications - Tom - May 10."),
+    ("structured", "", "a student", "chemistry",
+     "Make a markdown table of the first ten elements with their symbol, atomic number and whether each is a metal."),
+    ("math", "", "a small business owner", "retail",
+     "I buy mugs at $4.20 each and sell them for $9. If card fees take 3% of each sale, how many mugs do I need to "
+     "sell to make $1,000 profit?"),
     ("short_answer", "", "a hobbyist", "astronomy", "Which planet has the shortest day?"),
-    ("explain", "", "a nurse", "biology", "What is the difference between type 1 and type 2 diabetes, in simple terms?"),
-    ("writing", "", "a freelancer", "job hunting", "Write a short, friendly email to a former client asking if they "
-     "would be willing to give me a testimonial for my website."),
-    ("advice", "", "a retiree", "gardening", "My tomato leaves are turning yellow from the bottom up. What should I "
-     "check first, and what can I do about it this week?"),
+    ("explain", "", "a nurse", "biology",
+     "What is the difference between type 1 and type 2 diabetes, in simple terms?"),
+    ("writing", "", "a freelancer", "job hunting",
+     "Write a short, friendly email to a former client asking if they would be willing to give me a testimonial "
+     "for my website."),
+    ("advice", "", "a retiree", "gardening",
+     "My tomato leaves are turning yellow from the bottom up. What should I check first, and what can I do about "
+     "it this week?"),
     ("short_answer", "", "a journalist", "world history", "In what year did the Berlin Wall fall?"),
-    ("code_write", "Bash", "a system administrator", "computer security", "Write a Bash script that lists every user "
-     "account on a Linux machine that has not logged in for 90 days."),
+    ("code_write", "Bash", "a system administrator", "computer security",
+     "Write a Bash script that lists every user account on a Linux machine that has not logged in for 90 days."),
 ]
 _HEADER = "Messages that people sent to an AI assistant, with who wrote each and what it asks for.\n"
 _STOPS = ["\n###", "\nMessage:", "\nFrom:"]  # (where the next example entry would start)
