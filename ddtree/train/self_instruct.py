@@ -100,7 +100,7 @@ class SelfInstructConfig:
     temperature: float = 0.9
     top_p: float = 0.95
     max_tokens: int = 256  # a request's length limit (an unfinished one is dropped, see drop_unfinished)
-    answer_max_tokens: int = 384  # the first answer of a follow-up conversation
+    answer_max_tokens: int = 256  # the first answer of a follow-up (the conversation stays within ~512 tokens)
     follow_up_share: float = 0.15
     min_chars: int = 12
     max_chars: int = 2000
