@@ -69,8 +69,8 @@ def _paged_attention_kernel(
         PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_P: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr):
-    # A query block's BLOCK_M x GROUP_P rows (tokens x the KV head's query heads), ROWS of them a
-    # program: all of them, or for wide heads a slice (choose_rows), the block then taken by several.
+    # A program takes ROWS of a query block's BLOCK_M x GROUP_P rows (tokens x the KV head's query
+    # heads): all of them, or for wide heads a slice (choose_rows), SLICES programs sharing the block.
     SLICES: tl.constexpr = BLOCK_M * GROUP_P // ROWS
     pid = tl.program_id(0)
     kvh = tl.program_id(1) // SLICES
@@ -173,7 +173,8 @@ def _fits(rows: int, block_n: int, head_dim: int, itemsize: int) -> bool:
 def choose_rows(rows: int, head_dim: int, itemsize: int) -> int:
     """Query rows a program, of a block's `rows` (tile height x padded head group): all of them, halved
     (down to tl.dot's 16) only while even 16-key tiles would not fit beside them. MLA's 576 channels (1024
-    padded) in bfloat16 take 64 rows a program; every head width up to 256 keeps whole blocks."""
+    padded) in bfloat16 take 64 rows a program; head widths up to 256 keep whole blocks of up to 128 rows
+    (every block of a group of at most 128 heads)."""
     while rows > 16 and not _fits(rows, 16, head_dim, itemsize):
         rows //= 2
     return rows
