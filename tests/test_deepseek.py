@@ -1,6 +1,7 @@
 """DeepSeek-V3 (models/mla.py, moe.py GroupRoutedMoE): tiny targets against transformers, and DFlash /
 DDTree on them against plain AR."""
 import math
+import os
 
 import pytest
 import torch
@@ -111,6 +112,24 @@ def test_dflash_and_ddtree_commit_exactly_ar_tokens_greedy_and_seeded(targets, t
     llm = LLM(model, draft=str(tmp_path / "drafter"), spec="none", **ENGINE)
     speculation_commits_ar_tokens(llm, PROMPTS, [(GREEDY, llm.generate(PROMPTS, GREEDY)),
                                                  (SEEDED, llm.generate(PROMPTS, SEEDED))])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("spec", ["none", "ddtree"])
+def test_the_triton_path_generates_the_torch_paths_tokens(targets, spec, tmp_path):
+    # The cached vector (32 + 8 channels: not a power of two) in the Triton kernels, by the interpreter:
+    # K/V stores and attention over prompt chunks and decode steps (AR), or over verified trees (DDTree),
+    # commit the torch path's greedy tokens.
+    from ddtree.models.dflash import random_drafter, save_drafter
+    model, prompts = targets["q_lora"], PROMPTS[1:2]
+    cfg = ModelConfig.from_dir(model)
+    save_drafter(random_drafter(cfg, num_layers=1, block_size=4, target_layer_ids=[0, cfg.num_layers - 1]),
+                 str(tmp_path / "drafter"))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model, spec="none", kernels="torch", **ENGINE).generate(prompts, params)]
+    llm = LLM(model, draft=str(tmp_path / "drafter"), spec=spec, budget=4, kernels="triton", **ENGINE)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
 
 
 def test_multi_token_prediction_layers_past_the_decoder_are_left_out(targets, tmp_path):

@@ -53,6 +53,12 @@ def make_case(q_lens, prefix_lens, mode, H=4, Hkv=2, D=16, page=4, seed=0, split
     return q, k, v, k_cache, v_cache, ref, kern
 
 
+# The tiny deepseek_v3 target's cache (tests/tiny.py): 4 query heads over one KV head of kv_lora_rank 32 +
+# qk_rope_head_dim 8 channels, a width the kernels pad to 64.
+MLA_HEADS = dict(H=4, Hkv=1, D=32 + 8)
+
+
+@pytest.mark.parametrize("heads", [dict(H=4, Hkv=2, D=16), MLA_HEADS], ids=["d16", "mla_d40"])
 @pytest.mark.parametrize("splits", [1, 4])  # 4: keys split across programs, partials combined
 @pytest.mark.parametrize("mode,q_lens,prefix_lens", [
     ("causal", [1, 1, 1], [0, 5, 130]),  # decode
@@ -60,8 +66,8 @@ def make_case(q_lens, prefix_lens, mode, H=4, Hkv=2, D=16, page=4, seed=0, split
     ("tree", [8, 5], [6, 150]),  # verify
     ("full", [8, 8], [3, 100]),  # drafter block
 ])
-def test_paged_attention_kernel_matches_reference(mode, q_lens, prefix_lens, splits):
-    q, k, v, kc, vc, ref, kern = make_case(q_lens, prefix_lens, mode, splits=splits)
+def test_paged_attention_kernel_matches_reference(mode, q_lens, prefix_lens, splits, heads):
+    q, k, v, kc, vc, ref, kern = make_case(q_lens, prefix_lens, mode, splits=splits, **heads)
     kc2, vc2 = kc.clone(), vc.clone()
     want = paged_attention(q, k, v, kc, vc, ref, scale=0.25)
     got = paged_attention(q, k, v, kc2, vc2, kern, scale=0.25)  # Triton store + attention
@@ -82,6 +88,44 @@ def test_wide_heads_take_narrower_key_tiles_and_still_match_the_reference():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+def test_padded_channels_are_neither_read_nor_written():
+    # Head width 24 (32 in the kernels' tiles): q, the caches and the output are views into rows 8
+    # channels wider, the extra channels NaN. A load past a head's channels would make the scores NaN; a
+    # store past them would overwrite the NaN. Tree rows, their keys split (the combine kernel writes).
+    q, k, v, kc, vc, ref, kern = make_case([8, 5, 1], [6, 150, 20], "tree", D=24, splits=4)
+    want = paged_attention(q, k, v, kc, vc, ref, scale=0.25)  # (stores the new tokens' K/V in kc, vc)
+
+    def nan_padded(x):
+        wide = torch.full((*x.shape[:-1], x.shape[-1] + 8), float("nan"))
+        wide[..., :x.shape[-1]] = x
+        return wide[..., :x.shape[-1]]
+
+    out = nan_padded(torch.zeros_like(q))
+    got = tri.triton_paged_attention(nan_padded(q), nan_padded(kc), nan_padded(vc), kern, 0.25, out=out)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert out.storage_offset() == 0 and torch.isnan(out.as_strided((*out.shape[:-1], 8), out.stride(), 24)).all()
+
+
+def test_wide_heads_split_a_blocks_rows_across_programs(monkeypatch):
+    # MLA at DeepSeek-V3's sizes: 576 channels, 1024 in the tiles. A 128-row block (a prefill tile, or one
+    # decode token of a 128-head group) in bfloat16 does not fit in shared memory beside even 16-key tiles;
+    # two programs take 64 rows each. Widths up to 256 keep whole blocks, as they always did.
+    assert tri.choose_rows(128, 1024, 2) == 64 and tri.choose_block_n(64, 1024, 2) == 16
+    assert tri.choose_rows(64, 1024, 2) == 64 and tri.choose_rows(128, 1024, 4) == 16
+    assert tri.choose_rows(128, 256, 4) == tri.choose_rows(128, 128, 2) == 128
+    # The slices in the interpreter: a shared-memory budget that holds 16 rows of the tiny MLA width (64 in
+    # the tiles, float32), so a block of 8 tree nodes x 4 heads is taken by two programs, one of 16 prompt
+    # tokens x 4 heads by four.
+    monkeypatch.setattr(tri, "SHARED_BYTES", 14000)
+    for mode, q_lens, prefix_lens, splits, block_rows in [("tree", [8, 5], [6, 150], 4, 32),
+                                                          ("causal", [7, 1, 12], [0, 9, 3], 1, 64)]:
+        q, k, v, kc, vc, ref, kern = make_case(q_lens, prefix_lens, mode, splits=splits, **MLA_HEADS)
+        assert kern.block_m * 4 == block_rows and tri.choose_rows(block_rows, 64, 4) == 16
+        want = paged_attention(q, k, v, kc.clone(), vc.clone(), ref, scale=0.25)
+        got = paged_attention(q, k, v, kc, vc, kern, scale=0.25)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_move_kv_kernel_copies_slots_in_order_across_layers():
     g = torch.Generator().manual_seed(3)
     cache = torch.randn(2, 3, 40, 2, 8, generator=g)
@@ -94,14 +138,15 @@ def test_move_kv_kernel_copies_slots_in_order_across_layers():
     assert torch.equal(cache, want)
 
 
+@pytest.mark.parametrize("D", [16, 24])  # 24: padded to 32 in the kernel
 @pytest.mark.parametrize("qk_norm", [False, True])  # Qwen2 / Llama, Qwen3
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_qkv_rope_store_matches_split_ops(qk_norm, dtype):
+def test_fused_qkv_rope_store_matches_split_ops(qk_norm, dtype, D):
     from ddtree.ops.attention import store_kv
     from ddtree.ops.fused import qkv_rope
     from ddtree.ops.triton_qkv import qkv_rope_store
     g = torch.Generator().manual_seed(1)
-    T, H, Hkv, D, slots = 5, 4, 2, 16, 40
+    T, H, Hkv, slots = 5, 4, 2, 40
     qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
     positions = torch.tensor([0, 3, 17, 18, 255])
     freqs = torch.outer(torch.arange(300).float(), 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D))

@@ -239,8 +239,7 @@ def rope_and_store(attn: nn.Module, qkv: torch.Tensor, positions: torch.Tensor, 
     qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
     eps = attn.q_norm.eps if attn.qk_norm else 0.0
     heads, q_size = (attn.num_heads, attn.q_size) if with_q else (0, 0)
-    half = attn.head_dim // 2
-    if use_triton and attn.head_dim % 2 == 0 and half & (half - 1) == 0:  # (the kernel's tile shape)
+    if use_triton and attn.head_dim % 2 == 0:  # (the rotary pairs of a whole head)
         from ddtree.ops.triton_qkv import qkv_rope_store
         return qkv_rope_store(qkv, positions, attn.rotary[0].cos_sin, slots, attn.k_cache, attn.v_cache,
                               heads, attn.num_kv_heads, attn.head_dim, qn, kn, eps)

@@ -48,6 +48,17 @@ def choose_block_m(max_q: int, group: int) -> int:
     return bm
 
 
+@triton.jit
+def _channels_ok(d, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):
+    """Which of the padded channels d = 0 .. HEAD_DIM_P - 1 are the head's: a constant all-true mask at a
+    power-of-two width, which the compiler folds away (the loads and stores compile as unmasked ones)."""
+    if HEAD_DIM_P == HEAD_DIM:
+        ok = tl.full([HEAD_DIM_P], 1, tl.int1)
+    else:
+        ok = d < HEAD_DIM
+    return ok
+
+
 # (Not specialized on the page-table width: Triton would compile a variant for each batch whose widest
 # table is a multiple of 16 pages, mid-run in an eager prefill or refeed, 0.5-1 s on the H200.)
 @triton.jit(do_not_specialize=["stride_bt", "stride_mr", "stride_mi"])
@@ -56,10 +67,13 @@ def _paged_attention_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_bt,
         stride_mr, stride_mi, scale, Part, PartML,
         PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
-        SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr):
+        HEAD_DIM_P: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr):
+    # A program takes ROWS of a query block's BLOCK_M x GROUP_P rows (tokens x the KV head's query
+    # heads): all of them, or for wide heads a slice (choose_rows), SLICES programs sharing the block.
+    SLICES: tl.constexpr = BLOCK_M * GROUP_P // ROWS
     pid = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // SLICES
     sp = tl.program_id(2)  # which slice of the keys (flash-decoding split; 0 of 1 when not split)
     r = tl.load(BlkReq + pid)
     q0 = tl.load(BlkQ + pid)
@@ -68,18 +82,21 @@ def _paged_attention_kernel(
     qstart = tl.load(QStarts + r)
     kv_len = prefix + qlen
 
-    rows = tl.arange(0, BLOCK_M * GROUP_P)
+    rows = tl.program_id(1) % SLICES * ROWS + tl.arange(0, ROWS)
     tok = q0 + rows // GROUP_P  # query index within the request
     g = rows % GROUP_P
     head = kvh * GROUP + g
     row_ok = (tok < qlen) & (g < GROUP)
-    d = tl.arange(0, HEAD_DIM)
+    # Channels padded to a power of two: the padding loads as zeros (adding nothing to q . k, and
+    # giving zero output columns) and is never stored.
+    d = tl.arange(0, HEAD_DIM_P)
+    d_ok = _channels_ok(d, HEAD_DIM, HEAD_DIM_P)
     q = tl.load(Q + (qstart + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    m_i = tl.full([BLOCK_M * GROUP_P], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M * GROUP_P], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP_P, HEAD_DIM], tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_P], tl.float32)
     # Causal rows never look past their own token; masked rows are bounded by the request length.
     if HAS_MASK:
         end = kv_len
@@ -94,7 +111,8 @@ def _paged_attention_kernel(
         n_ok = n < hi
         page = tl.load(BlockTables + r * stride_bt + n // PAGE, mask=n_ok, other=0)
         slot = page.to(tl.int64) * PAGE + n % PAGE  # int64: slot * row stride passes 2^31 in big caches
-        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None], other=0.0)
+        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         j = n - prefix  # index among the new tokens (negative: the cached prefix)
         if HAS_MASK:
@@ -110,23 +128,24 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(V + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if SPLITS == 1:
         out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
         tl.store(Out + (qstart + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:  # partial results [T, H, SPLITS, D] and (max, sum) [T, H, SPLITS, 2], merged by _combine
         idx = ((qstart + tok) * NUM_HEADS + head).to(tl.int64) * SPLITS + sp
-        tl.store(Part + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(Part + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(PartML + idx * 2, m_i, mask=row_ok)
         tl.store(PartML + idx * 2 + 1, l_i, mask=row_ok)
 
 
 @triton.jit
 def _combine_kernel(Out, Part, PartML, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    SPLITS: tl.constexpr):
+                    HEAD_DIM_P: tl.constexpr, SPLITS: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     base = (t * NUM_HEADS + h).to(tl.int64) * SPLITS
@@ -135,21 +154,37 @@ def _combine_kernel(Out, Part, PartML, stride_ot, stride_oh, NUM_HEADS: tl.const
     l = tl.load(PartML + (base + s) * 2 + 1)
     m_max = tl.max(m, 0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
-    d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(Part + (base + s)[:, None] * HEAD_DIM + d[None, :])
+    d = tl.arange(0, HEAD_DIM_P)
+    d_ok = _channels_ok(d, HEAD_DIM, HEAD_DIM_P)
+    acc = tl.load(Part + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=d_ok[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(l * w, 0), 1e-30)
-    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))
+    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
 SHARED_BYTES = 220 * 2**10  # a program's shared memory: the H100 and H200 give a block 227 KB
 
 
+def _fits(rows: int, block_n: int, head_dim: int, itemsize: int) -> bool:
+    """Whether a program's operands fit in shared memory: its rows of q, a K and a V tile, the float32
+    scores (head_dim: the padded width the kernel's tiles take)."""
+    return (rows * head_dim + 2 * block_n * head_dim) * itemsize + rows * block_n * 4 <= SHARED_BYTES
+
+
+def choose_rows(rows: int, head_dim: int, itemsize: int) -> int:
+    """Query rows a program, of a block's `rows` (tile height x padded head group): all of them, halved
+    (down to tl.dot's 16) only while even 16-key tiles would not fit beside them. MLA's 576 channels (1024
+    padded) in bfloat16 take 64 rows a program; head widths up to 256 keep whole blocks of up to 128 rows
+    (every block of a group of at most 128 heads)."""
+    while rows > 16 and not _fits(rows, 16, head_dim, itemsize):
+        rows //= 2
+    return rows
+
+
 def choose_block_n(rows: int, head_dim: int, itemsize: int) -> int:
-    """Keys per tile: 64, halved while a program's operands (its rows of q, a K and a V tile, the
-    float32 scores) would not fit in shared memory; head_dim 256 in float32 (hybrid Qwen3.5 models)
-    takes 32."""
+    """Keys per tile: 64, halved while a program's operands would not fit in shared memory; head_dim 256
+    in float32 (hybrid Qwen3.5 models) takes 32."""
     bn = 64
-    while bn > 16 and (rows * head_dim + 2 * bn * head_dim) * itemsize + rows * bn * 4 > SHARED_BYTES:
+    while bn > 16 and not _fits(rows, bn, head_dim, itemsize):
         bn //= 2
     return bn
 
@@ -188,12 +223,15 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D]; caches: [slots, Hkv, D]. The new tokens' K/V must already be stored."""
     T, H, D = q.shape
+    D_P = triton.next_power_of_2(D)  # (the kernels' tiles: any head width, padded with masked channels)
     Hkv = k_cache.shape[1]
     group = H // Hkv
     out = torch.empty_like(q) if out is None else out
     mask = meta.mask
     splits = meta.splits
-    grid = (meta.blk_req.shape[0], Hkv, splits)
+    block_rows = meta.block_m * triton.next_power_of_2(group)
+    rows = choose_rows(block_rows, D_P, q.element_size())
+    grid = (meta.blk_req.shape[0], Hkv * (block_rows // rows), splits)
     if splits > 1:
         part = torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(T, H, splits, 2, dtype=torch.float32, device=q.device)
@@ -205,14 +243,13 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         meta.block_tables.stride(0), mask.stride(0) if mask is not None else 0,
         mask.stride(1) if mask is not None else 0, scale, part, part_ml,
-        PAGE=meta.page_size, GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=D,
-        BLOCK_M=meta.block_m, BLOCK_N=choose_block_n(meta.block_m * triton.next_power_of_2(group), D, q.element_size()),
-        HAS_MASK=mask is not None,
+        PAGE=meta.page_size, GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=D, HEAD_DIM_P=D_P,
+        BLOCK_M=meta.block_m, ROWS=rows, BLOCK_N=choose_block_n(rows, D_P, q.element_size()), HAS_MASK=mask is not None,
         # fp32 models get exact products (tests, parity); tf32 would round them like bf16 does.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, NUM_HEADS=H)
     if splits > 1:
         _combine_kernel[(T, H)](out, part, part_ml, out.stride(0), out.stride(1), NUM_HEADS=H, HEAD_DIM=D,
-                                SPLITS=splits)
+                                HEAD_DIM_P=D_P, SPLITS=splits)
     return out
 
 
