@@ -139,6 +139,21 @@ def test_the_triton_experts_equal_one_product_per_expert(tokens, first):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton needs a GPU or its interpreter")
+@pytest.mark.parametrize("top_k, normalise", [(2, True), (3, False)])
+def test_the_triton_router_picks_torch_s_top_k_and_weights(top_k, normalise):
+    from ddtree.ops.triton_moe import softmax_topk
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(top_k)).to(dev)
+    experts, weights = softmax_topk(logits, top_k, normalise)
+    want_w, want_e = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    if normalise:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    assert torch.equal(experts, want_e)
+    torch.testing.assert_close(weights, want_w)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton path on the CPU: its interpreter")
 def test_the_triton_path_generates_like_the_torch_path(moe_pair):
     # The whole target on the Triton kernels (attention, few-row products, routed experts), batched

@@ -9,9 +9,10 @@ The experts' weights are stacked, `gate_up_proj` [E, 2I, D] (gate rows, then up 
 [E, D, I], as transformers stores them; checkpoints with one tensor per expert
 (`experts.{e}.gate_proj.weight`, ...) load into them through `load_expert`.
 
-On the Triton path (`kernels`), steps with a few pairs an expert (decode steps, small verifies) run the
-experts as ops/triton_moe.py's kernels, each expert's weights read once; more pairs run as two grouped
-products (`torch._grouped_mm`), or a product per expert where those do not run.
+On the Triton path (`kernels`), the router's softmax and top-k run as one kernel, and steps with a few
+pairs an expert (decode steps, small verifies) run the experts as ops/triton_moe.py's kernels, each
+chosen expert's weights read once; more pairs run as two grouped products (`torch._grouped_mm`), or a
+product per expert where those do not run.
 
 Under tensor parallelism each rank holds the experts `first` .. `first` + E - 1 (parallel/shard.py):
 it adds those experts' share of each token's output, and an all-reduce over `group` sums the shares.
@@ -61,8 +62,7 @@ class Experts(nn.Module):
         Triton kernels (ops/triton_moe.py), the rest as grouped products where they run."""
         from ddtree.ops.triton_moe import experts_fit, routed_experts
         if use_triton and experts_fit(experts.numel(), self.gate_up_proj.shape[0]):
-            local, order, counts = self._sorted_pairs(experts)
-            return routed_experts(x, local, order, counts, self.gate_up_proj, self.down_proj, weights)
+            return routed_experts(x, experts, weights, self.gate_up_proj, self.down_proj, self.first)
         return self._grouped(x, experts, weights) if grouped_mm_runs(x) else self._by_expert(x, experts, weights)
 
     def reduce(self, out: torch.Tensor) -> torch.Tensor:
@@ -133,11 +133,17 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         """The layer's output for x [T, D]; `batch` (the step's AttentionBatch) says whether the Triton
         kernels run."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, experts, weights.to(x.dtype), batch is not None and batch.use_triton)
+        use_triton = batch is not None and batch.use_triton
+        if use_triton:  # (one kernel from the logits to each token's experts and weights)
+            from ddtree.models.transformer import project
+            from ddtree.ops.triton_moe import softmax_topk
+            experts, weights = softmax_topk(project(self.gate, x, batch), self.top_k, self.norm_topk_prob)
+        else:
+            probs = torch.softmax(self.gate(x).float(), dim=-1)
+            weights, experts = probs.topk(self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, experts, weights.to(x.dtype), use_triton)
 
     def after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, batch) -> tuple:
         """(self(norm(x + residual)), x + residual): the dense MLP's fused few-rows hook, unfused here."""
