@@ -326,7 +326,7 @@ def test_the_triton_kernels_equal_the_torch_path_for_decode_steps_trees_and_comm
                                atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(ours.conv_state, layer.conv_state, atol=0, rtol=0)
     torch.testing.assert_close(ours.recurrent_state, layer.recurrent_state, atol=1e-5, rtol=1e-4)
-    for N, chain in ((5, True), (11, False), (20, False), (33, True)):
+    for N, chain in ((5, True), (11, False), (20, False), (33, True), (65, False)):
         mask = torch.zeros(R, N, N, dtype=torch.bool)
         depths = torch.zeros(R, N, dtype=torch.long)
         parents = []

@@ -303,27 +303,28 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
 @triton.jit
 def _commit_state_kernel(State, Slots, stride_slots, Prefix, Mixed, Dbuf, Gbuf, Mask, stride_mask_r, stride_mask_q,
                          Nodes, stride_slot, stride_head, HV, REPEAT, KEY_DIM, C, N,
-                         DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, BLOCK_V: tl.constexpr):
+                         DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    i = tl.arange(0, NP)
-    valid = i < N
     dk = tl.arange(0, DK)
     end = tl.load(Nodes + r).to(tl.int32)
-    on_path = tl.load(Mask + r * stride_mask_r + end * stride_mask_q + i, mask=valid, other=0) != 0
-    G = tl.load(Gbuf + (r * HV + h) * N + i, mask=valid, other=0.0)
-    Ge = tl.sum(tl.where(i == end, G, 0.0), 0)
-    k = tl.load(Mixed + (r * N + i[:, None]) * C + KEY_DIM + (h // REPEAT) * DK + dk[None, :], mask=valid[:, None],
-                other=0.0)
-    k = _unit_rows(k, 1.0) * tl.where(on_path, tl.exp(tl.where(on_path, Ge - G, 0.0)), 0.0)[:, None]
+    Ge = tl.load(Gbuf + (r * HV + h) * N + end)
     base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
     keep = tl.load(Prefix + r) != 0
     dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     ptrs = base + dk[:, None] * DV + dv[None, :]
-    s0 = tl.where(keep, tl.load(ptrs), 0.0)
-    d = tl.load(Dbuf + ((r * HV + h) * N + i[:, None]) * DV + dv[None, :], mask=valid[:, None], other=0.0)
-    new = tl.exp(Ge) * s0 + tl.dot(tl.trans(k), d, input_precision=PRECISION)
+    new = tl.exp(Ge) * tl.where(keep, tl.load(ptrs), 0.0)
+    for c0 in range(0, N, CHUNK):  # the nodes CHUNK at a time (a tile of every node would not fit in registers)
+        i = c0 + tl.arange(0, CHUNK)
+        valid = i < N
+        on_path = tl.load(Mask + r * stride_mask_r + end * stride_mask_q + i, mask=valid, other=0) != 0
+        G = tl.load(Gbuf + (r * HV + h) * N + i, mask=valid, other=0.0)
+        k = tl.load(Mixed + (r * N + i[:, None]) * C + KEY_DIM + (h // REPEAT) * DK + dk[None, :],
+                    mask=valid[:, None], other=0.0)
+        k = _unit_rows(k, 1.0) * tl.where(on_path, tl.exp(tl.where(on_path, Ge - G, 0.0)), 0.0)[:, None]
+        d = tl.load(Dbuf + ((r * HV + h) * N + i[:, None]) * DV + dv[None, :], mask=valid[:, None], other=0.0)
+        new += tl.dot(tl.trans(k), d, input_precision=PRECISION)
     tl.debug_barrier()
     tl.store(ptrs, new)
 
@@ -366,7 +367,7 @@ def tree_commit(state: torch.Tensor, window: torch.Tensor, slots: torch.Tensor, 
     _commit_state_kernel[(R, H, triton.cdiv(DV, block_v))](
         state, slots, slots.stride(0), prefix, mixed, d, G, above, above.stride(0), above.stride(1), nodes,
         state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK, mixed.shape[1], N,
-        DK=DK, DV=DV, NP=max(16, triton.next_power_of_2(N)), BLOCK_V=block_v, num_warps=4)
+        DK=DK, DV=DV, CHUNK=max(16, min(32, triton.next_power_of_2(N))), BLOCK_V=block_v, num_warps=4)
     C = window.shape[1]
     block_c = 256
     _commit_window_kernel[(R, triton.cdiv(C, block_c))](
