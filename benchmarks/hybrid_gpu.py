@@ -13,7 +13,7 @@
    at rank 0, 1, 2 or missing ("noisy": accepts along side branches). Then the graphed DDTree path
    and budget auto (graphed AR bursts that read out the drafter's context) with the random drafter
    (acceptance near 1) against the same AR outputs.
-   Before those, float32 greedy output against transformers' on the same GPU (4 prompts).
+   Before those (`hf`), float32 greedy output against transformers' on the same GPU (4 prompts).
 4. flash-linear-attention's chunked delta rule, if importable, against ours (models/hybrid.py) on
    variable-length prompts with initial states: agreement and time.
 5. `profile` (with `bf16`): kernel time by name over replays of an AR step and a verify of 33 nodes at C=1.
@@ -150,13 +150,16 @@ def hf_check(target: str, vocab: int, out: dict) -> None:
     torch.cuda.empty_cache()
 
 
-def fp32_runs(target: str, drafter: str, vocab: int, n: int, max_tokens: int, out: dict) -> None:
+def fp32_runs(target: str, drafter: str, vocab: int, n: int, max_tokens: int, out: dict,
+              modes: tuple[str, ...] = ("greedy", "sampled")) -> None:
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, vocab, (int(k),), generator=g).tolist()
                for k in torch.randint(4, 300, (n,), generator=g)]
     kw = dict(dtype="float32", num_pages=4096, max_num_seqs=n)
     ar_llm = LLM(target, **kw)
     for mode, extra in (("greedy", {}), ("sampled", dict(temperature=0.7))):
+        if mode not in modes:
+            continue
         params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **({**extra, "seed": i} if extra else {}))
                   for i in range(n)]
         ar = ar_llm.generate(prompts, params)
@@ -248,7 +251,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--sharpen", type=float, default=8.0)
-    ap.add_argument("--parts", default="fla,bf16,fp32")
+    ap.add_argument("--parts", default="fla,bf16,hf,fp32")
+    ap.add_argument("--modes", default="greedy,sampled", help="fp32: the oracle runs' modes (greedy, sampled)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     out = {"config": args.config, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
@@ -289,9 +293,11 @@ def main() -> None:
     def fp32():
         built = hybrid_pair(args.config, os.path.join(work, "fp32"), "float32", sharpen=args.sharpen)
         vocab = json.load(open(os.path.join(built["target"], "config.json")))["vocab_size"]
-        hf_check(built["target"], vocab, out)
-        save()
-        fp32_runs(built["target"], built["drafter"], vocab, args.prompts, args.max_tokens, out)
+        if "hf" in parts:
+            hf_check(built["target"], vocab, out)
+            save()
+        fp32_runs(built["target"], built["drafter"], vocab, args.prompts, args.max_tokens, out,
+                  tuple(args.modes.split(",")))
 
     part("fla", lambda: fla_probe(out))
     part("steps", steps)
