@@ -44,7 +44,10 @@ def test_the_config_caches_one_latent_vector_per_token(targets):
     assert yarn.mla.scale == pytest.approx((16 + 8) ** -0.5 * (0.1 * 0.7 * math.log(4.0) + 1) ** 2)
     model, cfg = load_model(targets["q_lora"])
     runner = ModelRunner(model, cfg, EngineConfig(page_size=4, num_pages=8), torch.device("cpu"), torch.float32)
-    assert runner.kv_cache.shape == (2, 3, 9 * 4, 1, 40)
+    assert runner.kv_cache.shape == (1, 3, 9 * 4, 1, 40)  # (one cached vector a token: V is the K cache)
+    runner.bind_cache()
+    attn = model.model.layers[0].self_attn
+    assert attn.v_cache.data_ptr() == attn.k_cache.data_ptr() == runner.kv_cache[0, 0].data_ptr()
 
 
 @pytest.mark.parametrize("setting", [{"rope_scaling": {"type": "dynamic", "factor": 4.0}},

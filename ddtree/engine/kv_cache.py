@@ -55,9 +55,10 @@ class PageAllocator:
 
 
 def allocate_kv_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-    """[2, layers, slots, Hkv, D]: K and V for every layer in one allocation."""
-    return torch.zeros(2, num_layers, num_pages * page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+                      dtype: torch.dtype, device: str | torch.device, parts: int = 2) -> torch.Tensor:
+    """[parts, layers, slots, Hkv, D]: K and V for every layer in one allocation; `parts` 1 where the
+    keys and values are one cached vector (MLA: a layer's V cache is its K cache)."""
+    return torch.zeros(parts, num_layers, num_pages * page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
 
 def allocate_state_cache(cfg, num_slots: int, dtype: torch.dtype, device: str | torch.device):
@@ -71,6 +72,6 @@ def allocate_state_cache(cfg, num_slots: int, dtype: torch.dtype, device: str | 
 
 
 def pages_for_memory(bytes_available: float, num_layers: int, page_size: int, num_kv_heads: int,
-                     head_dim: int, dtype: torch.dtype) -> int:
-    per_page = 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+                     head_dim: int, dtype: torch.dtype, parts: int = 2) -> int:
+    per_page = parts * num_layers * page_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
     return max(1, int(bytes_available // per_page))

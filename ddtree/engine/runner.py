@@ -28,11 +28,12 @@ class ModelRunner:
         self.max_num_batched_tokens = engine_cfg.max_num_batched_tokens  # (a forward's activations are sized for it)
         self.use_triton = engine_cfg.use_triton(device)
         self.heads_per_kv = cfg.num_heads // cfg.num_kv_heads
+        self.kv_parts = 1 if cfg.mla is not None else 2  # (MLA caches one vector a token, its keys and values)
         self.num_pages = engine_cfg.num_pages or self._pages_from_memory(engine_cfg, logit_rows)
         # One page more than the allocator hands out: the scratch page, where padding rows of a
         # fixed-shape (CUDA graph) step write their K/V.
         self.kv_cache = allocate_kv_cache(len(cfg.attention_layers), self.num_pages + 1, self.page_size,
-                                          cfg.num_kv_heads, cfg.head_dim, dtype, device)
+                                          cfg.num_kv_heads, cfg.head_dim, dtype, device, self.kv_parts)
         self.scratch_page = self.num_pages
         self.num_slots = (self.num_pages + 1) * self.page_size
         # Hybrid models: a recurrent-state slot per request that may run (engine/kv_cache.py).
@@ -91,7 +92,7 @@ class ModelRunner:
         layers = self.model.model.layers
         for i, index in enumerate(self.cfg.attention_layers):
             layers[index].self_attn.k_cache = self.kv_cache[0, i]
-            layers[index].self_attn.v_cache = self.kv_cache[1, i]
+            layers[index].self_attn.v_cache = self.kv_cache[-1, i]  # (MLA: the K cache again)
         for i, index in enumerate(self.cfg.linear_layers):
             layers[index].linear_attn.conv_state = self.state_cache[0][i]
             layers[index].linear_attn.recurrent_state = self.state_cache[1][i]
@@ -117,7 +118,7 @@ class ModelRunner:
         else:
             budget = ec.kv_cache_gb * 2**30
         return pages_for_memory(budget, len(self.cfg.attention_layers), self.page_size, self.cfg.num_kv_heads,
-                                self.cfg.head_dim, self.dtype)
+                                self.cfg.head_dim, self.dtype, self.kv_parts)
 
     def prepare(self, chunks: list[tuple[Sequence, int]]):
         """Inputs for feeding each request its next n uncached tokens."""

@@ -8,9 +8,9 @@ c | k_pe per token: one "KV head" of width kv_lora_rank + qk_rope_head_dim (Mode
 The key part of kv_b_proj is absorbed into the query: q_nope[h] . (c W_UK[h]) = (q_nope[h] W_UK[h]^T) . c,
 so each head's query becomes (q_nope[h] W_UK[h]^T) | q_pe[h] and attention is multi-query attention over
 the cached vectors, with the existing `paged_attention` and the masks of the step's `AttentionBatch`
-(causal, tree, drafter block) unchanged. The V cache holds the same vector; the first kv_lora_rank
-channels of each head's output are its attention-weighted latent, which W_UV[h] takes to the head's
-values before o_proj.
+(causal, tree, drafter block) unchanged. The V cache is the K cache (the runner allocates one); the
+first kv_lora_rank channels of each head's output are its attention-weighted latent, which W_UV[h]
+takes to the head's values before o_proj.
 
 Under tensor parallelism (parallel/shard.py) each rank holds num_heads / N heads, their rows of
 q_b_proj (or q_proj) and kv_b_proj and their columns of o_proj, whose all-reduce sums the heads'
