@@ -57,9 +57,9 @@ class Experts(nn.Module):
 
     def share(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
               use_triton: bool = False) -> torch.Tensor:
-        """This rank's share of forward(): the token-expert pairs are sorted by expert; pairs of experts
-        held by other ranks come last and are left out. `use_triton`: a few pairs an expert run as the
-        Triton kernels (ops/triton_moe.py), the rest as grouped products where they run."""
+        """This rank's share of forward(); pairs of experts held by other ranks are left out. With
+        `use_triton`, a few pairs an expert run as the Triton kernels (ops/triton_moe.py); otherwise the
+        pairs, sorted by expert, run as grouped products where those run, else one product per expert."""
         from ddtree.ops.triton_moe import experts_fit, routed_experts
         if use_triton and experts_fit(experts.numel(), self.gate_up_proj.shape[0]):
             return routed_experts(x, experts, weights, self.gate_up_proj, self.down_proj, self.first)

@@ -85,7 +85,7 @@ def _tile_pairs(p, mine, ranks, m0, count, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _experts_up_kernel(X, stride_x, Ids, FIRST, P, W, H, TOP_K, D, I, PAIRS, PP: tl.constexpr,
+def _experts_up_kernel(X, stride_x, Ids, FIRST, P, W, H, TOP_K, D, I, PP: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     p, mine, ranks, count = _my_pairs(Ids, FIRST, P, PP)
@@ -113,7 +113,7 @@ def _experts_up_kernel(X, stride_x, Ids, FIRST, P, W, H, TOP_K, D, I, PAIRS, PP:
 
 
 @triton.jit
-def _experts_down_kernel(Hbuf, Ids, FIRST, P, W, Weights, Y, D, I, PAIRS, PP: tl.constexpr,
+def _experts_down_kernel(Hbuf, Ids, FIRST, P, W, Weights, Y, D, I, PP: tl.constexpr,
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):
     p, mine, ranks, count = _my_pairs(Ids, FIRST, P, PP)
@@ -153,9 +153,9 @@ def _sum_pairs_kernel(Y, Ids, FIRST, HELD, Out, D, TOP_K: tl.constexpr, BLOCK: t
 SPLITS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4)
           for n, k in ((32, 128), (64, 64), (32, 256), (64, 128))]
 _experts_up = _experts_up_kernel if INTERPRETED else \
-    triton.autotune(SPLITS, key=["D", "I", "PAIRS"])(_experts_up_kernel)
+    triton.autotune(SPLITS, key=["D", "I", "PP"])(_experts_up_kernel)
 _experts_down = _experts_down_kernel if INTERPRETED else \
-    triton.autotune(SPLITS, key=["D", "I", "PAIRS"])(_experts_down_kernel)
+    triton.autotune(SPLITS, key=["D", "I", "PP"])(_experts_down_kernel)
 
 
 def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -176,9 +176,9 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     if INTERPRETED:
         common.update(BLOCK_N=32, BLOCK_K=32, num_warps=4)
     _experts_up[lambda meta: (held, triton.cdiv(I, meta["BLOCK_N"]))](
-        x, x.stride(0), ids, first, P, gate_up, h, top_k, D, I, PP, **common)
+        x, x.stride(0), ids, first, P, gate_up, h, top_k, D, I, **common)
     _experts_down[lambda meta: (held, triton.cdiv(D, meta["BLOCK_N"]))](
-        h, ids, first, P, down, weights.contiguous(), y, D, I, PP, **common)
+        h, ids, first, P, down, weights.contiguous(), y, D, I, **common)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(D))
     _sum_pairs_kernel[(T, triton.cdiv(D, block))](y, ids, first, held, out, D, TOP_K=top_k, BLOCK=block)
