@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFWriter, TokenType
 from gguf.quants import dequantize, quantize
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ddtree.models.gguf import DONE_MARKER, convert_gguf, read_gguf
 
@@ -24,9 +25,24 @@ TEXT = "The quick brown fox jumps over the lazy dog, and the dog sleeps."
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-# One tensor stored as F16 and one as Q8_0 (the q projection, so llama's permutation meets quantization).
-F16_TENSOR, Q8_TENSOR = "model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              # Qwen3-MoE: the router, and each layer's experts stacked into one tensor a projection
+              "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
+              "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps"}
+QWEN35_NAMES = {**GGUF_NAMES, "post_attention_layernorm": "post_attention_norm",
+                "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
+                "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.in_proj_b": "ssm_beta",
+                "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out",
+                "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}  # (whole names: no leaf)
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text"}
+# One tensor stored as F16 and one as Q8_0, where a converter transform meets quantization: llama's q/k
+# row permutation, the stacking of experts, Qwen3.5's value-head reordering (rows of q|k|v). Patterns, as
+# a MoE layer's experts are one tensor each in HF and one stacked tensor in the GGUF.
+F16_TENSOR = {"qwen3moe": r"model\.layers\.1\.mlp\.experts\.(\d+\.)?up_proj\.weight",
+              "qwen35": r"model\.layers\.0\.linear_attn\.out_proj\.weight"}
+Q8_TENSOR = {"qwen3moe": r"model\.layers\.0\.mlp\.experts\.(\d+\.)?down_proj\.weight",
+             "qwen35": r"model\.layers\.0\.linear_attn\.in_proj_qkv\.weight"}
+DENSE_F16, DENSE_Q8 = r"model\.layers\.1\.mlp\.up_proj\.weight", r"model\.layers\.0\.self_attn\.q_proj\.weight"
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 
@@ -35,7 +51,13 @@ CASES = {
     "qwen3-headdim": ("qwen3", dict(head_dim=32, rope_theta=1e6)),
     "llama-rope3": ("llama", dict(rope_theta=500000.0, max_position_embeddings=131072, rope_scaling=LLAMA3_ROPE)),
     "llama-bias-tied": ("llama", dict(attention_bias=True, tie_word_embeddings=True)),
+    "qwen3moe": ("qwen3moe", dict(rope_theta=1e6)),
+    # two key heads of three value heads each (llama.cpp reorders those), and half of each head rotated
+    "qwen35-grouped": ("qwen35", dict(linear_num_key_heads=2, linear_num_value_heads=6, partial_rotary_factor=0.5)),
+    "qwen35-tied": ("qwen35", dict(linear_num_key_heads=2, linear_num_value_heads=2, tie_word_embeddings=True,
+                                   rope_theta=1e7, head_dim=32)),
 }
+DENSE_CASES = [c for c, (arch, _) in CASES.items() if arch not in MODEL_TYPES]
 
 
 def train_tokenizer():
@@ -51,12 +73,21 @@ def train_tokenizer():
 
 
 def hf_config(arch: str, overrides: dict, eos: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   bos_token_id=0, eos_token_id=eos)
     common.update(copy.deepcopy(overrides))  # transformers edits rope_scaling in place
+    if arch == "qwen3moe":  # routed experts in every layer, as llama.cpp's qwen3moe has them
+        return Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              norm_topk_prob=True, **common)
+    if arch == "qwen35":  # a Gated DeltaNet layer, then a gated full-attention one; 8 rotated channels a head
+        rope = {"rope_type": "default", "rope_theta": common.pop("rope_theta", 10000.0),
+                "partial_rotary_factor": common.pop("partial_rotary_factor", 0.25), "mrope_section": [2, 1, 1]}
+        return Qwen3_5TextConfig(**{"head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+                                    "linear_conv_kernel_dim": 4, "layer_types": ["linear_attention", "full_attention"],
+                                    "rope_parameters": rope, **common})
     return {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[arch](**common)
 
 
@@ -65,29 +96,91 @@ def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def qwen35_to_gguf(name: str, t: torch.Tensor, cfg) -> torch.Tensor:
+    """What llama.cpp's converter does to a Qwen3.5 text model's tensor (rows may be Q8_0 bytes): value heads
+    from grouped by key head to tiled (the r-th of every group together), the convolution squeezed, A_log as
+    -exp(A_log), and 1 added to the zero-centred norms (all but the gated one)."""
+    n_k, n_v, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    qk = 2 * n_k * cfg.linear_key_head_dim
+
+    def tiled(x, head):
+        return x.reshape(n_k, n_v // n_k, head, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+
+    if "conv1d" in name:
+        t = t.squeeze(1)
+    if "linear_attn." in name and n_k != n_v:
+        if "in_proj_qkv" in name or "conv1d" in name:
+            t = torch.cat([t[:qk], tiled(t[qk:], dv)])
+        elif "in_proj_z" in name:
+            t = tiled(t, dv)
+        elif any(k in name for k in ("in_proj_a", "in_proj_b", "A_log", "dt_bias")):
+            t = tiled(t, 1)
+        elif "out_proj" in name:
+            t = tiled(t.T, dv).T
+    if name.endswith("A_log"):
+        t = -torch.exp(t)
+    elif name.endswith("norm.weight") and "linear_attn" not in name:
+        t = t + 1
+    return t
+
+
+def stack_experts(sd: dict) -> dict:
+    """Each layer's experts as one [E, ...] tensor a projection, as llama.cpp's converter stacks them."""
+    out, experts = {}, {}
+    for name, t in sd.items():
+        m = re.fullmatch(r"(.+\.experts)\.(\d+)\.(\w+\.weight)", name)
+        if m:
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = t
+        else:
+            out[name] = t
+    for name, by_expert in experts.items():
+        out[name] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
+def gguf_name(arch: str, name: str) -> str:
+    top = {"lm_head.weight": "output.weight", "model.embed_tokens.weight": "token_embd.weight",
+           "model.norm.weight": "output_norm.weight"}
+    if name in top:
+        return top[name]
+    _, _, i, rest = name.split(".", 3)
+    names = QWEN35_NAMES if arch == "qwen35" else GGUF_NAMES
+    if rest in names:
+        return f"blk.{i}.{names[rest]}"
+    module, leaf = rest.rsplit(".", 1)
+    return f"blk.{i}.{names[module]}.{leaf}"
+
+
 def make_twin(tmp_path, case: str):
     """An HF checkpoint dir (the twin) and a GGUF file holding the same weights, as llama.cpp would write it."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     arch, overrides = CASES[case]
+    f16, q8 = F16_TENSOR.get(arch, DENSE_F16), Q8_TENSOR.get(arch, DENSE_Q8)
     tok = train_tokenizer()
     cfg = hf_config(arch, overrides, eos=tok.token_to_id("<|im_end|>"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.normal_(0, 0.08 if p.dim() == 2 else 0.02)
+            p.normal_(0, 0.08 if p.dim() >= 2 else 0.02)
             if "norm" in name:
                 p.add_(1.0)
-        # The twin holds exactly what the GGUF can: fp16 values, and Q8_0's dequantized values (kept as fp16).
-        params = dict(model.named_parameters())
-        params[F16_TENSOR].copy_(params[F16_TENSOR].half().float())
-        q8_bytes = quantize(params[Q8_TENSOR].numpy(), QType.Q8_0)  # Q8_0 is not idempotent: quantize once
-        params[Q8_TENSOR].copy_(torch.from_numpy(dequantize(q8_bytes, QType.Q8_0)).half().float())
     twin = tmp_path / "twin"
     model.save_pretrained(twin)
-    sd = load_file(twin / "model.safetensors")
+    # The twin holds exactly what the GGUF can: fp16 values, Q8_0's dequantized values (kept as fp16), and
+    # Qwen3.5 norm weights w whose 1 + w is exact in float32.
+    sd, q8_bytes = load_file(twin / "model.safetensors"), {}
+    for name, t in sd.items():
+        if re.fullmatch(f16, name):
+            sd[name] = t.half().float()
+        elif re.fullmatch(q8, name):
+            q8_bytes[name] = quantize(t.numpy(), QType.Q8_0)  # Q8_0 is not idempotent: quantize once
+            sd[name] = torch.from_numpy(dequantize(q8_bytes[name], QType.Q8_0)).half().float()
+        elif arch == "qwen35" and name.endswith("norm.weight") and "linear_attn" not in name:
+            sd[name] = (t + 1) - 1
+    save_file(sd, twin / "model.safetensors", metadata={"format": "pt"})
 
     path = tmp_path / f"{case}.gguf"
     w = GGUFWriter(str(path), arch)
@@ -100,34 +193,43 @@ def make_twin(tmp_path, case: str):
     w.add_rope_freq_base(overrides.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = overrides.get("head_dim", cfg.hidden_size // cfg.num_attention_heads)
-    if "head_dim" in overrides:
+    if "head_dim" in overrides or arch in MODEL_TYPES:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "qwen3moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen35":  # llama.cpp's names for the Gated DeltaNet dims
+        w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+        w.add_ssm_state_size(cfg.linear_key_head_dim)
+        w.add_ssm_group_count(cfg.linear_num_key_heads)
+        w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+        w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+        w.add_full_attention_interval(2)
+        w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+        w.add_rope_dimension_sections(cfg.rope_parameters["mrope_section"] + [0])  # (padded to 4)
     add_tokenizer(w, tok, arch)
     if "rope_scaling" in overrides:  # llama.cpp stores Llama 3 scaling as per-frequency divisors
         inv_freq = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
         scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg)
         w.add_tensor("rope_freqs.weight", (inv_freq / scaled).numpy().astype(np.float32))
-    for name, t in sd.items():
-        if name == "lm_head.weight":
-            gname = "output.weight"
-        elif name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        else:
-            _, _, i, *mod, leaf = name.split(".")
-            gname = f"blk.{i}.{GGUF_NAMES['.'.join(mod)]}.{leaf}"
-        if name == Q8_TENSOR:  # quantized blocks run along rows, so permuting rows of the bytes is the same
-            t = torch.from_numpy(q8_bytes)
+    # Quantized blocks run along rows, so the converter's row permutations and stacking act on the Q8_0
+    # bytes as on the values.
+    tensors = {name: torch.from_numpy(q8_bytes[name]) if name in q8_bytes else t for name, t in sd.items()}
+    if arch == "qwen3moe":
+        tensors = stack_experts(tensors)
+    for name, t in tensors.items():
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             t = llama_permute(t, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
-        if name == F16_TENSOR:
-            w.add_tensor(gname, t.numpy().astype(np.float16))
-        elif name == Q8_TENSOR:
-            w.add_tensor(gname, t.numpy(), raw_dtype=QType.Q8_0)
+        elif arch == "qwen35":
+            t = qwen35_to_gguf(name, t, cfg)
+        if t.dtype == torch.uint8:
+            w.add_tensor(gguf_name(arch, name), t.numpy(), raw_dtype=QType.Q8_0)
+        elif re.fullmatch(f16, name):
+            w.add_tensor(gguf_name(arch, name), t.numpy().astype(np.float16))
         else:
-            w.add_tensor(gname, t.numpy())
+            w.add_tensor(gguf_name(arch, name), t.contiguous().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -165,17 +267,32 @@ def test_read_gguf_gives_the_twin_state_dict_and_config(tmp_path, case):
     twin, path, sd, _ = make_twin(tmp_path, case)
     config, state = read_gguf(str(path))
     arch, overrides = CASES[case]
-    assert config["model_type"] == arch and config["num_hidden_layers"] == 2
+    assert config["model_type"] == MODEL_TYPES.get(arch, arch) and config["num_hidden_layers"] == 2
     assert config["tie_word_embeddings"] == overrides.get("tie_word_embeddings", False)
     assert config["rope_theta"] == overrides.get("rope_theta", 10000.0) and config["rms_norm_eps"] == 1e-6
     assert config.get("rope_scaling") == overrides.get("rope_scaling")
     assert config["head_dim"] == overrides.get("head_dim", 16)
+    with open(twin / "config.json") as f:
+        hf = json.load(f)
+    if arch == "qwen3moe":
+        assert config["num_experts"] == hf["num_local_experts"]
+        for key in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step"):
+            assert config[key] == hf[key], key
+    if arch == "qwen35":
+        for key in ("layer_types", "rope_parameters", "linear_num_key_heads", "linear_num_value_heads",
+                    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
+            assert config[key] == hf[key], key
     assert sorted(state) == sorted(sd)
+    lossy = F16_TENSOR.get(arch, DENSE_F16), Q8_TENSOR.get(arch, DENSE_Q8)
     for name, want in sd.items():
         got = state[name]
-        # Quantized tensors come back as float16; F16 stays F16; F32 stays F32, bit for bit.
-        assert got.dtype == {F16_TENSOR: torch.float16, Q8_TENSOR: torch.float16}.get(name, torch.float32), name
-        assert torch.equal(got.float(), want), name
+        # Quantized tensors come back as float16; F16 stays F16; F32 stays F32, bit for bit (but A_log, which
+        # comes back from -exp(A_log) within float32 rounding).
+        assert got.dtype == (torch.float16 if any(re.fullmatch(p, name) for p in lossy) else torch.float32), name
+        if name.endswith("A_log"):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        else:
+            assert torch.equal(got.float(), want), name
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -200,7 +317,7 @@ def test_converted_dir_gives_the_twin_logits_and_tokenizer(tmp_path, case):
         assert json.load(f)["eos_token_id"] == [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", DENSE_CASES)
 def test_ddtree_model_on_converted_dir_matches_transformers(tmp_path, case):
     loader = pytest.importorskip("ddtree.models.loader")
     from ddtree.ops.attention import make_batch
@@ -220,6 +337,27 @@ def test_ddtree_model_on_converted_dir_matches_transformers(tmp_path, case):
     torch.testing.assert_close(logits, hf_logits(out, ids), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c not in DENSE_CASES])
+def test_ddtree_generates_transformers_tokens_on_converted_moe_and_hybrid_dirs(tmp_path, case):
+    from transformers import AutoModelForCausalLM
+
+    from ddtree import LLM, SamplingParams
+
+    _, path, _, tok = make_twin(tmp_path, case)
+    out = convert_gguf(str(path), str(tmp_path / "hf"), progress=False)
+    ids, n = tok.encode(TEXT).ids, 6
+    llm = LLM(out, device="cpu", dtype="float32", page_size=4)
+    got = llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0))[0]
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)
+    want = ref.sequences[0, len(ids):].tolist()
+    logp = torch.log_softmax(torch.cat(ref.logits).float(), -1).gather(1, torch.tensor(want)[:, None])[:, 0]
+    assert got.token_ids == want
+    torch.testing.assert_close(torch.tensor([lp for lp, _ in got.logprobs]), logp, atol=1e-4, rtol=0)
+
+
 def test_convert_replaces_an_existing_dir_whole(tmp_path):
     _, path, _, _ = make_twin(tmp_path, "qwen2-tied")
     out = tmp_path / "hf"
@@ -230,13 +368,14 @@ def test_convert_replaces_an_existing_dir_whole(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(["qwen2-tied.gguf", "hf", "twin"])
 
 
-def test_unsupported_architecture_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("arch", ["gemma", "qwen3next", "deepseek2"])
+def test_unsupported_architecture_is_refused_by_name(tmp_path, arch):
     path = tmp_path / "x.gguf"
-    w = GGUFWriter(str(path), "gemma")
+    w = GGUFWriter(str(path), arch)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="gemma"):
+    with pytest.raises(ValueError, match=arch):
         read_gguf(str(path))

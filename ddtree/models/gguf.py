@@ -4,12 +4,17 @@
     hf_dir = convert_gguf("model.gguf", "out/")    # config.json, model.safetensors, tokenizer, ...
 
 Quantized tensors are dequantized once, at conversion, so the engine only ever loads plain weights.
+The architectures are llama.cpp's `qwen2`, `qwen3`, `llama`, `qwen3moe` (Qwen3-MoE) and `qwen35` (the
+Qwen3.5 text model); where llama.cpp's converter (convert_hf_to_gguf.py) changes a tensor on the way
+in (Llama's q/k row order, stacked experts, Qwen3.5's norm offsets, A_log, convolution and value-head
+order), the per-architecture functions below change it back.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import shutil
 
 import numpy as np
@@ -22,33 +27,65 @@ from tqdm import tqdm
 # Written last into a converted directory; its presence means the conversion finished.
 DONE_MARKER = ".ddtree-converted"
 
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+# GGUF architecture -> the Hugging Face model class and model_type it converts to.
+ARCHITECTURES = {
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+}
 
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_PER_LAYER = {
+# Per-layer GGUF tensor kinds -> HF module names, by architecture. A key that includes the leaf
+# ("ssm_dt.bias") names the whole HF tensor.
+_ATTENTION = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_norm": "input_layernorm",
 }
+_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_DENSE = {**_ATTENTION, **_MLP, "ffn_norm": "post_attention_layernorm"}
+_MOE = {**_ATTENTION, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
+        # stacked over the experts ([E, ...]); _split_experts makes them one tensor per expert
+        "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+        "ffn_down_exps": "mlp.experts.down_proj"}
+_HYBRID = {**_ATTENTION, **_MLP, "post_attention_norm": "post_attention_layernorm",
+           "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+           "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b",
+           "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+           "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+_LAYER_NAMES = {"qwen2": _DENSE, "qwen3": _DENSE, "llama": _DENSE, "qwen3moe": _MOE, "qwen35": _HYBRID}
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str:
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _PER_LAYER:
-        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{parts[3]}"
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        layer, rest = parts[1], parts[2]
+        kind, _, leaf = rest.partition(".")
+        if rest in layer_names:
+            return f"model.layers.{layer}.{layer_names[rest]}"
+        if kind in layer_names and leaf in ("weight", "bias"):
+            return f"model.layers.{layer}.{layer_names[kind]}.{leaf}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart that ddtree knows")
 
 
 def _value(reader: GGUFReader, key: str, default=None):
     field = reader.get_field(key)
     return default if field is None else field.contents()
+
+
+def _required(reader: GGUFReader, key: str):
+    value = _value(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF metadata lacks {key!r}")
+    return value
 
 
 def _f32(x: float) -> float:
@@ -97,6 +134,166 @@ def _llama3_rope_scaling(factors: torch.Tensor, head_dim: int, theta: float) -> 
             "original_max_position_embeddings": old_ctx}
 
 
+def _base_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
+    """The config keys every architecture has: sizes, attention heads, rope, norms, special tokens."""
+    hidden = _value(reader, f"{arch}.embedding_length")
+    n_head = _value(reader, f"{arch}.attention.head_count")
+    scaling = _value(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
+    return {
+        "architectures": [ARCHITECTURES[arch][0]],
+        "model_type": ARCHITECTURES[arch][1],
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": _value(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _value(reader, f"{arch}.block_count"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": _value(reader, f"{arch}.attention.head_count_kv", n_head),
+        "head_dim": _value(reader, f"{arch}.attention.key_length", hidden // n_head),
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": _value(reader, f"{arch}.context_length", 32768),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": _value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _value(reader, "tokenizer.ggml.eos_token_id"),
+    }
+
+
+def _whole_head_rope(reader: GGUFReader, arch: str, config: dict) -> None:
+    rope_dim = _value(reader, f"{arch}.rope.dimension_count", config["head_dim"])
+    if rope_dim != config["head_dim"]:
+        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {config['head_dim']}) "
+                         f"are not supported for {arch}")
+
+
+def _dense_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> None:
+    _whole_head_rope(reader, arch, config)
+    config["attention_bias"] = arch == "qwen2" or "blk.0.attn_q.bias" in tensors
+    if arch != "qwen2":
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    if "rope_freqs.weight" in tensors:
+        factors = _tensor(tensors.pop("rope_freqs.weight"))
+        config["rope_scaling"] = _llama3_rope_scaling(factors, config["head_dim"], config["rope_theta"])
+
+
+def _moe_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> None:
+    """Qwen3-MoE: routed experts in every layer (llama.cpp's qwen3moe has no dense layers)."""
+    _whole_head_rope(reader, arch, config)
+    dense = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    if dense:
+        raise ValueError(f"GGUF qwen3moe layers {dense} have no expert router; llama.cpp's qwen3moe has experts "
+                         "in every layer")
+    width = _value(reader, f"{arch}.expert_feed_forward_length") or int(tensors["blk.0.ffn_gate_exps.weight"].shape[1])
+    config.update({
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "num_experts": _required(reader, f"{arch}.expert_count"),
+        "num_experts_per_tok": _required(reader, f"{arch}.expert_used_count"),
+        "moe_intermediate_size": width,
+        # llama.cpp's qwen3moe always renormalises the top-k routing weights; the file does not say so.
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    })
+    if config["intermediate_size"] is None:  # (the width of dense MLPs, which this model has none of)
+        config["intermediate_size"] = width
+
+
+def _hybrid_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> None:
+    """Qwen3.5 text: the Gated DeltaNet dims (llama.cpp's `ssm.*` keys), which layers are full attention
+    (every `full_attention_interval`-th, as llama.cpp decides), and the rotated share of a head."""
+    if _value(reader, f"{arch}.nextn_predict_layers", 0):
+        raise ValueError("GGUF qwen35 files with multi-token-prediction layers are not supported")
+    n_layers, n_v = config["num_hidden_layers"], _required(reader, f"{arch}.ssm.time_step_rank")
+    every = _value(reader, f"{arch}.full_attention_interval", 4)
+    layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)]
+    recurrent = ["linear_attention" if f"blk.{i}.ssm_a" in tensors else "full_attention" for i in range(n_layers)]
+    if recurrent != layer_types:
+        raise ValueError(f"GGUF qwen35 tensors give layer kinds {recurrent}, full_attention_interval {every} "
+                         f"gives {layer_types}")
+    rope_dim = _value(reader, f"{arch}.rope.dimension_count", config["head_dim"])
+    rope = {"rope_type": "default", "rope_theta": config["rope_theta"],
+            "partial_rotary_factor": rope_dim / config["head_dim"]}
+    sections = _value(reader, f"{arch}.rope.dimension_sections")
+    if sections is not None:  # (the multimodal rope's split, inert for text alone; llama.cpp pads it to 4)
+        rope["mrope_section"] = list(sections[:3])
+    config.update({
+        "attention_bias": False,
+        "layer_types": layer_types,
+        "linear_num_key_heads": _required(reader, f"{arch}.ssm.group_count"),
+        "linear_num_value_heads": n_v,
+        "linear_key_head_dim": _required(reader, f"{arch}.ssm.state_size"),
+        "linear_value_head_dim": _required(reader, f"{arch}.ssm.inner_size") // n_v,
+        "linear_conv_kernel_dim": _required(reader, f"{arch}.ssm.conv_kernel"),
+        "rope_parameters": rope,
+    })
+
+
+_CONFIGS = {"qwen2": _dense_config, "qwen3": _dense_config, "llama": _dense_config,
+            "qwen3moe": _moe_config, "qwen35": _hybrid_config}
+
+
+def _unpermute_qk(name: str, w: torch.Tensor, config: dict):
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        w = _unpermute(w, config["num_attention_heads"])
+    elif name.endswith(("k_proj.weight", "k_proj.bias")):
+        w = _unpermute(w, config["num_key_value_heads"])
+    yield name, w
+
+
+def _split_experts(name: str, w: torch.Tensor, config: dict):
+    """llama.cpp stacks a layer's experts into one [E, ...] tensor; HF checkpoints hold one tensor each."""
+    if ".mlp.experts." not in name:
+        yield name, w
+        return
+    prefix, proj, leaf = name.rsplit(".", 2)
+    for e, one in enumerate(w.unbind(0)):
+        yield f"{prefix}.{e}.{proj}.{leaf}", one.clone()
+
+
+def _group_v_heads(w: torch.Tensor, dim: int, config: dict, head: int) -> torch.Tensor:
+    """Dimension `dim` of `w` (value heads of `head` channels each) from llama.cpp's order back to HF's.
+    HF groups the value heads by the key head they share ([k0: v0 .. v(r-1)], [k1: ...]); llama.cpp's
+    converter tiles them (the first of every group, then the second, ...) so that ggml can broadcast
+    the key heads."""
+    n_k, n_v = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    w = w.movedim(dim, 0)
+    grouped = w.reshape(n_v // n_k, n_k, head, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+    return grouped.movedim(0, dim).contiguous()
+
+
+def _undo_qwen35(name: str, w: torch.Tensor, config: dict):
+    """The inverse of what llama.cpp's converter does to a Qwen3.5 text model's tensors: zero-centred
+    RMSNorm weights (the model scales by 1 + weight) are stored as 1 + weight, A_log as -exp(A_log), the
+    convolution without its middle axis of 1, and the value heads tiled when there are more value
+    heads than key heads (`_group_v_heads`)."""
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        w = w.float() - 1.0  # (exact for stored values from 0.5 up: the model's 1 + weight is the stored value)
+    elif name.endswith(".A_log"):
+        w = torch.log(-w.double()).float()
+    if ".linear_attn." in name and config["linear_num_value_heads"] != config["linear_num_key_heads"]:
+        qk, dv = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"], config["linear_value_head_dim"]
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # (q and k rows are not reordered)
+            w = torch.cat([w[:qk], _group_v_heads(w[qk:], 0, config, dv)])
+        elif name.endswith("in_proj_z.weight"):
+            w = _group_v_heads(w, 0, config, dv)
+        elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", ".A_log", ".dt_bias")):
+            w = _group_v_heads(w, 0, config, 1)
+        elif name.endswith("out_proj.weight"):
+            w = _group_v_heads(w, 1, config, dv)
+    if name.endswith("conv1d.weight"):
+        w = w.unsqueeze(1)  # [channels, kernel] -> HF's depthwise Conv1d [channels, 1, kernel]
+    yield name, w
+
+
+def _as_stored(name: str, w: torch.Tensor, config: dict):
+    yield name, w
+
+
+_TENSOR_FIXES = {"llama": _unpermute_qk, "qwen3moe": _split_experts, "qwen35": _undo_qwen35}
+
+
 def read_gguf(path: str | GGUFReader, progress: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """An HF config.json-style dict and an HF-named state dict for the GGUF model at `path`."""
     # Parsing the metadata of a 150k-token vocabulary takes seconds, so callers may pass a reader they hold.
@@ -106,54 +303,20 @@ def read_gguf(path: str | GGUFReader, progress: bool = False) -> tuple[dict, dic
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; expected one of {sorted(ARCHITECTURES)}")
     tensors = {t.name: t for t in reader.tensors}
-    hidden = _value(reader, f"{arch}.embedding_length")
-    n_head = _value(reader, f"{arch}.attention.head_count")
-    n_kv = _value(reader, f"{arch}.attention.head_count_kv", n_head)
-    head_dim = _value(reader, f"{arch}.attention.key_length", hidden // n_head)
-    rope_dim = _value(reader, f"{arch}.rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
-        raise ValueError(f"{path}: partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are not supported")
-    scaling = _value(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ValueError(f"{path}: GGUF rope scaling {scaling!r} is not supported")
-    has_q_bias = "blk.0.attn_q.bias" in tensors
-    config = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
-        "vocab_size": int(tensors["token_embd.weight"].shape[1]),
-        "hidden_size": hidden,
-        "intermediate_size": _value(reader, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _value(reader, f"{arch}.block_count"),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _f32(_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": _f32(_value(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": _value(reader, f"{arch}.context_length", 32768),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": _value(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _value(reader, "tokenizer.ggml.eos_token_id"),
-    }
-    if arch == "qwen2":
-        config["attention_bias"] = True
-    else:
-        config["attention_bias"] = has_q_bias
-        config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-    if "rope_freqs.weight" in tensors:
-        factors = _tensor(tensors.pop("rope_freqs.weight"))
-        config["rope_scaling"] = _llama3_rope_scaling(factors, head_dim, config["rope_theta"])
+    try:
+        config = _base_config(reader, arch, tensors)
+        _CONFIGS[arch](reader, arch, tensors, config)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    fix = _TENSOR_FIXES.get(arch, _as_stored)
 
     state: dict[str, torch.Tensor] = {}
     for name, t in tqdm(tensors.items(), desc="dequantizing", unit="tensor", disable=not progress):
-        w = _tensor(t)
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            w = _unpermute(w, n_head if ".attn_q." in name else n_kv)
-        state[_hf_name(name)] = w
-    if config["attention_bias"] and arch != "qwen2":
+        state.update(fix(_hf_name(name, _LAYER_NAMES[arch]), _tensor(t), config))
+    if config["attention_bias"] and arch in ("llama", "qwen3", "qwen3moe"):
         # HF Llama/Qwen3 give o_proj a bias whenever q/k/v have one; llama.cpp files may omit a zero one.
         for i in range(config["num_hidden_layers"]):
-            state.setdefault(f"model.layers.{i}.self_attn.o_proj.bias", torch.zeros(hidden))
+            state.setdefault(f"model.layers.{i}.self_attn.o_proj.bias", torch.zeros(config["hidden_size"]))
     _check_shapes(config, state)
     dtypes = {w.dtype for w in state.values() if w.dim() > 1}
     config["torch_dtype"] = next((n for d, n in ((torch.float16, "float16"), (torch.bfloat16, "bfloat16"))
@@ -161,15 +324,36 @@ def read_gguf(path: str | GGUFReader, progress: bool = False) -> tuple[dict, dic
     return config, state
 
 
-def _check_shapes(config: dict, state: dict[str, torch.Tensor]) -> None:
-    h, hd, inter = config["hidden_size"], config["head_dim"], config["intermediate_size"]
+def _shapes(config: dict) -> dict[str, tuple]:
+    """Each HF tensor's shape as the config implies it, by name less the layer and expert numbers."""
+    h, hd, inter, vocab = config["hidden_size"], config["head_dim"], config["intermediate_size"], config["vocab_size"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    want = {"model.embed_tokens.weight": (config["vocab_size"], h), "lm_head.weight": (config["vocab_size"], h)}
-    per_layer = {"q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
-                 "o_proj.weight": (h, q), "gate_proj.weight": (inter, h), "up_proj.weight": (inter, h),
-                 "down_proj.weight": (h, inter), "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)}
+    gated = 2 if config["model_type"] == "qwen3_5_text" else 1  # (Qwen3.5's q_proj also yields the output gate)
+    want = {"model.embed_tokens.weight": (vocab, h), "lm_head.weight": (vocab, h),
+            "self_attn.q_proj.weight": (gated * q, h), "self_attn.k_proj.weight": (kv, h),
+            "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q), "self_attn.q_proj.bias": (q,),
+            "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,), "mlp.gate_proj.weight": (inter, h),
+            "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
+    if "num_experts" in config:
+        width = config["moe_intermediate_size"]
+        want.update({"mlp.gate.weight": (config["num_experts"], h), "mlp.experts.*.gate_proj.weight": (width, h),
+                     "mlp.experts.*.up_proj.weight": (width, h), "mlp.experts.*.down_proj.weight": (h, width)})
+    if "linear_num_key_heads" in config:
+        n_v, d_v = config["linear_num_value_heads"], config["linear_value_head_dim"]
+        conv = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"] + n_v * d_v
+        want.update({"linear_attn.in_proj_qkv.weight": (conv, h), "linear_attn.in_proj_z.weight": (n_v * d_v, h),
+                     "linear_attn.in_proj_a.weight": (n_v, h), "linear_attn.in_proj_b.weight": (n_v, h),
+                     "linear_attn.A_log": (n_v,), "linear_attn.dt_bias": (n_v,),
+                     "linear_attn.conv1d.weight": (conv, 1, config["linear_conv_kernel_dim"]),
+                     "linear_attn.norm.weight": (d_v,), "linear_attn.out_proj.weight": (h, n_v * d_v)})
+    return want
+
+
+def _check_shapes(config: dict, state: dict[str, torch.Tensor]) -> None:
+    want = _shapes(config)
     for name, w in state.items():
-        shape = want.get(name) or per_layer.get(".".join(name.split(".")[-2:]))
+        key = re.sub(r"\.experts\.\d+\.", ".experts.*.", re.sub(r"^model\.layers\.\d+\.", "", name))
+        shape = want.get(key)
         if shape is not None and tuple(w.shape) != shape:
             raise ValueError(f"GGUF tensor for {name} has shape {tuple(w.shape)}, config implies {shape}")
 
