@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFWriter, TokenType
+from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
 from ddtree.models.gguf import DONE_MARKER, convert_gguf, read_gguf
+from tiny import make_config
 
 VOCAB = 300
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -34,15 +35,30 @@ QWEN35_NAMES = {**GGUF_NAMES, "post_attention_layernorm": "post_attention_norm",
                 "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.in_proj_b": "ssm_beta",
                 "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out",
                 "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}  # (whole names: no leaf)
-MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text"}
+# DeepSeek-V3 (llama.cpp's deepseek2): latent attention, shared experts and the router's score bias; kv_b_proj
+# whole (older converters) or as its keys' and values' halves (k_b_proj / v_b_proj: split_kv_b).
+DEEPSEEK2_NAMES = {**GGUF_NAMES, "self_attn.q_a_proj": "attn_q_a", "self_attn.q_b_proj": "attn_q_b",
+                   "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+                   "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b",
+                   "self_attn.k_b_proj": "attn_k_b", "self_attn.v_b_proj": "attn_v_b",
+                   "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+                   "mlp.shared_experts.down_proj": "ffn_down_shexp",
+                   "mlp.gate.e_score_correction_bias": "exp_probs_b.bias"}
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "deepseek2": "deepseek_v3"}
 # One tensor stored as F16 and one as Q8_0, where a converter transform meets quantization: llama's q/k
-# row permutation, the stacking of experts, Qwen3.5's value-head reordering (rows of q|k|v). Patterns, as
-# a MoE layer's experts are one tensor each in HF and one stacked tensor in the GGUF.
+# row permutation, the stacking of experts, Qwen3.5's value-head reordering (rows of q|k|v), DeepSeek's
+# kv_b_proj split (SPLIT_KV_B's cases quantize layer 0's keys' half, make_twin; the other deepseek2 case
+# layer 0's full-rank q_proj). Patterns, as a MoE layer's experts are one tensor each in HF and one
+# stacked tensor in the GGUF.
 F16_TENSOR = {"qwen3moe": r"model\.layers\.1\.mlp\.experts\.(\d+\.)?up_proj\.weight",
-              "qwen35": r"model\.layers\.0\.linear_attn\.out_proj\.weight"}
+              "qwen35": r"model\.layers\.0\.linear_attn\.out_proj\.weight",
+              "deepseek2": r"model\.layers\.1\.mlp\.experts\.(\d+\.)?up_proj\.weight"}
 Q8_TENSOR = {"qwen3moe": r"model\.layers\.0\.mlp\.experts\.(\d+\.)?down_proj\.weight",
              "qwen35": r"model\.layers\.0\.linear_attn\.in_proj_qkv\.weight"}
 DENSE_F16, DENSE_Q8 = r"model\.layers\.1\.mlp\.up_proj\.weight", r"model\.layers\.0\.self_attn\.q_proj\.weight"
+# DeepSeek's YaRN (mscale equal to mscale_all_dim), with beta values other than llama.cpp's defaults.
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                 "mscale": 0.7, "mscale_all_dim": 0.7, "beta_fast": 16.0, "beta_slow": 2.0}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 
@@ -56,7 +72,15 @@ CASES = {
     "qwen35-grouped": ("qwen35", dict(linear_num_key_heads=2, linear_num_value_heads=6, partial_rotary_factor=0.5)),
     "qwen35-tied": ("qwen35", dict(linear_num_key_heads=2, linear_num_value_heads=2, tie_word_embeddings=True,
                                    rope_theta=1e7, head_dim=32)),
+    # a dense layer, then routed experts: as the current converter writes it (kv_b_proj split, groups of
+    # experts, YaRN 4x; 32 keys' channels a head: one Q8_0 block), and as older ones did (kv_b_proj whole,
+    # no groups; here with a full-rank query and unnormalised routing weights)
+    "deepseek2": ("deepseek2", dict(qk_nope_head_dim=32, kv_lora_rank=16, rope_parameters=DEEPSEEK_YARN,
+                                    max_position_embeddings=512)),
+    "deepseek2-kv_b": ("deepseek2", dict(q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False,
+                                         routed_scaling_factor=1.5)),
 }
+SPLIT_KV_B = {"deepseek2"}
 DENSE_CASES = [c for c, (arch, _) in CASES.items() if arch not in MODEL_TYPES]
 
 
@@ -82,6 +106,8 @@ def hf_config(arch: str, overrides: dict, eos: int):
     if arch == "qwen3moe":  # routed experts in every layer, as llama.cpp's qwen3moe has them
         return Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                               norm_topk_prob=True, **common)
+    if arch == "deepseek2":  # tests/tiny.py's DeepSeek-V3 (8 experts in 2 groups, one shared), in 2 layers
+        return make_config("deepseek_v3", VOCAB, **{k: v for k, v in common.items() if k != "vocab_size"})
     if arch == "qwen35":  # a Gated DeltaNet layer, then a gated full-attention one; 8 rotated channels a head
         rope = {"rope_type": "default", "rope_theta": common.pop("rope_theta", 10000.0),
                 "partial_rotary_factor": common.pop("partial_rotary_factor", 0.25), "mrope_section": [2, 1, 1]}
@@ -124,6 +150,60 @@ def qwen35_to_gguf(name: str, t: torch.Tensor, cfg) -> torch.Tensor:
     return t
 
 
+def split_kv_b(sd: dict, cfg) -> dict:
+    """kv_b_proj as llama.cpp's current converter writes it: per head, the keys' rows transposed
+    (k_b_proj [heads, kv_lora_rank, nope]) and the values' rows (v_b_proj [heads, v_head_dim, kv_lora_rank])."""
+    out = {}
+    for name, t in sd.items():
+        if name.endswith("kv_b_proj.weight"):
+            heads = t.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+            out[name.replace("kv_b_proj", "k_b_proj")] = heads[:, :cfg.qk_nope_head_dim].transpose(1, 2)
+            out[name.replace("kv_b_proj", "v_b_proj")] = heads[:, cfg.qk_nope_head_dim:]
+        else:
+            out[name] = t
+    return out
+
+
+def add_deepseek2_metadata(w: GGUFWriter, cfg, split: bool) -> None:
+    """The keys llama.cpp's converter writes for a DeepSeek-V3 checkpoint; `split`: the current converter
+    (MLA as multi-query attention over the latent, the per-head sizes as *_mla, expert groups, YaRN betas,
+    expert_weights_norm only when true), else an older one (the per-head sizes as key/value_length)."""
+    w.add_head_count_kv(1 if split else cfg.num_key_value_heads)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    if split:
+        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length_mla(cfg.v_head_dim)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    else:
+        w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.v_head_dim)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob or not split:
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+    w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    rope = cfg.rope_parameters
+    if rope["rope_type"] == "yarn":
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if split:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
 def stack_experts(sd: dict) -> dict:
     """Each layer's experts as one [E, ...] tensor a projection, as llama.cpp's converter stacks them."""
     out, experts = {}, {}
@@ -144,7 +224,7 @@ def gguf_name(arch: str, name: str) -> str:
     if name in top:
         return top[name]
     _, _, i, rest = name.split(".", 3)
-    names = QWEN35_NAMES if arch == "qwen35" else GGUF_NAMES
+    names = {"qwen35": QWEN35_NAMES, "deepseek2": DEEPSEEK2_NAMES}.get(arch, GGUF_NAMES)
     if rest in names:
         return f"blk.{i}.{names[rest]}"
     module, leaf = rest.rsplit(".", 1)
@@ -167,6 +247,9 @@ def make_twin(tmp_path, case: str):
             p.normal_(0, 0.08 if p.dim() >= 2 else 0.02)
             if "norm" in name:
                 p.add_(1.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (DeepSeek's router bias: a buffer, zero at first)
+                b.normal_(0, 0.1)
     twin = tmp_path / "twin"
     model.save_pretrained(twin)
     # The twin holds exactly what the GGUF can: fp16 values, Q8_0's dequantized values (kept as fp16), and
@@ -180,6 +263,13 @@ def make_twin(tmp_path, case: str):
             sd[name] = torch.from_numpy(dequantize(q8_bytes[name], QType.Q8_0)).half().float()
         elif arch == "qwen35" and name.endswith("norm.weight") and "linear_attn" not in name:
             sd[name] = (t + 1) - 1
+    if case in SPLIT_KV_B:  # layer 0's keys' half of kv_b_proj as Q8_0, blocks along each head's key channels
+        heads = sd["model.layers.0.self_attn.kv_b_proj.weight"].view(
+            cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)  # (a view into sd)
+        k_b = "model.layers.0.self_attn.k_b_proj.weight"
+        q8_bytes[k_b] = quantize(heads[:, :cfg.qk_nope_head_dim].transpose(1, 2).contiguous().numpy(), QType.Q8_0)
+        dequantized = torch.from_numpy(dequantize(q8_bytes[k_b], QType.Q8_0)).half().float()
+        heads[:, :cfg.qk_nope_head_dim] = dequantized.transpose(1, 2)
     save_file(sd, twin / "model.safetensors", metadata={"format": "pt"})
 
     path = tmp_path / f"{case}.gguf"
@@ -189,11 +279,14 @@ def make_twin(tmp_path, case: str):
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(overrides.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = overrides.get("head_dim", cfg.hidden_size // cfg.num_attention_heads)
-    if "head_dim" in overrides or arch in MODEL_TYPES:
+    if arch == "deepseek2":
+        add_deepseek2_metadata(w, cfg, split=case in SPLIT_KV_B)
+    else:
+        w.add_head_count_kv(cfg.num_key_value_heads)
+    if arch != "deepseek2" and ("head_dim" in overrides or arch in MODEL_TYPES):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if arch == "qwen3moe":
@@ -217,8 +310,11 @@ def make_twin(tmp_path, case: str):
     # Quantized blocks run along rows, so the converter's row permutations and stacking act on the Q8_0
     # bytes as on the values.
     tensors = {name: torch.from_numpy(q8_bytes[name]) if name in q8_bytes else t for name, t in sd.items()}
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "deepseek2"):
         tensors = stack_experts(tensors)
+    if case in SPLIT_KV_B:
+        tensors = split_kv_b(tensors, cfg)
+        tensors.update({name: torch.from_numpy(b) for name, b in q8_bytes.items() if name not in sd})
     for name, t in tensors.items():
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             t = llama_permute(t, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
@@ -271,9 +367,9 @@ def test_read_gguf_gives_the_twin_state_dict_and_config(tmp_path, case):
     assert config["tie_word_embeddings"] == overrides.get("tie_word_embeddings", False)
     assert config["rope_theta"] == overrides.get("rope_theta", 10000.0) and config["rms_norm_eps"] == 1e-6
     assert config.get("rope_scaling") == overrides.get("rope_scaling")
-    assert config["head_dim"] == overrides.get("head_dim", 16)
     with open(twin / "config.json") as f:
         hf = json.load(f)
+    assert config["head_dim"] == (hf["head_dim"] if arch == "deepseek2" else overrides.get("head_dim", 16))
     if arch == "qwen3moe":
         assert config["num_experts"] == hf["num_local_experts"]
         for key in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step"):
@@ -282,6 +378,15 @@ def test_read_gguf_gives_the_twin_state_dict_and_config(tmp_path, case):
         for key in ("layer_types", "rope_parameters", "linear_num_key_heads", "linear_num_value_heads",
                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
             assert config[key] == hf[key], key
+    if arch == "deepseek2":
+        for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "num_key_value_heads", "intermediate_size", "rope_interleave", "n_routed_experts",
+                    "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace",
+                    "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob"):
+            assert config[key] == hf[key], key
+        for key in ("rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+                    "beta_slow", "mscale_all_dim"):  # (the twin's mscale, equal to mscale_all_dim, is not stored)
+            assert config["rope_parameters"].get(key) == hf["rope_parameters"].get(key), key
     assert sorted(state) == sorted(sd)
     lossy = F16_TENSOR.get(arch, DENSE_F16), Q8_TENSOR.get(arch, DENSE_Q8)
     for name, want in sd.items():
@@ -368,7 +473,7 @@ def test_convert_replaces_an_existing_dir_whole(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(["qwen2-tied.gguf", "hf", "twin"])
 
 
-@pytest.mark.parametrize("arch", ["gemma", "qwen3next", "deepseek2"])
+@pytest.mark.parametrize("arch", ["gemma", "qwen3next"])
 def test_unsupported_architecture_is_refused_by_name(tmp_path, arch):
     path = tmp_path / "x.gguf"
     w = GGUFWriter(str(path), arch)
@@ -378,4 +483,29 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path, arch):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ValueError, match=arch):
+        read_gguf(str(path))
+
+
+@pytest.mark.parametrize("keys, tensor, reason", [
+    ({"nextn_predict_layers": 1}, None, "multi-token-prediction"),
+    ({}, None, "no expert_gating_func"),  # (llama.cpp takes softmax then)
+    ({"expert_gating_func": int(ExpertGatingFuncType.SOFTMAX)}, None, "expert_gating_func 1"),
+    ({"expert_gating_func": int(ExpertGatingFuncType.SIGMOID)}, "blk.0.attn_k_b.weight", "key_length_mla"),
+])
+def test_deepseek2_files_ddtree_cannot_map_exactly_are_refused(tmp_path, keys, tensor, reason):
+    path = tmp_path / "x.gguf"
+    w = GGUFWriter(str(path), "deepseek2")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_head_count(2)
+    for key, value in keys.items():
+        w.add_uint32(f"deepseek2.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    if tensor:
+        w.add_tensor(tensor, np.zeros((2, 4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=reason):
         read_gguf(str(path))

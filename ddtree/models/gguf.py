@@ -4,10 +4,11 @@
     hf_dir = convert_gguf("model.gguf", "out/")    # config.json, model.safetensors, tokenizer, ...
 
 Quantized tensors are dequantized once, at conversion, so the engine only ever loads plain weights.
-The architectures are llama.cpp's `qwen2`, `qwen3`, `llama`, `qwen3moe` (Qwen3-MoE) and `qwen35` (the
-Qwen3.5 text model); where llama.cpp's converter (convert_hf_to_gguf.py) changes a tensor on the way
-in (Llama's q/k row order, stacked experts, Qwen3.5's norm offsets, A_log, convolution and value-head
-order), the per-architecture functions below change it back.
+The architectures are llama.cpp's `qwen2`, `qwen3`, `llama`, `qwen3moe` (Qwen3-MoE), `qwen35` (the
+Qwen3.5 text model) and `deepseek2` (DeepSeek-V3, Kimi K2); where llama.cpp's converter
+(convert_hf_to_gguf.py) changes a tensor on the way in (Llama's q/k row order, stacked experts,
+Qwen3.5's norm offsets, A_log, convolution and value-head order, DeepSeek's kv_b_proj split in two),
+the per-architecture functions below change it back.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "deepseek2": ("DeepseekV3ForCausalLM", "deepseek_v3"),
 }
 
 _TOP_LEVEL = {
@@ -59,7 +61,18 @@ _HYBRID = {**_ATTENTION, **_MLP, "post_attention_norm": "post_attention_layernor
            "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b",
            "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
            "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
-_LAYER_NAMES = {"qwen2": _DENSE, "qwen3": _DENSE, "llama": _DENSE, "qwen3moe": _MOE, "qwen35": _HYBRID}
+_MLA = {"attn_norm": "input_layernorm", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+        **_MLP, "attn_q": "self_attn.q_proj", "attn_q_a": "self_attn.q_a_proj", "attn_q_b": "self_attn.q_b_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+        # kv_b_proj's two halves as llama.cpp's converter names them before renaming; _join_kv_b joins them
+        "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",
+        "ffn_gate_inp": "mlp.gate", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+        "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+        "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+_LAYER_NAMES = {"qwen2": _DENSE, "qwen3": _DENSE, "llama": _DENSE, "qwen3moe": _MOE, "qwen35": _HYBRID,
+                "deepseek2": _MLA}
 
 
 def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str:
@@ -139,7 +152,7 @@ def _base_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
     hidden = _value(reader, f"{arch}.embedding_length")
     n_head = _value(reader, f"{arch}.attention.head_count")
     scaling = _value(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
+    if scaling != "none" and arch != "deepseek2":  # (deepseek2's YaRN: _deepseek2_rope)
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
     return {
         "architectures": [ARCHITECTURES[arch][0]],
@@ -230,8 +243,97 @@ def _hybrid_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) -
     })
 
 
+def _deepseek2_rope(reader: GGUFReader, arch: str, theta: float) -> dict:
+    """The rope_parameters of a deepseek2 file: plain, or YaRN as llama.cpp's converter writes it."""
+    scaling = _value(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    if scaling != "yarn":
+        raise ValueError(f"GGUF deepseek2 rope scaling {scaling!r} is not supported (only 'yarn')")
+    ext = _value(reader, f"{arch}.rope.scaling.yarn_ext_factor", 1.0)
+    if ext != 1.0:  # (the checkpoint's extrapolation_factor, which transformers' YaRN does not take)
+        raise ValueError(f"GGUF deepseek2 rope.scaling.yarn_ext_factor {ext} is not supported (only 1)")
+    # The converter stores 0.1 * mscale_all_dim as the log multiplier; llama.cpp divides by 0.1 in float32.
+    log_mul = np.float32(_value(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0))
+    return {
+        "rope_type": "yarn", "rope_theta": theta,
+        "factor": _f32(_required(reader, f"{arch}.rope.scaling.factor")),
+        "original_max_position_embeddings": _required(reader, f"{arch}.rope.scaling.original_context_length"),
+        # (the checkpoint's, which newer converters write when it has them; llama.cpp's defaults otherwise)
+        "beta_fast": _f32(_value(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": _f32(_value(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+        "mscale_all_dim": _f32(log_mul / np.float32(0.1)),
+        # The checkpoint's attention_factor where the converter wrote one; otherwise cos and sin unscaled, as
+        # llama.cpp's deepseek2 runs them and DeepSeek's configs (mscale equal to mscale_all_dim) give.
+        "attention_factor": _f32(_value(reader, f"{arch}.rope.scaling.yarn_attn_factor", 1.0)),
+    }
+
+
+def _deepseek2_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> None:
+    """DeepSeek-V3 / Kimi K2: multi-head latent attention, leading dense layers, then sigmoid-routed
+    experts (in groups, with a score bias) and shared experts. llama.cpp's converter writes kv_b_proj
+    as attn_k_b / attn_v_b with the per-head sizes as key/value_length_mla (older converters: attn_kv_b
+    whole, the sizes as key/value_length); attn_k_b / attn_v_b without the *_mla sizes (an unmerged
+    early MLA converter's files) are refused."""
+    n_layers = config["num_hidden_layers"]
+    if _value(reader, f"{arch}.nextn_predict_layers", 0):
+        raise ValueError("GGUF deepseek2 files with multi-token-prediction (nextn) layers are not supported")
+    if _value(reader, f"{arch}.attention.temperature_scale", 0.0):
+        raise ValueError("GGUF deepseek2 attention temperature scaling is not supported")
+    gating = _value(reader, f"{arch}.expert_gating_func")
+    if gating != 2:  # (llama.cpp's sigmoid)
+        said = ("no expert_gating_func (llama.cpp then routes by softmax, as DeepSeek-V2 files want)"
+                if gating is None else f"expert_gating_func {gating}")
+        raise ValueError(f"GGUF deepseek2 file has {said}; ddtree's deepseek_v3 routes by sigmoid (2) only")
+    split = "blk.0.attn_k_b.weight" in tensors
+    k_mla, v_mla = (_value(reader, f"{arch}.attention.{k}_length_mla") for k in ("key", "value"))
+    if split and not (k_mla and v_mla):
+        raise ValueError("GGUF deepseek2 file has attn_k_b/attn_v_b but no key_length_mla/value_length_mla "
+                         "(an early MLA converter's file, which llama.cpp does not load either)")
+    if not split and "blk.0.attn_kv_b.weight" not in tensors:
+        raise ValueError("GGUF deepseek2 file has neither attn_kv_b nor attn_k_b/attn_v_b")
+    k_head = k_mla or _required(reader, f"{arch}.attention.key_length")
+    v_head = v_mla or _required(reader, f"{arch}.attention.value_length")
+    rope = _required(reader, f"{arch}.rope.dimension_count")
+    lead = _value(reader, f"{arch}.leading_dense_block_count", 0)
+    routed = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    if routed != list(range(lead, n_layers)):
+        raise ValueError(f"GGUF deepseek2 layers {routed} have expert routers; leading_dense_block_count {lead} "
+                         f"implies layers {lead} to {n_layers - 1}")
+    groups = _value(reader, f"{arch}.expert_group_count", 1)  # (absent: llama.cpp routes without groups)
+    width = _required(reader, f"{arch}.expert_feed_forward_length")
+    q_rank = None if "blk.0.attn_q.weight" in tensors else _required(reader, f"{arch}.attention.q_lora_rank")
+    config.update({
+        "num_key_value_heads": config["num_attention_heads"],  # (the converter writes 1 for MLA files)
+        "head_dim": rope,  # (transformers' deepseek_v3 names the rotary width head_dim)
+        "attention_bias": False,
+        "q_lora_rank": q_rank,  # (None: the query comes from one projection, attn_q)
+        "kv_lora_rank": _required(reader, f"{arch}.attention.kv_lora_rank"),
+        "qk_nope_head_dim": k_head - rope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": v_head,
+        # llama.cpp rotates deepseek2's q/k rope channels in adjacent pairs, and the converter keeps their order
+        "rope_interleave": True,
+        "rope_parameters": _deepseek2_rope(reader, arch, config["rope_theta"]),
+        "n_routed_experts": _required(reader, f"{arch}.expert_count"),
+        "num_experts_per_tok": _required(reader, f"{arch}.expert_used_count"),
+        "n_shared_experts": _required(reader, f"{arch}.expert_shared_count"),
+        "moe_intermediate_size": width,
+        "first_k_dense_replace": lead,
+        "n_group": max(groups, 1),
+        "topk_group": _value(reader, f"{arch}.expert_group_used_count", 1) if groups > 1 else 1,
+        "scoring_func": "sigmoid",
+        # absent keys (or a zero scale): llama.cpp neither scales nor renormalises the routing weights
+        "routed_scaling_factor": _f32(_value(reader, f"{arch}.expert_weights_scale", 0.0) or 1.0),
+        "norm_topk_prob": bool(_value(reader, f"{arch}.expert_weights_norm", False)),
+        "num_nextn_predict_layers": 0,
+    })
+    if config["intermediate_size"] is None:  # (the width of the dense layers' MLPs, when there are none)
+        config["intermediate_size"] = width
+
+
 _CONFIGS = {"qwen2": _dense_config, "qwen3": _dense_config, "llama": _dense_config,
-            "qwen3moe": _moe_config, "qwen35": _hybrid_config}
+            "qwen3moe": _moe_config, "qwen35": _hybrid_config, "deepseek2": _deepseek2_config}
 
 
 def _unpermute_qk(name: str, w: torch.Tensor, config: dict):
@@ -287,11 +389,32 @@ def _undo_qwen35(name: str, w: torch.Tensor, config: dict):
     yield name, w
 
 
+def _join_kv_b(state: dict[str, torch.Tensor], config: dict) -> None:
+    """Each layer's kv_b_proj from the halves llama.cpp's converter splits it into: per head, its first
+    qk_nope_head_dim rows (the keys' part) transposed, as attn_k_b [heads, kv_lora_rank, nope], and its
+    other v_head_dim rows (the values'), as attn_v_b [heads, v_head_dim, kv_lora_rank]."""
+    heads, rank = config["num_attention_heads"], config["kv_lora_rank"]
+    nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}.self_attn."
+        k_b, v_b = state.pop(prefix + "k_b_proj.weight", None), state.pop(prefix + "v_b_proj.weight", None)
+        if k_b is None and v_b is None:
+            continue
+        if k_b is None or v_b is None or prefix + "kv_b_proj.weight" in state:
+            raise ValueError(f"GGUF deepseek2 layer {i} needs attn_k_b and attn_v_b, or attn_kv_b alone")
+        if tuple(k_b.shape) != (heads, rank, nope) or tuple(v_b.shape) != (heads, v, rank):
+            raise ValueError(f"GGUF deepseek2 layer {i}: attn_k_b {tuple(k_b.shape)} / attn_v_b {tuple(v_b.shape)}, "
+                             f"config implies {(heads, rank, nope)} / {(heads, v, rank)}")
+        joined = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [heads, nope + v, rank]
+        state[prefix + "kv_b_proj.weight"] = joined.reshape(heads * (nope + v), rank)
+
+
 def _as_stored(name: str, w: torch.Tensor, config: dict):
     yield name, w
 
 
-_TENSOR_FIXES = {"llama": _unpermute_qk, "qwen3moe": _split_experts, "qwen35": _undo_qwen35}
+_TENSOR_FIXES = {"llama": _unpermute_qk, "qwen3moe": _split_experts, "qwen35": _undo_qwen35,
+                 "deepseek2": _split_experts}
 
 
 def read_gguf(path: str | GGUFReader, progress: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -317,6 +440,12 @@ def read_gguf(path: str | GGUFReader, progress: bool = False) -> tuple[dict, dic
         # HF Llama/Qwen3 give o_proj a bias whenever q/k/v have one; llama.cpp files may omit a zero one.
         for i in range(config["num_hidden_layers"]):
             state.setdefault(f"model.layers.{i}.self_attn.o_proj.bias", torch.zeros(config["hidden_size"]))
+    if arch == "deepseek2":
+        _join_kv_b(state, config)
+        # llama.cpp routes without a score bias where exp_probs_b is absent; HF's router always adds one.
+        for i in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
+            bias = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+            state.setdefault(bias, torch.zeros(config["n_routed_experts"]))
     _check_shapes(config, state)
     dtypes = {w.dtype for w in state.values() if w.dim() > 1}
     config["torch_dtype"] = next((n for d, n in ((torch.float16, "float16"), (torch.bfloat16, "bfloat16"))
@@ -334,10 +463,22 @@ def _shapes(config: dict) -> dict[str, tuple]:
             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q), "self_attn.q_proj.bias": (q,),
             "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,), "mlp.gate_proj.weight": (inter, h),
             "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
-    if "num_experts" in config:
+    experts = config.get("num_experts", config.get("n_routed_experts"))
+    if experts:
         width = config["moe_intermediate_size"]
-        want.update({"mlp.gate.weight": (config["num_experts"], h), "mlp.experts.*.gate_proj.weight": (width, h),
+        want.update({"mlp.gate.weight": (experts, h), "mlp.experts.*.gate_proj.weight": (width, h),
                      "mlp.experts.*.up_proj.weight": (width, h), "mlp.experts.*.down_proj.weight": (h, width)})
+    if "kv_lora_rank" in config:  # (DeepSeek's multi-head latent attention and shared experts)
+        heads, q_rank, rank = config["num_attention_heads"], config["q_lora_rank"], config["kv_lora_rank"]
+        nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+        shared = config["n_shared_experts"] * config["moe_intermediate_size"]
+        want.update({
+            "self_attn.q_proj.weight": (heads * (nope + rope), h), "self_attn.q_a_proj.weight": (q_rank, h),
+            "self_attn.q_a_layernorm.weight": (q_rank,), "self_attn.q_b_proj.weight": (heads * (nope + rope), q_rank),
+            "self_attn.kv_a_proj_with_mqa.weight": (rank + rope, h), "self_attn.kv_a_layernorm.weight": (rank,),
+            "self_attn.kv_b_proj.weight": (heads * (nope + v), rank), "self_attn.o_proj.weight": (h, heads * v),
+            "mlp.gate.e_score_correction_bias": (experts,), "mlp.shared_experts.gate_proj.weight": (shared, h),
+            "mlp.shared_experts.up_proj.weight": (shared, h), "mlp.shared_experts.down_proj.weight": (h, shared)})
     if "linear_num_key_heads" in config:
         n_v, d_v = config["linear_num_value_heads"], config["linear_value_head_dim"]
         conv = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"] + n_v * d_v
@@ -359,11 +500,15 @@ def _check_shapes(config: dict, state: dict[str, torch.Tensor]) -> None:
 
 
 def _save_tokenizer(reader: GGUFReader, gguf_path: str, out_dir: str, eos_id: int | None) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if reader.get_field("tokenizer.ggml.model") is None:
         return  # a weights-only GGUF: the caller must bring its own tokenizer
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)), gguf_file=os.path.basename(gguf_path))
+    # AutoTokenizer first reads the file's model config, which transformers has for some architectures
+    # only; the fast tokenizer class builds from the file's tokenizer keys alone.
+    auto = _value(reader, "general.architecture") != "deepseek2"
+    tok = (AutoTokenizer if auto else PreTrainedTokenizerFast).from_pretrained(
+        os.path.dirname(os.path.abspath(gguf_path)), gguf_file=os.path.basename(gguf_path))
     if eos_id is not None and tok.eos_token_id != eos_id:
         tok.eos_token = tok.convert_ids_to_tokens(eos_id)
     template = _value(reader, "tokenizer.chat_template")
