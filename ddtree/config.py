@@ -8,8 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_5_text", "qwen3_moe", "deepseek_v3")
-HYBRID_MODEL_TYPES = ("qwen3_5_text",)  # Gated DeltaNet layers between full-attention ones (models/hybrid.py)
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_moe",
+                         "deepseek_v3")
+# Gated DeltaNet layers between full-attention ones (models/hybrid.py)
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+QWEN_MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next")  # softmax-routed experts (`qwen_moe`)
 
 
 @dataclass(slots=True)
@@ -26,7 +29,10 @@ class MoEConfig:
     held_experts: int | None = None
     # DeepSeek-V3 routing ("sigmoid"): sigmoid scores, biased by a learnt correction when choosing, the
     # choice limited to the `topk_group` best of `n_group` expert groups, the weights times
-    # `routed_scaling_factor`; plus a shared SiLU-gated MLP of width `shared_intermediate_size` (0: none).
+    # `routed_scaling_factor`.
+    # A shared SiLU-gated MLP of width `shared_intermediate_size` (0: none) runs on every token: with
+    # "sigmoid" routing DeepSeek-V3's `shared_experts`, added as is; with "softmax" routing Qwen's
+    # `shared_expert` (Qwen3.5-MoE, Qwen3-Next), scaled by sigmoid(`shared_expert_gate` . x).
     scoring: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
@@ -137,13 +143,10 @@ class ModelConfig:
                                              cfg["linear_conv_kernel_dim"]),
                 rotary_dim=int(head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
                 attn_output_gate=True)
-        if model_type == "qwen3_moe":
-            experts, step = cfg.get("num_experts") or cfg.get("num_local_experts"), cfg.get("decoder_sparse_step", 1)
-            dense = set(cfg.get("mlp_only_layers") or [])
-            extra["moe"] = MoEConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
-                                     cfg.get("norm_topk_prob", True),
-                                     [i for i in range(cfg["num_hidden_layers"])
-                                      if i not in dense and experts > 0 and (i + 1) % step == 0])
+            if cfg.get("attention_bias", False):
+                raise ValueError(f"{model_type}: attention_bias is not supported")
+        if model_type in QWEN_MOE_MODEL_TYPES:
+            extra["moe"] = qwen_moe(cfg, model_type)
         if model_type == "deepseek_v3":
             extra.update(deepseek_v3_parts(cfg, rope))
             head_dim = extra["mla"].kv_lora_rank + extra["mla"].qk_rope_head_dim
@@ -152,7 +155,7 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or dense_width(cfg),
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=1 if model_type == "deepseek_v3" else cfg.get("num_key_value_heads") or heads,
@@ -163,7 +166,7 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; Llama has them only with attention_bias; Qwen3 never.
             qkv_bias=model_type == "qwen2" or (model_type == "llama" and bool(cfg.get("attention_bias", False))),
-            qk_norm=model_type in ("qwen3", "qwen3_5_text", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or hybrid,
             o_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
             rope_scaling=rope_scaling,
             eos_token_ids=eos,
@@ -183,6 +186,27 @@ class ModelConfig:
                 if e not in mc.eos_token_ids:
                     mc.eos_token_ids.append(e)
         return mc
+
+
+def qwen_moe(cfg: dict, model_type: str) -> MoEConfig:
+    """The routed experts of a Qwen MoE config: softmax top-k routing; experts in every
+    `decoder_sparse_step`-th layer but those of `mlp_only_layers` (Qwen3.5-MoE has neither: every layer),
+    and a shared expert where `shared_expert_intermediate_size` is set. Qwen3.5-MoE's router always
+    renormalises the k weights (its config has no `norm_topk_prob`)."""
+    experts, step = cfg.get("num_experts") or cfg.get("num_local_experts"), cfg.get("decoder_sparse_step", 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return MoEConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                     model_type == "qwen3_5_moe_text" or bool(cfg.get("norm_topk_prob", True)),
+                     [i for i in range(cfg["num_hidden_layers"])
+                      if i not in dense and experts > 0 and (i + 1) % step == 0],
+                     shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0)
+
+
+def dense_width(cfg: dict) -> int:
+    """ModelConfig.intermediate_size for a config without one (Qwen3.5-MoE: no dense MLP anywhere): a
+    token's routed experts' total width, the widest activation of a layer (the runner's memory
+    estimate) and a new drafter's default MLP width."""
+    return cfg["moe_intermediate_size"] * cfg["num_experts_per_tok"]
 
 
 def deepseek_v3_parts(cfg: dict, rope: dict) -> dict:

@@ -162,3 +162,108 @@ def test_the_triton_path_generates_like_the_torch_path(moe_pair):
     prompts, params = PROMPTS[:2], SamplingParams(max_tokens=5, ignore_eos=True)
     want = [o.token_ids for o in LLM(model, kernels="torch", **ENGINE).generate(prompts, params)]
     assert [o.token_ids for o in LLM(model, kernels="triton", **ENGINE).generate(prompts, params)] == want
+
+
+# Hybrid MoE targets: Qwen3.5-MoE (routed experts and a gated shared expert in every layer) and Qwen3-Next
+# (the same, a dense MLP in layer 1, the top-k weights not renormalised, fused Gated DeltaNet projections),
+# each with transformers' model (the oracle) and a random drafter.
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
+def hybrid_moe(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from ddtree.models.dflash import random_drafter, save_drafter
+    root = tmp_path_factory.mktemp(request.param)
+    model = make_tiny_model(str(root / "target"), request.param)
+    cfg = ModelConfig.from_dir(model)
+    save_drafter(random_drafter(cfg, num_layers=1, block_size=8, target_layer_ids=[0, cfg.num_layers - 1]),
+                 str(root / "drafter"))
+    return model, str(root / "drafter"), AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+def test_hybrid_moe_configs_read_their_layer_kinds_experts_and_shared_expert():
+    from tiny import make_config
+    q35 = ModelConfig.from_dict(make_config("qwen3_5_moe", 384).to_dict())
+    nxt = ModelConfig.from_dict(make_config("qwen3_next", 384).to_dict())
+    for cfg in (q35, nxt):
+        assert cfg.is_hybrid and cfg.linear_layers == [0, 1, 2] and cfg.attention_layers == [3]
+        assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.shared_intermediate_size) == (8, 2, 48)
+    assert q35.moe.layers == [0, 1, 2, 3] and q35.moe.norm_topk_prob  # (its router always renormalises)
+    assert nxt.moe.layers == [0, 2, 3] and not nxt.moe.norm_topk_prob  # (mlp_only_layers=[1])
+    # a multimodal checkpoint's config: its text model's
+    outer = {"model_type": "qwen3_5_moe", "text_config": make_config("qwen3_5_moe", 384).to_dict()}
+    assert ModelConfig.from_dict(outer).model_type == "qwen3_5_moe_text"
+
+
+def test_hybrid_moe_logprobs_and_greedy_output_equal_transformers_alone_and_batched(hybrid_moe):
+    # Batched requests of different lengths, their prompts chunked (the recurrent state carried between
+    # chunks): the tokens, and the log-probability of each, are transformers' for each prompt alone.
+    from test_hybrid import assert_idle, reference
+    model, _, hf = hybrid_moe
+    n = 12
+    params = SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0)
+    llm = LLM(model, **ENGINE, max_num_batched_tokens=16)
+    batched = llm.generate(PROMPTS, params)
+    alone = llm.generate(PROMPTS[:1], params)[0]
+    for prompt, got in zip(PROMPTS, batched):
+        want, logp = reference(hf, prompt, n)
+        assert got.token_ids == want
+        torch.testing.assert_close(torch.tensor([lp for lp, _ in got.logprobs]),
+                                   logp.gather(1, torch.tensor(want)[:, None])[:, 0], atol=1e-4, rtol=0)
+    assert alone.token_ids == batched[0].token_ids
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("hybrid_moe", ["qwen3_5_moe"], indirect=True)  # (Qwen3-Next's layers are the same ones)
+def test_hybrid_moe_dflash_and_ddtree_commit_exactly_ar_tokens_greedy_and_seeded(hybrid_moe):
+    # Tree nodes see their ancestors' recurrent state only, and every node's tokens go through the experts.
+    from test_spec import speculation_commits_ar_tokens
+    model, draft, _ = hybrid_moe
+    llm = LLM(model, draft=draft, spec="none", **ENGINE)
+    speculation_commits_ar_tokens(llm, PROMPTS, [(GREEDY, llm.generate(PROMPTS, GREEDY)),
+                                                 (SEEDED, llm.generate(PROMPTS, SEEDED))])
+
+
+@pytest.mark.parametrize("hybrid_moe", ["qwen3_5_moe"], indirect=True)
+@pytest.mark.parametrize("spec", [None, "ddtree"])
+def test_hybrid_moe_graphed_bursts_emulated_on_cpu_equal_eager_ar(spec, hybrid_moe, monkeypatch):
+    # The GPU's graphed path (CUDA graphs emulated): recurrent states and routed experts with device ops
+    # only, in AR decode bursts and whole DDTree steps, padding rows included.
+    from emulated import fake_gpu_graphs
+    model, drafter, _ = hybrid_moe
+    want = [o.token_ids for o in LLM(model, **ENGINE).generate(PROMPTS, SEEDED)]
+    fake_gpu_graphs(monkeypatch)
+    llm = LLM(model, draft=drafter if spec else None, spec=spec or "none", budget=8, topk=2, **ENGINE, max_num_seqs=3)
+    assert (llm.engine.speculator.graphs if spec else llm.engine.ar.decode_graphs) is not None
+    assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == want
+
+
+def test_a_multimodal_qwen3_5_moe_checkpoint_with_stacked_experts_loads_its_text_model(tmp_path):
+    # Published Qwen3.5-MoE checkpoints are Qwen3_5MoeForConditionalGeneration (the text model under
+    # model.language_model.*, beside a vision tower), their experts stacked ([E, 2I, D] gate|up, [E, D, I]
+    # down) where transformers saves one tensor each: both load, and generate as transformers does.
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+    from tiny import make_config
+    cfg = Qwen3_5MoeConfig(text_config=make_config("qwen3_5_moe", 384).to_dict(),
+                           vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                              out_hidden_size=64))
+    torch.manual_seed(0)
+    hf = Qwen3_5MoeForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for _, p in hf.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+    hf.save_pretrained(str(tmp_path))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    lone = LLM(str(tmp_path), **ENGINE).generate(PROMPTS[:2], params)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for layer in range(4):
+        prefix = f"model.language_model.layers.{layer}.mlp.experts"
+        pick = {p: [tensors.pop(f"{prefix}.{e}.{p}.weight") for e in range(8)] for p in ("gate_proj", "up_proj", "down_proj")}
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat(gu) for gu in zip(pick["gate_proj"], pick["up_proj"])])
+        tensors[f"{prefix}.down_proj"] = torch.stack(pick["down_proj"])
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    stacked = LLM(str(tmp_path), **ENGINE).generate(PROMPTS[:2], params)
+    for prompt, a, b in zip(PROMPTS, lone, stacked):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        assert a.token_ids == b.token_ids == want[0, len(prompt):].tolist()

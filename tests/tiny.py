@@ -1,4 +1,4 @@
-"""Tiny random checkpoints (Qwen2, Qwen3, Llama) with a small byte-level BPE tokenizer, built in tests."""
+"""Tiny random checkpoints (dense, hybrid and MoE families) with a small byte-level BPE tokenizer, built in tests."""
 from __future__ import annotations
 
 import os
@@ -29,6 +29,9 @@ def make_tokenizer(vocab_size: int = 384):
     return fast
 
 
+HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # Gated DeltaNet and gated attention layers
+
+
 def make_config(family: str, vocab_size: int, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -49,6 +52,18 @@ def make_config(family: str, vocab_size: int, **overrides):
                                  linear_value_head_dim=8, linear_conv_kernel_dim=4,
                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                   "partial_rotary_factor": 0.5}, **common)
+    if family in ("qwen3_5_moe", "qwen3_next"):  # hybrid (qwen3_5's layers) with routed and gated shared experts
+        hybrid = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                      **{**common, "num_hidden_layers": overrides.get("num_hidden_layers", 4)})
+        if family == "qwen3_5_moe":  # experts in every layer (no dense MLP)
+            from transformers import Qwen3_5MoeTextConfig
+            del hybrid["intermediate_size"]
+            return Qwen3_5MoeTextConfig(**hybrid)
+        from transformers import Qwen3NextConfig  # a dense MLP in layer 1, top-k weights not renormalised
+        return Qwen3NextConfig(decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False, **hybrid)
     if family == "qwen3_moe":  # routed experts in every other layer, dense MLPs between
         from transformers import Qwen3MoeConfig
         return Qwen3MoeConfig(head_dim=16, rope_theta=10000.0, num_experts=8, num_experts_per_tok=2,
@@ -81,9 +96,9 @@ def make_tiny_model(path: str, family: str = "qwen2", seed: int = 0, with_tokeni
         for name, p in model.named_parameters():
             if p.dim() >= 2:  # (matrices, and the routed experts' stacked ones)
                 p.normal_(0, 0.08)
-            elif "bias" in name and family != "qwen3_5":
+            elif "bias" in name and family not in HYBRID:
                 p.normal_(0, 0.02)
-            elif family == "qwen3_5" and "norm" in name:  # (zero-centred norms: their 1 + weight is tested)
+            elif family in HYBRID and "norm" in name:  # (zero-centred norms: their 1 + weight is tested)
                 p.normal_(1.0 if "linear_attn.norm" in name else 0.0, 0.1)  # (the gated norm scales by its weight)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

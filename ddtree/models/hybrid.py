@@ -1,5 +1,7 @@
-"""The layers of hybrid models (Qwen3.5 text, `qwen3_5_text`): Gated DeltaNet layers between gated
-full-attention layers, each followed by the dense MLP.
+"""The layers of hybrid models (Qwen3.5 text `qwen3_5_text`, Qwen3.5-MoE text `qwen3_5_moe_text`,
+Qwen3-Next `qwen3_next`): Gated DeltaNet layers between gated full-attention layers, each followed by
+the dense MLP or the MoE layer's (models/moe.py). Qwen3-Next's checkpoints fuse the Gated DeltaNet's
+input projections differently; they load as Qwen3.5's (`split_grouped_projections`).
 
 A Gated DeltaNet layer is linear attention with a recurrent state: per value head a [Dk, Dv] matrix S,
 updated by each token t as
@@ -357,7 +359,8 @@ def tree_parent(above: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
 
 
 class HybridDecoderLayer(DecoderLayer):
-    """A Gated DeltaNet or a gated full-attention layer, then the MLP (the dense layer's forward)."""
+    """A Gated DeltaNet or a gated full-attention layer, then the MLP or the MoE layer's (the dense layer's
+    forward)."""
 
     def __init__(self, cfg: ModelConfig, index: int, rotary: Rotary):
         nn.Module.__init__(self)
@@ -370,6 +373,31 @@ class HybridDecoderLayer(DecoderLayer):
     @property
     def mixer(self) -> nn.Module:
         return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+
+
+def split_grouped_projections(tensors, cfg: ModelConfig):
+    """Checkpoint tensors with Qwen3-Next's fused Gated DeltaNet projections rewritten as Qwen3.5's four.
+    Its `in_proj_qkvz` holds a group of rows per key head: the head's q (Dk rows), k (Dk), then v and z of
+    the value heads it serves (r = Hv / Hk heads of Dv rows each); `in_proj_ba` a group of 2r rows per key
+    head, b then a of those value heads. Regrouped: in_proj_qkv (every q, every k, every v), in_proj_z,
+    in_proj_b and in_proj_a, value heads in the same order. `cfg` gives the heads held (the rank's, under
+    tensor parallelism, whose rows are whole groups: parallel/shard.py)."""
+    lin = cfg.linear
+    r = lin and lin.num_v_heads // lin.num_k_heads
+    for name, tensor in tensors:
+        if name.endswith("linear_attn.in_proj_qkvz.weight"):
+            prefix = name[:-len("in_proj_qkvz.weight")]
+            q, k, v, z = tensor.view(lin.num_k_heads, -1, tensor.shape[-1]).split(
+                [lin.k_head_dim, lin.k_head_dim, r * lin.v_head_dim, r * lin.v_head_dim], dim=1)
+            yield prefix + "in_proj_qkv.weight", torch.cat([t.flatten(0, 1) for t in (q, k, v)])
+            yield prefix + "in_proj_z.weight", z.flatten(0, 1)
+        elif name.endswith("linear_attn.in_proj_ba.weight"):
+            prefix = name[:-len("in_proj_ba.weight")]
+            b, a = tensor.view(lin.num_k_heads, 2 * r, tensor.shape[-1]).split([r, r], dim=1)
+            yield prefix + "in_proj_b.weight", b.flatten(0, 1)
+            yield prefix + "in_proj_a.weight", a.flatten(0, 1)
+        else:
+            yield name, tensor
 
 
 def fold_norm_offsets(tensors):

@@ -167,8 +167,8 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
         return model.eval().requires_grad_(False), cfg
     tensors = text_model_tensors(iter_tensors(path, part))
     if cfg.is_hybrid:
-        from ddtree.models.hybrid import fold_norm_offsets
-        tensors = fold_norm_offsets(tensors)
+        from ddtree.models.hybrid import fold_norm_offsets, split_grouped_projections
+        tensors = fold_norm_offsets(split_grouped_projections(tensors, cfg))
     load_weights(model, tensors, CausalLM.packed, path,
                  skip=lambda n: "rotary_emb" in n or (tied and n == "lm_head.weight") or beyond_layers(n, cfg))
     model.tie_weights()

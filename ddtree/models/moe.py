@@ -1,9 +1,11 @@
-"""Routed experts (Qwen3-MoE): the MLP of a mixture-of-experts layer.
+"""Routed experts (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3): the MLP of a mixture-of-experts layer.
 
 A router (`gate`, one logit per expert) scores each token; the token goes to its `top_k` experts by
 softmax probability, those probabilities renormalised over the k when the config says so
 (`norm_topk_prob`). Each expert is a SiLU-gated MLP; the layer's output is the weighted sum of the k
-experts' outputs. Experts act per token, so chain and tree verification need nothing more.
+experts' outputs. Qwen3.5-MoE and Qwen3-Next add a shared expert, a SiLU-gated MLP that every token
+goes through, its output scaled by sigmoid(shared_expert_gate . x), a per-token scalar. Experts act per
+token, so chain and tree verification need nothing more.
 
 The experts' weights are stacked, `gate_up_proj` [E, 2I, D] (gate rows, then up rows) and `down_proj`
 [E, D, I], as transformers stores them; checkpoints with one tensor per expert
@@ -16,6 +18,8 @@ product per expert where those do not run.
 
 Under tensor parallelism each rank holds the experts `first` .. `first` + E - 1 (parallel/shard.py):
 it adds those experts' share of each token's output, and an all-reduce over `group` sums the shares.
+A shared expert's width is split like a dense MLP's and its gate is whole on every rank: the rank's
+partial shared output, times the gate, joins its routed share before that one all-reduce.
 """
 from __future__ import annotations
 
@@ -120,15 +124,21 @@ def grouped_mm_runs(x: torch.Tensor) -> bool:
 
 
 class SparseMoE(nn.Module):
-    """The MoE layer's MLP: the router, then the chosen experts (see the module docstring)."""
+    """The MoE layer's MLP: the router, then the chosen experts, and the gated shared expert where the
+    config has one (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        from ddtree.models.transformer import MLP
         moe = cfg.moe
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.experts = Experts(moe.held_experts or moe.num_experts, cfg.hidden_size, moe.intermediate_size,
                                moe.first_expert)
+        self.shared = moe.shared_intermediate_size > 0
+        if self.shared:
+            self.shared_expert = MLP(cfg, moe.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         """The layer's output for x [T, D]; `batch` (the step's AttentionBatch) says whether the Triton
@@ -143,7 +153,10 @@ class SparseMoE(nn.Module):
             weights, experts = probs.topk(self.top_k, dim=-1)
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, experts, weights.to(x.dtype), use_triton)
+        out = self.experts.share(x, experts, weights.to(x.dtype), use_triton)
+        if self.shared:  # (the gate scales a token's whole row, so it may scale this rank's partial sum)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x)
+        return self.experts.reduce(out)
 
     def after_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, batch) -> tuple:
         """(self(norm(x + residual)), x + residual): the dense MLP's fused few-rows hook, unfused here."""

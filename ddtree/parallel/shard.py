@@ -8,9 +8,12 @@ held by every rank whose query heads use it). q/k/v and gate/up are split by out
 partial sum, all-reduced to the full output (`RowParallelLinear` in models/transformer.py), and a
 row-parallel bias is added on rank 0 only. Gated DeltaNet layers (hybrid models) split their key and
 value heads alike, the convolution's channels with them, and their recurrent state with the heads.
+Qwen3-Next's fused in_proj_qkvz and in_proj_ba hold one group of rows per key head (its q, k, and
+its value heads' v and z; its value heads' b and a), so a rank's key heads are one block of rows.
 Routed experts (MoE layers) are split whole: each rank holds E / N experts and adds its experts' share
 of each token's output, and an all-reduce sums the shares (the router is whole on every rank, and the
-tokens are already on every rank, so no all-to-all is needed).
+tokens are already on every rank, so no all-to-all is needed). Qwen's gated shared expert splits like
+an MLP, its one-row gate whole on every rank (SparseMoE).
 Multi-head latent attention (DeepSeek-V3, models/mla.py) splits its query heads alike: q_proj (or
 q_b_proj) and kv_b_proj by rows, head by head (kv_b_proj's rows are each head's key part, then its
 value part, so a rank's heads are one block of rows), o_proj by input columns. The latent projections
@@ -51,8 +54,8 @@ def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     if cfg.moe is not None and cfg.moe.num_experts % n:
         problems.append(f"num_experts {cfg.moe.num_experts}")
     if cfg.moe is not None and cfg.moe.shared_intermediate_size % n:
-        problems.append(f"shared experts' width {cfg.moe.shared_intermediate_size} (n_shared_experts x "
-                        f"moe_intermediate_size)")
+        problems.append(f"shared experts' width {cfg.moe.shared_intermediate_size} (shared_expert_intermediate_size, "
+                        f"or n_shared_experts x moe_intermediate_size)")
     if problems:
         raise ValueError(f"tensor_parallel_size {n} does not divide the model's {', '.join(problems)}")
     linear = cfg.linear and dataclasses.replace(cfg.linear, num_k_heads=cfg.linear.num_k_heads // n,
@@ -126,8 +129,8 @@ def tensor_part(name: str, cfg: ModelConfig, shard: Shard) -> Take | str | None:
         return Take(0, ((head * D, (head + 1) * D),))
     if module == "o_proj":
         return (None if r == 0 else ZEROS) if kind == "bias" else rows(0, cfg.num_heads * D, dim=1)
-    if module in ("gate_proj", "up_proj", "down_proj"):  # a dense MLP, or DeepSeek-V3's shared experts
-        width = cfg.moe.shared_intermediate_size if ".shared_experts." in name else cfg.intermediate_size
+    if module in ("gate_proj", "up_proj", "down_proj"):  # a dense MLP, or the shared expert(s) of an MoE layer
+        width = cfg.moe.shared_intermediate_size if ".shared_expert" in name else cfg.intermediate_size
         return rows(0, width, dim=1 if module == "down_proj" else 0)
     lin = cfg.linear
     if lin is None or ".linear_attn." not in name:
@@ -138,6 +141,8 @@ def tensor_part(name: str, cfg: ModelConfig, shard: Shard) -> Take | str | None:
         return Take(0, q.ranges + k.ranges + v.ranges)
     if module == "in_proj_z":
         return rows(0, values)
+    if module in ("in_proj_qkvz", "in_proj_ba"):  # (Qwen3-Next: each key head's group of rows in turn)
+        return rows(0, 2 * keys + 2 * values if module == "in_proj_qkvz" else 2 * lin.num_v_heads)
     if module in ("in_proj_a", "in_proj_b") or kind in ("dt_bias", "A_log"):
         return rows(0, lin.num_v_heads)
     if module == "out_proj":
