@@ -34,7 +34,15 @@ QWEN35_NAMES = {**GGUF_NAMES, "post_attention_layernorm": "post_attention_norm",
                 "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
                 "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.in_proj_b": "ssm_beta",
                 "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out",
-                "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}  # (whole names: no leaf)
+                "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias",  # (whole names: no leaf)
+                # Qwen3.5-MoE and Qwen3-Next: the shared expert and its gate, gate and up stacked together (the
+                # converter's --fuse-gate-up-exps), Qwen3-Next's fused projections (in_proj_qkvz whole: older
+                # converters; the current one writes it as attn_qkv and attn_gate, qwen3next_qkvz)
+                "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+                "mlp.experts.gate_up_proj": "ffn_gate_up_exps", "linear_attn.in_proj_qkvz": "ssm_in",
+                "linear_attn.in_proj_ba": "ssm_ba"}
+HYBRID = ("qwen35", "qwen35moe", "qwen3next")
 # DeepSeek-V3 (llama.cpp's deepseek2): latent attention, shared experts and the router's score bias; kv_b_proj
 # whole (older converters) or as its keys' and values' halves (k_b_proj / v_b_proj: split_kv_b).
 DEEPSEEK2_NAMES = {**GGUF_NAMES, "self_attn.q_a_proj": "attn_q_a", "self_attn.q_b_proj": "attn_q_b",
@@ -44,17 +52,22 @@ DEEPSEEK2_NAMES = {**GGUF_NAMES, "self_attn.q_a_proj": "attn_q_a", "self_attn.q_
                    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
                    "mlp.shared_experts.down_proj": "ffn_down_shexp",
                    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias"}
-MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "deepseek2": "deepseek_v3"}
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",
+               "qwen3next": "qwen3_next", "deepseek2": "deepseek_v3"}
 # One tensor stored as F16 and one as Q8_0, where a converter transform meets quantization: llama's q/k
-# row permutation, the stacking of experts, Qwen3.5's value-head reordering (rows of q|k|v), DeepSeek's
-# kv_b_proj split (SPLIT_KV_B's cases quantize layer 0's keys' half, make_twin; the other deepseek2 case
-# layer 0's full-rank q_proj). Patterns, as a MoE layer's experts are one tensor each in HF and one
-# stacked tensor in the GGUF.
+# row permutation, the stacking of experts (Qwen3.5-MoE: gate and up in one tensor), Qwen3.5's value-head
+# reordering (rows of q|k|v), Qwen3-Next's in_proj_qkvz split, DeepSeek's kv_b_proj split (SPLIT_KV_B's
+# cases quantize layer 0's keys' half, make_twin; the other deepseek2 case layer 0's full-rank q_proj).
+# Patterns, as a MoE layer's experts are one tensor each in HF and one stacked tensor in the GGUF.
 F16_TENSOR = {"qwen3moe": r"model\.layers\.1\.mlp\.experts\.(\d+\.)?up_proj\.weight",
               "qwen35": r"model\.layers\.0\.linear_attn\.out_proj\.weight",
+              "qwen35moe": r"model\.layers\.1\.mlp\.shared_expert\.down_proj\.weight",
+              "qwen3next": r"model\.layers\.0\.linear_attn\.in_proj_ba\.weight",
               "deepseek2": r"model\.layers\.1\.mlp\.experts\.(\d+\.)?up_proj\.weight"}
 Q8_TENSOR = {"qwen3moe": r"model\.layers\.0\.mlp\.experts\.(\d+\.)?down_proj\.weight",
-             "qwen35": r"model\.layers\.0\.linear_attn\.in_proj_qkv\.weight"}
+             "qwen35": r"model\.layers\.0\.linear_attn\.in_proj_qkv\.weight",
+             "qwen35moe": r"model\.layers\.0\.mlp\.experts\.(\d+\.)?(gate|up)_proj\.weight",
+             "qwen3next": r"model\.layers\.0\.linear_attn\.in_proj_qkvz\.weight"}
 DENSE_F16, DENSE_Q8 = r"model\.layers\.1\.mlp\.up_proj\.weight", r"model\.layers\.0\.self_attn\.q_proj\.weight"
 # DeepSeek's YaRN (mscale equal to mscale_all_dim), with beta values other than llama.cpp's defaults.
 DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
@@ -72,6 +85,13 @@ CASES = {
     "qwen35-grouped": ("qwen35", dict(linear_num_key_heads=2, linear_num_value_heads=6, partial_rotary_factor=0.5)),
     "qwen35-tied": ("qwen35", dict(linear_num_key_heads=2, linear_num_value_heads=2, tie_word_embeddings=True,
                                    rope_theta=1e7, head_dim=32)),
+    # tests/tiny.py's (two key heads of two value heads each) in 2 layers: a Gated DeltaNet one, then full
+    # attention; Qwen3-Next as the current converter writes it, and as older ones did (in_proj_qkvz whole,
+    # the shared expert's gate squeezed to a vector, no full_attention_interval: llama.cpp's default of 4)
+    "qwen35moe": ("qwen35moe", dict(layer_types=["linear_attention", "full_attention"])),
+    "qwen3next": ("qwen3next", dict(layer_types=["linear_attention", "full_attention"])),
+    "qwen3next-ssm_in": ("qwen3next", dict(num_hidden_layers=4,
+                                           layer_types=["linear_attention"] * 3 + ["full_attention"])),
     # a dense layer, then routed experts: as the current converter writes it (kv_b_proj split, groups of
     # experts, YaRN 4x; 32 keys' channels a head: one Q8_0 block), and as older ones did (kv_b_proj whole,
     # no groups; here with a full-rank query and unnormalised routing weights)
@@ -81,6 +101,7 @@ CASES = {
                                          routed_scaling_factor=1.5)),
 }
 SPLIT_KV_B = {"deepseek2"}
+QWEN3NEXT_LEGACY = {"qwen3next-ssm_in"}
 DENSE_CASES = [c for c, (arch, _) in CASES.items() if arch not in MODEL_TYPES]
 
 
@@ -108,6 +129,16 @@ def hf_config(arch: str, overrides: dict, eos: int):
                               norm_topk_prob=True, **common)
     if arch == "deepseek2":  # tests/tiny.py's DeepSeek-V3 (8 experts in 2 groups, one shared), in 2 layers
         return make_config("deepseek_v3", VOCAB, **{k: v for k, v in common.items() if k != "vocab_size"})
+    if arch == "qwen35moe":  # tests/tiny.py's: 8 experts and a shared one in every layer; the multimodal rope's
+        # split, as Qwen3.5-MoE checkpoints have it
+        cfg = make_config("qwen3_5_moe", VOCAB, **{k: v for k, v in common.items() if k != "vocab_size"})
+        cfg.rope_parameters["mrope_section"] = [2, 1, 1]
+        return cfg
+    if arch == "qwen3next":  # tests/tiny.py's, with what llama.cpp's qwen3next runs: experts in every layer,
+        # top-k weights renormalised
+        cfg = make_config("qwen3_next", VOCAB, **{k: v for k, v in common.items() if k != "vocab_size"})
+        cfg.mlp_only_layers, cfg.norm_topk_prob = [], True
+        return cfg
     if arch == "qwen35":  # a Gated DeltaNet layer, then a gated full-attention one; 8 rotated channels a head
         rope = {"rope_type": "default", "rope_theta": common.pop("rope_theta", 10000.0),
                 "partial_rotary_factor": common.pop("partial_rotary_factor", 0.25), "mrope_section": [2, 1, 1]}
@@ -123,17 +154,15 @@ def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def qwen35_to_gguf(name: str, t: torch.Tensor, cfg) -> torch.Tensor:
-    """What llama.cpp's converter does to a Qwen3.5 text model's tensor (rows may be Q8_0 bytes): value heads
-    from grouped by key head to tiled (the r-th of every group together), the convolution squeezed, A_log as
-    -exp(A_log), and 1 added to the zero-centred norms (all but the gated one)."""
+    """What llama.cpp's converter does to a Qwen3.5 (or Qwen3.5-MoE) text model's tensor (rows may be Q8_0
+    bytes): value heads from grouped by key head to tiled (the r-th of every group together), then what it
+    does to the whole Qwen3-Next family (qwen3next_to_gguf)."""
     n_k, n_v, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim
     qk = 2 * n_k * cfg.linear_key_head_dim
 
     def tiled(x, head):
         return x.reshape(n_k, n_v // n_k, head, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
 
-    if "conv1d" in name:
-        t = t.squeeze(1)
     if "linear_attn." in name and n_k != n_v:
         if "in_proj_qkv" in name or "conv1d" in name:
             t = torch.cat([t[:qk], tiled(t[qk:], dv)])
@@ -143,11 +172,34 @@ def qwen35_to_gguf(name: str, t: torch.Tensor, cfg) -> torch.Tensor:
             t = tiled(t, 1)
         elif "out_proj" in name:
             t = tiled(t.T, dv).T
+    return qwen3next_to_gguf(name, t, cfg)
+
+
+def qwen3next_to_gguf(name: str, t: torch.Tensor, cfg) -> torch.Tensor:
+    """What llama.cpp's converter does to every tensor of the Qwen3-Next family (Qwen3.5's classes derive
+    from Qwen3-Next's): the convolution squeezed, A_log as -exp(A_log), 1 added to the zero-centred norms."""
+    if "conv1d" in name:
+        t = t.squeeze(1)
     if name.endswith("A_log"):
         t = -torch.exp(t)
     elif name.endswith("norm.weight") and "linear_attn" not in name:
         t = t + 1
     return t
+
+
+def qwen3next_qkvz(sd: dict, cfg) -> dict:
+    """in_proj_qkvz as llama.cpp's current converter writes it: HF's groups of rows per key head (q, k,
+    then the v and z of its value heads) as in_proj_qkv (every q, every k, every v) and in_proj_z."""
+    out = {}
+    for name, t in sd.items():
+        if name.endswith("in_proj_qkvz.weight"):
+            r = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+            sizes = [cfg.linear_key_head_dim] * 2 + [r * cfg.linear_value_head_dim] * 2
+            q, k, v, z = (p.flatten(0, 1) for p in t.view(cfg.linear_num_key_heads, -1, t.shape[-1]).split(sizes, 1))
+            out[name.replace("qkvz", "qkv")], out[name.replace("qkvz", "z")] = torch.cat([q, k, v]), z
+        else:
+            out[name] = t
+    return out
 
 
 def split_kv_b(sd: dict, cfg) -> dict:
@@ -224,7 +276,7 @@ def gguf_name(arch: str, name: str) -> str:
     if name in top:
         return top[name]
     _, _, i, rest = name.split(".", 3)
-    names = {"qwen35": QWEN35_NAMES, "deepseek2": DEEPSEEK2_NAMES}.get(arch, GGUF_NAMES)
+    names = QWEN35_NAMES if arch in HYBRID else {"deepseek2": DEEPSEEK2_NAMES}.get(arch, GGUF_NAMES)
     if rest in names:
         return f"blk.{i}.{names[rest]}"
     module, leaf = rest.rsplit(".", 1)
@@ -261,7 +313,7 @@ def make_twin(tmp_path, case: str):
         elif re.fullmatch(q8, name):
             q8_bytes[name] = quantize(t.numpy(), QType.Q8_0)  # Q8_0 is not idempotent: quantize once
             sd[name] = torch.from_numpy(dequantize(q8_bytes[name], QType.Q8_0)).half().float()
-        elif arch == "qwen35" and name.endswith("norm.weight") and "linear_attn" not in name:
+        elif arch in HYBRID and name.endswith("norm.weight") and "linear_attn" not in name:
             sd[name] = (t + 1) - 1
     if case in SPLIT_KV_B:  # layer 0's keys' half of kv_b_proj as Q8_0, blocks along each head's key channels
         heads = sd["model.layers.0.self_attn.kv_b_proj.weight"].view(
@@ -277,7 +329,8 @@ def make_twin(tmp_path, case: str):
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    if hasattr(cfg, "intermediate_size"):  # (Qwen3.5-MoE's config has none; the converter then writes none)
+        w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_rope_freq_base(overrides.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -289,19 +342,23 @@ def make_twin(tmp_path, case: str):
     if arch != "deepseek2" and ("head_dim" in overrides or arch in MODEL_TYPES):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen35moe", "qwen3next"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if arch == "qwen35":  # llama.cpp's names for the Gated DeltaNet dims
+    if arch in ("qwen35moe", "qwen3next"):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch in HYBRID:  # llama.cpp's names for the Gated DeltaNet dims
         w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
         w.add_ssm_state_size(cfg.linear_key_head_dim)
         w.add_ssm_group_count(cfg.linear_num_key_heads)
         w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
         w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
-        w.add_full_attention_interval(2)
+        if case not in QWEN3NEXT_LEGACY:
+            w.add_full_attention_interval(2)
         w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))
-        w.add_rope_dimension_sections(cfg.rope_parameters["mrope_section"] + [0])  # (padded to 4)
+        if "mrope_section" in cfg.rope_parameters:
+            w.add_rope_dimension_sections(cfg.rope_parameters["mrope_section"] + [0])  # (padded to 4)
     add_tokenizer(w, tok, arch)
     if "rope_scaling" in overrides:  # llama.cpp stores Llama 3 scaling as per-frequency divisors
         inv_freq = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
@@ -310,16 +367,26 @@ def make_twin(tmp_path, case: str):
     # Quantized blocks run along rows, so the converter's row permutations and stacking act on the Q8_0
     # bytes as on the values.
     tensors = {name: torch.from_numpy(q8_bytes[name]) if name in q8_bytes else t for name, t in sd.items()}
-    if arch in ("qwen3moe", "deepseek2"):
+    if arch in ("qwen3moe", "qwen35moe", "qwen3next", "deepseek2"):
         tensors = stack_experts(tensors)
+    if arch == "qwen35moe":  # gate and up in one [E, 2I, D] tensor a layer, the gate's rows first
+        for gate in [n for n in tensors if n.endswith("experts.gate_proj.weight")]:
+            up = tensors.pop(gate.replace("gate_proj", "up_proj"))
+            tensors[gate.replace("gate_proj", "gate_up_proj")] = torch.cat([tensors.pop(gate), up], dim=1)
+    if arch == "qwen3next" and case not in QWEN3NEXT_LEGACY:
+        tensors = qwen3next_qkvz(tensors, cfg)
     if case in SPLIT_KV_B:
         tensors = split_kv_b(tensors, cfg)
         tensors.update({name: torch.from_numpy(b) for name, b in q8_bytes.items() if name not in sd})
     for name, t in tensors.items():
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             t = llama_permute(t, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
-        elif arch == "qwen35":
+        elif arch in ("qwen35", "qwen35moe"):
             t = qwen35_to_gguf(name, t, cfg)
+        elif arch == "qwen3next":
+            t = qwen3next_to_gguf(name, t, cfg)
+            if case in QWEN3NEXT_LEGACY and name.endswith("shared_expert_gate.weight"):
+                t = t.squeeze(0)
         if t.dtype == torch.uint8:
             w.add_tensor(gguf_name(arch, name), t.numpy(), raw_dtype=QType.Q8_0)
         elif re.fullmatch(f16, name):
@@ -363,7 +430,8 @@ def test_read_gguf_gives_the_twin_state_dict_and_config(tmp_path, case):
     twin, path, sd, _ = make_twin(tmp_path, case)
     config, state = read_gguf(str(path))
     arch, overrides = CASES[case]
-    assert config["model_type"] == MODEL_TYPES.get(arch, arch) and config["num_hidden_layers"] == 2
+    assert config["model_type"] == MODEL_TYPES.get(arch, arch)
+    assert config["num_hidden_layers"] == overrides.get("num_hidden_layers", 2)
     assert config["tie_word_embeddings"] == overrides.get("tie_word_embeddings", False)
     assert config["rope_theta"] == overrides.get("rope_theta", 10000.0) and config["rms_norm_eps"] == 1e-6
     assert config.get("rope_scaling") == overrides.get("rope_scaling")
@@ -374,10 +442,14 @@ def test_read_gguf_gives_the_twin_state_dict_and_config(tmp_path, case):
         assert config["num_experts"] == hf["num_local_experts"]
         for key in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step"):
             assert config[key] == hf[key], key
-    if arch == "qwen35":
+    if arch in HYBRID:
         for key in ("layer_types", "rope_parameters", "linear_num_key_heads", "linear_num_value_heads",
                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
             assert config[key] == hf[key], key
+    if arch in ("qwen35moe", "qwen3next"):  # the config keys of the twin's type, and no others
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                    "intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+            assert config.get(key) == hf.get(key), key
     if arch == "deepseek2":
         for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "num_key_value_heads", "intermediate_size", "rope_interleave", "n_routed_experts",
@@ -473,7 +545,7 @@ def test_convert_replaces_an_existing_dir_whole(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(["qwen2-tied.gguf", "hf", "twin"])
 
 
-@pytest.mark.parametrize("arch", ["gemma", "qwen3next"])
+@pytest.mark.parametrize("arch", ["gemma", "qwen2moe"])
 def test_unsupported_architecture_is_refused_by_name(tmp_path, arch):
     path = tmp_path / "x.gguf"
     w = GGUFWriter(str(path), arch)
@@ -503,6 +575,35 @@ def test_deepseek2_files_ddtree_cannot_map_exactly_are_refused(tmp_path, keys, t
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     if tensor:
         w.add_tensor(tensor, np.zeros((2, 4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=reason):
+        read_gguf(str(path))
+
+
+@pytest.mark.parametrize("arch, keys, tensors, reason", [
+    ("qwen3next", {}, ["blk.0.ssm_a", "blk.1.attn_qkv.weight"], "fused attn_qkv"),
+    ("qwen35moe", {}, ["blk.0.ssm_a", "blk.0.ffn_gate_inp.weight"], r"layers \[1\] have no expert router"),
+    ("qwen3next", {"expert_weights_scale": 2.5},
+     ["blk.0.ssm_a", "blk.0.ffn_gate_inp.weight", "blk.1.ffn_gate_inp.weight"], "expert_weights_scale"),
+])
+def test_hybrid_moe_files_ddtree_cannot_map_exactly_are_refused(tmp_path, arch, keys, tensors, reason):
+    path = tmp_path / "x.gguf"
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.add_embedding_length(8)
+    w.add_head_count(2)
+    w.add_full_attention_interval(2)
+    for key in ("ssm.group_count", "ssm.time_step_rank", "ssm.state_size", "ssm.inner_size", "ssm.conv_kernel",
+                "expert_count", "expert_used_count", "expert_feed_forward_length"):
+        w.add_uint32(f"{arch}.{key}", 2)
+    for key, value in keys.items():
+        w.add_float32(f"{arch}.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    for name in tensors:
+        w.add_tensor(name, np.zeros((2, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

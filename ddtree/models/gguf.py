@@ -5,10 +5,11 @@
 
 Quantized tensors are dequantized once, at conversion, so the engine only ever loads plain weights.
 The architectures are llama.cpp's `qwen2`, `qwen3`, `llama`, `qwen3moe` (Qwen3-MoE), `qwen35` (the
-Qwen3.5 text model) and `deepseek2` (DeepSeek-V3, Kimi K2); where llama.cpp's converter
-(convert_hf_to_gguf.py) changes a tensor on the way in (Llama's q/k row order, stacked experts,
-Qwen3.5's norm offsets, A_log, convolution and value-head order, DeepSeek's kv_b_proj split in two),
-the per-architecture functions below change it back.
+Qwen3.5 text model), `qwen35moe` (the Qwen3.5-MoE text model), `qwen3next` (Qwen3-Next) and
+`deepseek2` (DeepSeek-V3, Kimi K2); where llama.cpp's converter (convert_hf_to_gguf.py) changes a
+tensor on the way in (Llama's q/k row order, stacked experts, the norm offsets, A_log and convolution
+of the Qwen3-Next family, Qwen3.5's value-head order, Qwen3-Next's in_proj_qkvz split in two,
+DeepSeek's kv_b_proj split in two), the per-architecture functions below change it back.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
     "deepseek2": ("DeepseekV3ForCausalLM", "deepseek_v3"),
 }
 
@@ -52,15 +55,26 @@ _ATTENTION = {
 }
 _MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _DENSE = {**_ATTENTION, **_MLP, "ffn_norm": "post_attention_layernorm"}
-_MOE = {**_ATTENTION, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
-        # stacked over the experts ([E, ...]); _split_experts makes them one tensor per expert
-        "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
-        "ffn_down_exps": "mlp.experts.down_proj"}
-_HYBRID = {**_ATTENTION, **_MLP, "post_attention_norm": "post_attention_layernorm",
-           "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
-           "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b",
-           "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
-           "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+_ROUTED = {"ffn_gate_inp": "mlp.gate",
+           # stacked over the experts ([E, ...]); _split_experts makes them one tensor per expert
+           "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+           "ffn_down_exps": "mlp.experts.down_proj"}
+_MOE = {**_ATTENTION, "ffn_norm": "post_attention_layernorm", **_ROUTED}
+# The Gated DeltaNet layers of the Qwen3-Next family (Qwen3-Next's beta/alpha and q|k|v|z: _QWEN3NEXT)
+_LINEAR_ATTENTION = {"attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+                     "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+                     "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+_BETA_ALPHA = {"ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b"}
+_HYBRID = {**_ATTENTION, **_MLP, "post_attention_norm": "post_attention_layernorm", **_LINEAR_ATTENTION, **_BETA_ALPHA}
+# Routed experts (gate and up may come stacked together, as the converter's --fuse-gate-up-exps writes them)
+# and Qwen's shared expert with the gate that scales its output, in every layer of Qwen3.5-MoE and Qwen3-Next
+_HYBRID_EXPERTS = {**_ATTENTION, "post_attention_norm": "post_attention_layernorm", **_LINEAR_ATTENTION, **_ROUTED,
+                   "ffn_gate_up_exps": "mlp.experts.gate_up_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                   "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                   "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+# Qwen3-Next keeps HF's fused in_proj_ba (ssm_ba); its in_proj_qkvz comes whole (ssm_in, older converters)
+# or as attn_qkv and attn_gate, which _join_qkvz joins back.
+_QWEN3NEXT = {**_HYBRID_EXPERTS, "ssm_in": "linear_attn.in_proj_qkvz", "ssm_ba": "linear_attn.in_proj_ba"}
 _MLA = {"attn_norm": "input_layernorm", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
         **_MLP, "attn_q": "self_attn.q_proj", "attn_q_a": "self_attn.q_a_proj", "attn_q_b": "self_attn.q_b_proj",
         "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
@@ -72,7 +86,7 @@ _MLA = {"attn_norm": "input_layernorm", "attn_output": "self_attn.o_proj", "ffn_
         "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
         "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 _LAYER_NAMES = {"qwen2": _DENSE, "qwen3": _DENSE, "llama": _DENSE, "qwen3moe": _MOE, "qwen35": _HYBRID,
-                "deepseek2": _MLA}
+                "qwen35moe": {**_HYBRID_EXPERTS, **_BETA_ALPHA}, "qwen3next": _QWEN3NEXT, "deepseek2": _MLA}
 
 
 def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str:
@@ -192,15 +206,22 @@ def _dense_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) ->
 
 
 def _moe_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> None:
-    """Qwen3-MoE: routed experts in every layer (llama.cpp's qwen3moe has no dense layers)."""
+    """Qwen3-MoE: routed experts in every layer."""
     _whole_head_rope(reader, arch, config)
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    _routed_experts(reader, arch, tensors, config)
+
+
+def _routed_experts(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> None:
+    """Softmax-routed experts in every layer: llama.cpp's qwen3moe, qwen35moe and qwen3next have no dense
+    layers, and they renormalise the top-k routing weights (the file does not say so)."""
     dense = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
     if dense:
-        raise ValueError(f"GGUF qwen3moe layers {dense} have no expert router; llama.cpp's qwen3moe has experts "
+        raise ValueError(f"GGUF {arch} layers {dense} have no expert router; llama.cpp's {arch} has experts "
                          "in every layer")
-    width = _value(reader, f"{arch}.expert_feed_forward_length") or int(tensors["blk.0.ffn_gate_exps.weight"].shape[1])
+    # (ffn_down_exps' ggml shape is [width, hidden, experts])
+    width = _value(reader, f"{arch}.expert_feed_forward_length") or int(tensors["blk.0.ffn_down_exps.weight"].shape[0])
     config.update({
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
         "num_experts": _required(reader, f"{arch}.expert_count"),
         "num_experts_per_tok": _required(reader, f"{arch}.expert_used_count"),
         "moe_intermediate_size": width,
@@ -214,17 +235,22 @@ def _moe_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> N
 
 
 def _hybrid_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> None:
-    """Qwen3.5 text: the Gated DeltaNet dims (llama.cpp's `ssm.*` keys), which layers are full attention
-    (every `full_attention_interval`-th, as llama.cpp decides), and the rotated share of a head."""
+    """The hybrid models (Qwen3.5 text, Qwen3.5-MoE text, Qwen3-Next): the Gated DeltaNet dims (llama.cpp's
+    `ssm.*` keys), which layers are full attention (every `full_attention_interval`-th, as llama.cpp
+    decides), and the rotated share of a head."""
     if _value(reader, f"{arch}.nextn_predict_layers", 0):
-        raise ValueError("GGUF qwen35 files with multi-token-prediction layers are not supported")
+        raise ValueError(f"GGUF {arch} files with multi-token-prediction layers are not supported")
     n_layers, n_v = config["num_hidden_layers"], _required(reader, f"{arch}.ssm.time_step_rank")
     every = _value(reader, f"{arch}.full_attention_interval", 4)
     layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)]
     recurrent = ["linear_attention" if f"blk.{i}.ssm_a" in tensors else "full_attention" for i in range(n_layers)]
     if recurrent != layer_types:
-        raise ValueError(f"GGUF qwen35 tensors give layer kinds {recurrent}, full_attention_interval {every} "
+        raise ValueError(f"GGUF {arch} tensors give layer kinds {recurrent}, full_attention_interval {every} "
                          f"gives {layer_types}")
+    fused = [i for i, kind in enumerate(layer_types)
+             if kind == "full_attention" and f"blk.{i}.attn_qkv.weight" in tensors]
+    if fused:  # (attn_qkv names the Gated DeltaNet's q|k|v projection here)
+        raise ValueError(f"GGUF {arch} full-attention layers {fused} have a fused attn_qkv, which is not supported")
     rope_dim = _value(reader, f"{arch}.rope.dimension_count", config["head_dim"])
     rope = {"rope_type": "default", "rope_theta": config["rope_theta"],
             "partial_rotary_factor": rope_dim / config["head_dim"]}
@@ -332,8 +358,28 @@ def _deepseek2_config(reader: GGUFReader, arch: str, tensors: dict, config: dict
         config["intermediate_size"] = width
 
 
+def _hybrid_moe_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> None:
+    """Qwen3.5-MoE text and Qwen3-Next: the hybrid layers, routed experts in every layer, and a shared
+    expert whose output sigmoid(shared_expert_gate . x) scales."""
+    _hybrid_config(reader, arch, tensors, config)
+    _routed_experts(reader, arch, tensors, config)
+    scale = _value(reader, f"{arch}.expert_weights_scale", 0.0)
+    if scale not in (0.0, 1.0):  # (llama.cpp would scale the routing weights; the HF models do not)
+        raise ValueError(f"GGUF {arch} expert_weights_scale {scale} is not supported")
+    unshared = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_up_shexp.weight" not in tensors]
+    if unshared:
+        raise ValueError(f"GGUF {arch} layers {unshared} have no shared expert; llama.cpp's {arch} has one in "
+                         "every layer")
+    config["shared_expert_intermediate_size"] = (_value(reader, f"{arch}.expert_shared_feed_forward_length")
+                                                 or int(tensors["blk.0.ffn_down_shexp.weight"].shape[0]))
+    if arch == "qwen35moe":  # (Qwen3_5MoeTextConfig has no dense MLP width and no routing switches)
+        for key in ("intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+            del config[key]
+
+
 _CONFIGS = {"qwen2": _dense_config, "qwen3": _dense_config, "llama": _dense_config,
-            "qwen3moe": _moe_config, "qwen35": _hybrid_config, "deepseek2": _deepseek2_config}
+            "qwen3moe": _moe_config, "qwen35": _hybrid_config, "qwen35moe": _hybrid_moe_config,
+            "qwen3next": _hybrid_moe_config, "deepseek2": _deepseek2_config}
 
 
 def _unpermute_qk(name: str, w: torch.Tensor, config: dict):
@@ -345,13 +391,21 @@ def _unpermute_qk(name: str, w: torch.Tensor, config: dict):
 
 
 def _split_experts(name: str, w: torch.Tensor, config: dict):
-    """llama.cpp stacks a layer's experts into one [E, ...] tensor; HF checkpoints hold one tensor each."""
+    """llama.cpp stacks a layer's experts into one [E, ...] tensor (gate_up_proj: gate and up together,
+    [E, 2I, D], the gate's rows first); HF checkpoints hold one tensor each."""
     if ".mlp.experts." not in name:
         yield name, w
         return
     prefix, proj, leaf = name.rsplit(".", 2)
-    for e, one in enumerate(w.unbind(0)):
-        yield f"{prefix}.{e}.{proj}.{leaf}", one.clone()
+    stacked = dict(zip(("gate_proj", "up_proj"), w.chunk(2, dim=1))) if proj == "gate_up_proj" else {proj: w}
+    for proj, projections in stacked.items():
+        for e, one in enumerate(projections.unbind(0)):
+            yield f"{prefix}.{e}.{proj}.{leaf}", one.clone()
+
+
+def _shared_expert_gate(name: str, w: torch.Tensor, config: dict):
+    # HF's shared_expert_gate is a [1, hidden] matrix; older converters squeezed it to [hidden].
+    yield name, (w.reshape(1, -1) if name.endswith("mlp.shared_expert_gate.weight") else w)
 
 
 def _group_v_heads(w: torch.Tensor, dim: int, config: dict, head: int) -> torch.Tensor:
@@ -365,15 +419,23 @@ def _group_v_heads(w: torch.Tensor, dim: int, config: dict, head: int) -> torch.
     return grouped.movedim(0, dim).contiguous()
 
 
-def _undo_qwen35(name: str, w: torch.Tensor, config: dict):
-    """The inverse of what llama.cpp's converter does to a Qwen3.5 text model's tensors: zero-centred
-    RMSNorm weights (the model scales by 1 + weight) are stored as 1 + weight, A_log as -exp(A_log), the
-    convolution without its middle axis of 1, and the value heads tiled when there are more value
-    heads than key heads (`_group_v_heads`)."""
+def _undo_qwen3next(name: str, w: torch.Tensor, config: dict):
+    """The inverse of what llama.cpp's converter does to every tensor of the Qwen3-Next family (its
+    Qwen3.5 classes derive from Qwen3-Next's): zero-centred RMSNorm weights (the model scales by
+    1 + weight) are stored as 1 + weight, A_log as -exp(A_log), the convolution without its middle axis
+    of 1."""
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         w = w.float() - 1.0  # (exact for stored values from 0.5 up: the model's 1 + weight is the stored value)
     elif name.endswith(".A_log"):
         w = torch.log(-w.double()).float()
+    elif name.endswith("conv1d.weight"):
+        w = w.unsqueeze(1)  # [channels, kernel] -> HF's depthwise Conv1d [channels, 1, kernel]
+    yield name, w
+
+
+def _regroup_v_heads(name: str, w: torch.Tensor, config: dict):
+    """What the converter's Qwen3.5 classes (not Qwen3-Next's) add: the value heads tiled when there are
+    more value heads than key heads, back in HF's grouped order (`_group_v_heads`)."""
     if ".linear_attn." in name and config["linear_num_value_heads"] != config["linear_num_key_heads"]:
         qk, dv = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"], config["linear_value_head_dim"]
         if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # (q and k rows are not reordered)
@@ -384,9 +446,25 @@ def _undo_qwen35(name: str, w: torch.Tensor, config: dict):
             w = _group_v_heads(w, 0, config, 1)
         elif name.endswith("out_proj.weight"):
             w = _group_v_heads(w, 1, config, dv)
-    if name.endswith("conv1d.weight"):
-        w = w.unsqueeze(1)  # [channels, kernel] -> HF's depthwise Conv1d [channels, 1, kernel]
     yield name, w
+
+
+def _join_qkvz(state: dict[str, torch.Tensor], config: dict) -> None:
+    """Each Qwen3-Next linear layer's in_proj_qkvz from the halves llama.cpp's converter splits it into:
+    attn_qkv (every key head's q, then every k, then every v) and attn_gate (z). HF groups the rows by
+    key head: its q, its k, then the v and then the z of the value heads it serves."""
+    n_k, d_k = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    value = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}.linear_attn."
+        qkv, z = state.pop(prefix + "in_proj_qkv.weight", None), state.pop(prefix + "in_proj_z.weight", None)
+        if qkv is None and z is None:
+            continue
+        if qkv is None or z is None or prefix + "in_proj_qkvz.weight" in state:
+            raise ValueError(f"GGUF qwen3next layer {i} needs attn_qkv and attn_gate, or ssm_in alone")
+        parts = qkv.split([n_k * d_k, n_k * d_k, value]) + (z,)
+        grouped = torch.cat([p.reshape(n_k, -1, p.shape[-1]) for p in parts], dim=1)
+        state[prefix + "in_proj_qkvz.weight"] = grouped.reshape(-1, qkv.shape[-1])
 
 
 def _join_kv_b(state: dict[str, torch.Tensor], config: dict) -> None:
@@ -413,7 +491,20 @@ def _as_stored(name: str, w: torch.Tensor, config: dict):
     yield name, w
 
 
-_TENSOR_FIXES = {"llama": _unpermute_qk, "qwen3moe": _split_experts, "qwen35": _undo_qwen35,
+def _chain(*fixes):
+    """One tensor fix that applies `fixes` in turn to every tensor each yields."""
+    def fix(name: str, w: torch.Tensor, config: dict):
+        out = [(name, w)]
+        for f in fixes:
+            out = [pair for n, t in out for pair in f(n, t, config)]
+        yield from out
+    return fix
+
+
+_TENSOR_FIXES = {"llama": _unpermute_qk, "qwen3moe": _split_experts,
+                 "qwen35": _chain(_undo_qwen3next, _regroup_v_heads),
+                 "qwen35moe": _chain(_split_experts, _shared_expert_gate, _undo_qwen3next, _regroup_v_heads),
+                 "qwen3next": _chain(_split_experts, _shared_expert_gate, _undo_qwen3next),
                  "deepseek2": _split_experts}
 
 
@@ -440,13 +531,15 @@ def read_gguf(path: str | GGUFReader, progress: bool = False) -> tuple[dict, dic
         # HF Llama/Qwen3 give o_proj a bias whenever q/k/v have one; llama.cpp files may omit a zero one.
         for i in range(config["num_hidden_layers"]):
             state.setdefault(f"model.layers.{i}.self_attn.o_proj.bias", torch.zeros(config["hidden_size"]))
+    _check_shapes(config, state)
+    if arch == "qwen3next":
+        _join_qkvz(state, config)
     if arch == "deepseek2":
         _join_kv_b(state, config)
         # llama.cpp routes without a score bias where exp_probs_b is absent; HF's router always adds one.
         for i in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
             bias = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
             state.setdefault(bias, torch.zeros(config["n_routed_experts"]))
-    _check_shapes(config, state)
     dtypes = {w.dtype for w in state.values() if w.dim() > 1}
     config["torch_dtype"] = next((n for d, n in ((torch.float16, "float16"), (torch.bfloat16, "bfloat16"))
                                   if d in dtypes), "float32")
@@ -455,9 +548,10 @@ def read_gguf(path: str | GGUFReader, progress: bool = False) -> tuple[dict, dic
 
 def _shapes(config: dict) -> dict[str, tuple]:
     """Each HF tensor's shape as the config implies it, by name less the layer and expert numbers."""
-    h, hd, inter, vocab = config["hidden_size"], config["head_dim"], config["intermediate_size"], config["vocab_size"]
+    h, hd, vocab = config["hidden_size"], config["head_dim"], config["vocab_size"]
+    inter = config.get("intermediate_size")  # (None: no dense MLP, Qwen3.5-MoE)
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    gated = 2 if config["model_type"] == "qwen3_5_text" else 1  # (Qwen3.5's q_proj also yields the output gate)
+    gated = 2 if "layer_types" in config else 1  # (the hybrid models' q_proj also yields the output gate)
     want = {"model.embed_tokens.weight": (vocab, h), "lm_head.weight": (vocab, h),
             "self_attn.q_proj.weight": (gated * q, h), "self_attn.k_proj.weight": (kv, h),
             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q), "self_attn.q_proj.bias": (q,),
@@ -486,7 +580,14 @@ def _shapes(config: dict) -> dict[str, tuple]:
                      "linear_attn.in_proj_a.weight": (n_v, h), "linear_attn.in_proj_b.weight": (n_v, h),
                      "linear_attn.A_log": (n_v,), "linear_attn.dt_bias": (n_v,),
                      "linear_attn.conv1d.weight": (conv, 1, config["linear_conv_kernel_dim"]),
-                     "linear_attn.norm.weight": (d_v,), "linear_attn.out_proj.weight": (h, n_v * d_v)})
+                     "linear_attn.norm.weight": (d_v,), "linear_attn.out_proj.weight": (h, n_v * d_v),
+                     # (Qwen3-Next's fused projections)
+                     "linear_attn.in_proj_qkvz.weight": (conv + n_v * d_v, h),
+                     "linear_attn.in_proj_ba.weight": (2 * n_v, h)})
+    if "shared_expert_intermediate_size" in config:
+        shared = config["shared_expert_intermediate_size"]
+        want.update({"mlp.shared_expert.gate_proj.weight": (shared, h), "mlp.shared_expert.up_proj.weight": (shared, h),
+                     "mlp.shared_expert.down_proj.weight": (h, shared), "mlp.shared_expert_gate.weight": (1, h)})
     return want
 
 
@@ -505,8 +606,8 @@ def _save_tokenizer(reader: GGUFReader, gguf_path: str, out_dir: str, eos_id: in
     if reader.get_field("tokenizer.ggml.model") is None:
         return  # a weights-only GGUF: the caller must bring its own tokenizer
     # AutoTokenizer first reads the file's model config, which transformers has for some architectures
-    # only; the fast tokenizer class builds from the file's tokenizer keys alone.
-    auto = _value(reader, "general.architecture") != "deepseek2"
+    # only (not for deepseek2 or qwen3next); the fast tokenizer class builds from the file's tokenizer keys alone.
+    auto = _value(reader, "general.architecture") not in ("deepseek2", "qwen3next")
     tok = (AutoTokenizer if auto else PreTrainedTokenizerFast).from_pretrained(
         os.path.dirname(os.path.abspath(gguf_path)), gguf_file=os.path.basename(gguf_path))
     if eos_id is not None and tok.eos_token_id != eos_id:
