@@ -545,17 +545,22 @@ def test_convert_replaces_an_existing_dir_whole(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(["qwen2-tied.gguf", "hf", "twin"])
 
 
+def assert_refused(w: GGUFWriter, path, reason: str) -> None:
+    """Write the stub file `w` holds and check that reading it raises a ValueError matching `reason`."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=reason):
+        read_gguf(str(path))
+
+
 @pytest.mark.parametrize("arch", ["gemma", "qwen2moe"])
 def test_unsupported_architecture_is_refused_by_name(tmp_path, arch):
     path = tmp_path / "x.gguf"
     w = GGUFWriter(str(path), arch)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match=arch):
-        read_gguf(str(path))
+    assert_refused(w, path, arch)
 
 
 @pytest.mark.parametrize("keys, tensor, reason", [
@@ -575,12 +580,7 @@ def test_deepseek2_files_ddtree_cannot_map_exactly_are_refused(tmp_path, keys, t
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     if tensor:
         w.add_tensor(tensor, np.zeros((2, 4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match=reason):
-        read_gguf(str(path))
+    assert_refused(w, path, reason)
 
 
 @pytest.mark.parametrize("arch, keys, tensors, reason", [
@@ -604,9 +604,4 @@ def test_hybrid_moe_files_ddtree_cannot_map_exactly_are_refused(tmp_path, arch, 
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     for name in tensors:
         w.add_tensor(name, np.zeros((2, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match=reason):
-        read_gguf(str(path))
+    assert_refused(w, path, reason)
