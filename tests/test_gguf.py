@@ -400,14 +400,14 @@ def make_twin(tmp_path, case: str):
     return twin, path, sd, tok
 
 
-def add_tokenizer(w: GGUFWriter, tok, arch: str) -> None:
+def add_tokenizer(w: GGUFWriter, tok, arch: str, pre: str | None = None) -> None:
     spec = json.loads(tok.to_str())["model"]
     by_id = sorted(spec["vocab"], key=spec["vocab"].get)
     tokens = by_id + [f"[PAD{i}]" for i in range(len(by_id), VOCAB)]
     types = [TokenType.CONTROL if t in SPECIALS else TokenType.NORMAL if i < len(by_id) else TokenType.UNUSED
              for i, t in enumerate(tokens)]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "llama-bpe")
+    w.add_tokenizer_pre(pre or ("qwen2" if arch.startswith("qwen") else "llama-bpe"))
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["merges"]])
@@ -543,6 +543,53 @@ def test_convert_replaces_an_existing_dir_whole(tmp_path):
     convert_gguf(str(path), str(out), progress=False)
     assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
     assert sorted(os.listdir(tmp_path)) == sorted(["qwen2-tied.gguf", "hf", "twin"])
+
+
+SPLIT_TEXT = "Hello world's 1234567 你好世界かな!!! ..\n\n  x"
+# The pieces llama.cpp's split for each `tokenizer.ggml.pre` cuts SPLIT_TEXT into (src/llama-vocab.cpp, src/unicode.cpp):
+# DeepSeek-V3 isolates digit triples and Han/kana runs before words; Kimi-K2 keeps contractions on their word and
+# splits Han from kana.
+EXPECTED_SPLITS = {
+    "deepseek-v3": ["Hello", " world", "'s", " ", "123", "456", "7", " ", "你好世界かな", "!!!", " ..\n\n", " ", " x"],
+    "kimi-k2": ["Hello", " world's", " ", "123", "456", "7", " ", "你好世界", "かな", "!!!", " ..\n\n", " ", " x"],
+}
+
+
+def write_tokenizer_gguf(path, arch: str, pre: str) -> None:
+    """A GGUF holding only the tiny tokenizer, under `arch` and `pre`."""
+    w = GGUFWriter(str(path), arch)
+    add_tokenizer(w, train_tokenizer(), arch, pre)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("pre", list(EXPECTED_SPLITS))
+def test_deepseek2_tokenizer_splits_text_the_way_its_pre_names(tmp_path, pre):
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    from ddtree.models.gguf import _save_tokenizer
+
+    path = tmp_path / "t.gguf"
+    write_tokenizer_gguf(path, "deepseek2", pre)
+    _save_tokenizer(GGUFReader(str(path)), str(path), str(tmp_path / "hf"), None)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    pieces = tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(SPLIT_TEXT)
+    assert [SPLIT_TEXT[a:b] for _, (a, b) in pieces] == EXPECTED_SPLITS[pre]
+    assert tok.decode(tok.encode(SPLIT_TEXT, add_special_tokens=False)) == SPLIT_TEXT
+
+
+def test_unknown_pre_on_a_generic_tokenizer_warns_by_name(tmp_path):
+    from gguf import GGUFReader
+
+    from ddtree.models.gguf import _save_tokenizer
+
+    path = tmp_path / "t.gguf"
+    write_tokenizer_gguf(path, "deepseek2", "no-such-pre")
+    with pytest.warns(UserWarning, match="'no-such-pre'"):
+        _save_tokenizer(GGUFReader(str(path)), str(path), str(tmp_path / "hf"), None)
 
 
 def assert_refused(w: GGUFWriter, path, reason: str) -> None:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from ddtree.models.gguf_arch import ARCHITECTURES, base_config, check_shapes, hf_name
 from ddtree.models.gguf_read import to_torch, value
+from ddtree.models.gguf_tokenizer import set_pre_tokenizer
 
 # Written last into a converted directory; its presence means the conversion finished.
 DONE_MARKER = ".ddtree-converted"
@@ -59,6 +60,7 @@ def _save_tokenizer(reader: GGUFReader, gguf_path: str, out_dir: str, eos_id: in
     auto = ARCHITECTURES[value(reader, "general.architecture")].auto_tokenizer
     tok = (AutoTokenizer if auto else PreTrainedTokenizerFast).from_pretrained(
         os.path.dirname(os.path.abspath(gguf_path)), gguf_file=os.path.basename(gguf_path))
+    set_pre_tokenizer(tok, value(reader, "tokenizer.ggml.pre"), value(reader, "tokenizer.ggml.model"))
     if eos_id is not None and tok.eos_token_id != eos_id:
         tok.eos_token = tok.convert_ids_to_tokens(eos_id)
     template = value(reader, "tokenizer.chat_template")
