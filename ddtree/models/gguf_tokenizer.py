@@ -43,7 +43,6 @@ def set_pre_tokenizer(tok, pre: str | None, model: str | None) -> None:
     """
     from tokenizers import Regex, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
     if model != "gpt2" or not pre or type(tok) is not PreTrainedTokenizerFast:
         return  # not byte-level BPE (sentencepiece splits on spaces only), no name, or a model's own class
@@ -51,6 +50,11 @@ def set_pre_tokenizer(tok, pre: str | None, model: str | None) -> None:
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in SPLITS[pre]]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    elif pre not in GGUF_PRE_TOKENIZER_SPLITS and pre not in _GPT2_SPLIT:
+        return
+    try:  # (transformers' own table of names; a version without it gives no warning)
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    except ImportError:
+        return
+    if pre not in GGUF_PRE_TOKENIZER_SPLITS and pre not in _GPT2_SPLIT:
         warnings.warn(f"GGUF tokenizer.ggml.pre {pre!r} is unknown to ddtree and transformers: the converted "
                       "tokenizer splits text the GPT-2 way, so its token ids may differ from the original model's")
