@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_moe",
-                         "deepseek_v3")
+                         "qwen2_moe", "deepseek_v3")
 # Gated DeltaNet layers between full-attention ones (models/hybrid.py)
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-QWEN_MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next")  # softmax-routed experts (`qwen_moe`)
+QWEN_MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next", "qwen2_moe")  # softmax-routed experts (`qwen_moe`)
 
 
 @dataclass(slots=True)
@@ -164,8 +164,10 @@ class ModelConfig:
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
             max_position=cfg.get("max_position_embeddings", 32768),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            # Qwen2 always has q/k/v biases; Llama has them only with attention_bias; Qwen3 never.
-            qkv_bias=model_type == "qwen2" or (model_type == "llama" and bool(cfg.get("attention_bias", False))),
+            # Qwen2 always has q/k/v biases, Qwen2-MoE unless qkv_bias is false; Llama only with
+            # attention_bias; Qwen3 never.
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
+            or (model_type == "llama" and bool(cfg.get("attention_bias", False))),
             qk_norm=model_type in ("qwen3", "qwen3_moe") or hybrid,
             o_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
             rope_scaling=rope_scaling,
@@ -192,11 +194,12 @@ def qwen_moe(cfg: dict, model_type: str) -> MoEConfig:
     """The routed experts of a Qwen MoE config: softmax top-k routing; experts in every
     `decoder_sparse_step`-th layer but those of `mlp_only_layers` (Qwen3.5-MoE has neither: every layer),
     and a shared expert where `shared_expert_intermediate_size` is set. Qwen3.5-MoE's router always
-    renormalises the k weights (its config has no `norm_topk_prob`)."""
+    renormalises the k weights (its config has no `norm_topk_prob`); Qwen2-MoE's `norm_topk_prob`
+    defaults to false, the others' to true."""
     experts, step = cfg.get("num_experts") or cfg.get("num_local_experts"), cfg.get("decoder_sparse_step", 1)
     dense = set(cfg.get("mlp_only_layers") or [])
     return MoEConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
-                     model_type == "qwen3_5_moe_text" or bool(cfg.get("norm_topk_prob", True)),
+                     model_type == "qwen3_5_moe_text" or bool(cfg.get("norm_topk_prob", model_type != "qwen2_moe")),
                      [i for i in range(cfg["num_hidden_layers"])
                       if i not in dense and experts > 0 and (i + 1) % step == 0],
                      shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0)

@@ -30,16 +30,17 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               # Qwen3-MoE: the router, and each layer's experts stacked into one tensor a projection
               "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
               "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps"}
-QWEN35_NAMES = {**GGUF_NAMES, "post_attention_layernorm": "post_attention_norm",
+# Qwen2-MoE, Qwen3.5-MoE and Qwen3-Next: the shared expert and its gate
+SHARED_EXPERT_NAMES = {"mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                       "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+QWEN35_NAMES = {**GGUF_NAMES, **SHARED_EXPERT_NAMES, "post_attention_layernorm": "post_attention_norm",
                 "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
                 "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.in_proj_b": "ssm_beta",
                 "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out",
                 "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias",  # (whole names: no leaf)
-                # Qwen3.5-MoE and Qwen3-Next: the shared expert and its gate, gate and up stacked together (the
-                # converter's --fuse-gate-up-exps), Qwen3-Next's fused projections (in_proj_qkvz whole: older
-                # converters; the current one writes it as attn_qkv and attn_gate, qwen3next_qkvz)
-                "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-                "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+                # Qwen3.5-MoE and Qwen3-Next: gate and up stacked together (the converter's
+                # --fuse-gate-up-exps), Qwen3-Next's fused projections (in_proj_qkvz whole: older converters;
+                # the current one writes it as attn_qkv and attn_gate, qwen3next_qkvz)
                 "mlp.experts.gate_up_proj": "ffn_gate_up_exps", "linear_attn.in_proj_qkvz": "ssm_in",
                 "linear_attn.in_proj_ba": "ssm_ba"}
 HYBRID = ("qwen35", "qwen35moe", "qwen3next")
@@ -52,7 +53,7 @@ DEEPSEEK2_NAMES = {**GGUF_NAMES, "self_attn.q_a_proj": "attn_q_a", "self_attn.q_
                    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
                    "mlp.shared_experts.down_proj": "ffn_down_shexp",
                    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias"}
-MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",
                "qwen3next": "qwen3_next", "deepseek2": "deepseek_v3"}
 # One tensor stored as F16 and one as Q8_0, where a converter transform meets quantization: llama's q/k
 # row permutation, the stacking of experts (Qwen3.5-MoE: gate and up in one tensor), Qwen3.5's value-head
@@ -60,11 +61,13 @@ MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen35moe": "
 # cases quantize layer 0's keys' half, make_twin; the other deepseek2 case layer 0's full-rank q_proj).
 # Patterns, as a MoE layer's experts are one tensor each in HF and one stacked tensor in the GGUF.
 F16_TENSOR = {"qwen3moe": r"model\.layers\.1\.mlp\.experts\.(\d+\.)?up_proj\.weight",
+              "qwen2moe": r"model\.layers\.1\.mlp\.shared_expert\.up_proj\.weight",
               "qwen35": r"model\.layers\.0\.linear_attn\.out_proj\.weight",
               "qwen35moe": r"model\.layers\.1\.mlp\.shared_expert\.down_proj\.weight",
               "qwen3next": r"model\.layers\.0\.linear_attn\.in_proj_ba\.weight",
               "deepseek2": r"model\.layers\.1\.mlp\.experts\.(\d+\.)?up_proj\.weight"}
 Q8_TENSOR = {"qwen3moe": r"model\.layers\.0\.mlp\.experts\.(\d+\.)?down_proj\.weight",
+             "qwen2moe": r"model\.layers\.0\.mlp\.experts\.(\d+\.)?down_proj\.weight",
              "qwen35": r"model\.layers\.0\.linear_attn\.in_proj_qkv\.weight",
              "qwen35moe": r"model\.layers\.0\.mlp\.experts\.(\d+\.)?(gate|up)_proj\.weight",
              "qwen3next": r"model\.layers\.0\.linear_attn\.in_proj_qkvz\.weight"}
@@ -81,6 +84,7 @@ CASES = {
     "llama-rope3": ("llama", dict(rope_theta=500000.0, max_position_embeddings=131072, rope_scaling=LLAMA3_ROPE)),
     "llama-bias-tied": ("llama", dict(attention_bias=True, tie_word_embeddings=True)),
     "qwen3moe": ("qwen3moe", dict(rope_theta=1e6)),
+    "qwen2moe": ("qwen2moe", dict(rope_theta=1e6)),
     # two key heads of three value heads each (llama.cpp reorders those), and half of each head rotated
     "qwen35-grouped": ("qwen35", dict(linear_num_key_heads=2, linear_num_value_heads=6, partial_rotary_factor=0.5)),
     "qwen35-tied": ("qwen35", dict(linear_num_key_heads=2, linear_num_value_heads=2, tie_word_embeddings=True,
@@ -127,6 +131,9 @@ def hf_config(arch: str, overrides: dict, eos: int):
     if arch == "qwen3moe":  # routed experts in every layer, as llama.cpp's qwen3moe has them
         return Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                               norm_topk_prob=True, **common)
+    if arch == "qwen2moe":  # tests/tiny.py's, with experts in every layer, as llama.cpp's qwen2moe has them
+        return make_config("qwen2_moe", VOCAB, mlp_only_layers=[],
+                           **{k: v for k, v in common.items() if k != "vocab_size"})
     if arch == "deepseek2":  # tests/tiny.py's DeepSeek-V3 (8 experts in 2 groups, one shared), in 2 layers
         return make_config("deepseek_v3", VOCAB, **{k: v for k, v in common.items() if k != "vocab_size"})
     if arch == "qwen35moe":  # tests/tiny.py's: 8 experts and a shared one in every layer; the multimodal rope's
@@ -276,7 +283,8 @@ def gguf_name(arch: str, name: str) -> str:
     if name in top:
         return top[name]
     _, _, i, rest = name.split(".", 3)
-    names = QWEN35_NAMES if arch in HYBRID else {"deepseek2": DEEPSEEK2_NAMES}.get(arch, GGUF_NAMES)
+    names = QWEN35_NAMES if arch in HYBRID else {"deepseek2": DEEPSEEK2_NAMES,
+                                                  "qwen2moe": {**GGUF_NAMES, **SHARED_EXPERT_NAMES}}.get(arch, GGUF_NAMES)
     if rest in names:
         return f"blk.{i}.{names[rest]}"
     module, leaf = rest.rsplit(".", 1)
@@ -342,11 +350,11 @@ def make_twin(tmp_path, case: str):
     if arch != "deepseek2" and ("head_dim" in overrides or arch in MODEL_TYPES):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if arch in ("qwen3moe", "qwen35moe", "qwen3next"):
+    if arch in ("qwen3moe", "qwen2moe", "qwen35moe", "qwen3next"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if arch in ("qwen35moe", "qwen3next"):
+    if arch in ("qwen2moe", "qwen35moe", "qwen3next"):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch in HYBRID:  # llama.cpp's names for the Gated DeltaNet dims
         w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
@@ -367,7 +375,7 @@ def make_twin(tmp_path, case: str):
     # Quantized blocks run along rows, so the converter's row permutations and stacking act on the Q8_0
     # bytes as on the values.
     tensors = {name: torch.from_numpy(q8_bytes[name]) if name in q8_bytes else t for name, t in sd.items()}
-    if arch in ("qwen3moe", "qwen35moe", "qwen3next", "deepseek2"):
+    if arch in ("qwen3moe", "qwen2moe", "qwen35moe", "qwen3next", "deepseek2"):
         tensors = stack_experts(tensors)
     if arch == "qwen35moe":  # gate and up in one [E, 2I, D] tensor a layer, the gate's rows first
         for gate in [n for n in tensors if n.endswith("experts.gate_proj.weight")]:
@@ -446,8 +454,8 @@ def test_read_gguf_gives_the_twin_state_dict_and_config(tmp_path, case):
         for key in ("layer_types", "rope_parameters", "linear_num_key_heads", "linear_num_value_heads",
                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
             assert config[key] == hf[key], key
-    if arch in ("qwen35moe", "qwen3next"):  # the config keys of the twin's type, and no others
-        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+    if arch in ("qwen2moe", "qwen35moe", "qwen3next"):  # the config keys of the twin's type, and no others
+        for key in ("qkv_bias", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
                     "intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
             assert config.get(key) == hf.get(key), key
     if arch == "deepseek2":
@@ -602,7 +610,7 @@ def assert_refused(w: GGUFWriter, path, reason: str) -> None:
         read_gguf(str(path))
 
 
-@pytest.mark.parametrize("arch", ["gemma", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["gemma", "phi3"])
 def test_unsupported_architecture_is_refused_by_name(tmp_path, arch):
     path = tmp_path / "x.gguf"
     w = GGUFWriter(str(path), arch)

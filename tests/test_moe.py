@@ -1,5 +1,5 @@
-"""Routed experts (models/moe.py): a tiny Qwen3-MoE target against transformers, and DFlash / DDTree on it
-against plain AR."""
+"""Routed experts (models/moe.py): tiny Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next and Qwen2-MoE targets against
+transformers, and DFlash / DDTree on them against plain AR."""
 import os
 
 import pytest
@@ -164,11 +164,12 @@ def test_the_triton_path_generates_like_the_torch_path(moe_pair):
     assert [o.token_ids for o in LLM(model, kernels="triton", **ENGINE).generate(prompts, params)] == want
 
 
-# Hybrid MoE targets: Qwen3.5-MoE (routed experts and a gated shared expert in every layer) and Qwen3-Next
-# (the same, a dense MLP in layer 1, the top-k weights not renormalised, fused Gated DeltaNet projections),
-# each with transformers' model (the oracle) and a random drafter.
-@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
-def hybrid_moe(request, tmp_path_factory):
+# Targets with a gated shared expert: the hybrid Qwen3.5-MoE (routed experts and the shared expert in every
+# layer) and Qwen3-Next (the same, a dense MLP in layer 1, the top-k weights not renormalised, fused Gated
+# DeltaNet projections), and Qwen2-MoE (attention layers with q/k/v biases, a dense MLP in layer 1, the top-k
+# weights not renormalised), each with transformers' model (the oracle) and a random drafter.
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next", "qwen2_moe"])
+def shared_moe(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from ddtree.models.dflash import random_drafter, save_drafter
@@ -180,7 +181,7 @@ def hybrid_moe(request, tmp_path_factory):
     return model, str(root / "drafter"), AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
 
-def test_hybrid_moe_configs_read_their_layer_kinds_experts_and_shared_expert():
+def test_shared_expert_moe_configs_read_their_layer_kinds_experts_and_shared_expert():
     from tiny import make_config
     q35 = ModelConfig.from_dict(make_config("qwen3_5_moe", 384).to_dict())
     nxt = ModelConfig.from_dict(make_config("qwen3_next", 384).to_dict())
@@ -192,13 +193,18 @@ def test_hybrid_moe_configs_read_their_layer_kinds_experts_and_shared_expert():
     # a multimodal checkpoint's config: its text model's
     outer = {"model_type": "qwen3_5_moe", "text_config": make_config("qwen3_5_moe", 384).to_dict()}
     assert ModelConfig.from_dict(outer).model_type == "qwen3_5_moe_text"
+    q2 = make_config("qwen2_moe", 384).to_dict()
+    del q2["norm_topk_prob"]  # (Qwen2-MoE's default: not renormalised)
+    q2 = ModelConfig.from_dict(q2)
+    assert not q2.is_hybrid and q2.qkv_bias and not q2.qk_norm and not q2.moe.norm_topk_prob
+    assert (q2.moe.layers, q2.moe.shared_intermediate_size, q2.intermediate_size) == ([0, 2], 48, 128)
 
 
-def test_hybrid_moe_logprobs_and_greedy_output_equal_transformers_alone_and_batched(hybrid_moe):
-    # Batched requests of different lengths, their prompts chunked (the recurrent state carried between
+def test_shared_expert_moe_logprobs_and_greedy_output_equal_transformers_alone_and_batched(shared_moe):
+    # Batched requests of different lengths, their prompts chunked (a hybrid's recurrent state carried between
     # chunks): the tokens, and the log-probability of each, are transformers' for each prompt alone.
     from test_hybrid import assert_idle, reference
-    model, _, hf = hybrid_moe
+    model, _, hf = shared_moe
     n = 12
     params = SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0)
     llm = LLM(model, **ENGINE, max_num_batched_tokens=16)
@@ -210,26 +216,28 @@ def test_hybrid_moe_logprobs_and_greedy_output_equal_transformers_alone_and_batc
         torch.testing.assert_close(torch.tensor([lp for lp, _ in got.logprobs]),
                                    logp.gather(1, torch.tensor(want)[:, None])[:, 0], atol=1e-4, rtol=0)
     assert alone.token_ids == batched[0].token_ids
-    assert_idle(llm)
+    if llm.engine.allocator.num_state_slots:  # (hybrid: the recurrent state slots are free too)
+        assert_idle(llm)
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
 
 
-@pytest.mark.parametrize("hybrid_moe", ["qwen3_5_moe"], indirect=True)  # (Qwen3-Next's layers are the same ones)
-def test_hybrid_moe_dflash_and_ddtree_commit_exactly_ar_tokens_greedy_and_seeded(hybrid_moe):
+@pytest.mark.parametrize("shared_moe", ["qwen3_5_moe", "qwen2_moe"], indirect=True)  # (Qwen3-Next's: Qwen3.5-MoE's)
+def test_shared_expert_moe_dflash_and_ddtree_commit_exactly_ar_tokens_greedy_and_seeded(shared_moe):
     # Tree nodes see their ancestors' recurrent state only, and every node's tokens go through the experts.
     from test_spec import speculation_commits_ar_tokens
-    model, draft, _ = hybrid_moe
+    model, draft, _ = shared_moe
     llm = LLM(model, draft=draft, spec="none", **ENGINE)
     speculation_commits_ar_tokens(llm, PROMPTS, [(GREEDY, llm.generate(PROMPTS, GREEDY)),
                                                  (SEEDED, llm.generate(PROMPTS, SEEDED))])
 
 
-@pytest.mark.parametrize("hybrid_moe", ["qwen3_5_moe"], indirect=True)
+@pytest.mark.parametrize("shared_moe", ["qwen3_5_moe"], indirect=True)
 @pytest.mark.parametrize("spec", [None, "ddtree"])
-def test_hybrid_moe_graphed_bursts_emulated_on_cpu_equal_eager_ar(spec, hybrid_moe, monkeypatch):
+def test_hybrid_moe_graphed_bursts_emulated_on_cpu_equal_eager_ar(spec, shared_moe, monkeypatch):
     # The GPU's graphed path (CUDA graphs emulated): recurrent states and routed experts with device ops
     # only, in AR decode bursts and whole DDTree steps, padding rows included.
     from emulated import fake_gpu_graphs
-    model, drafter, _ = hybrid_moe
+    model, drafter, _ = shared_moe
     want = [o.token_ids for o in LLM(model, **ENGINE).generate(PROMPTS, SEEDED)]
     fake_gpu_graphs(monkeypatch)
     llm = LLM(model, draft=drafter if spec else None, spec=spec or "none", budget=8, topk=2, **ENGINE, max_num_seqs=3)

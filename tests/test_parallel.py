@@ -27,12 +27,13 @@ EVEN = dict(vocab_size=384)
 # split, the shared expert and the dense first layer's MLP split like an MLP), with a low-rank query and
 # with a full-rank one (test_deepseek.py's variants). Hybrid MoE: Qwen3.5-MoE (routed experts split, the
 # gated shared expert split like an MLP, its gate whole) and Qwen3-Next (its fused Gated DeltaNet
-# projections split by key-head groups, a dense MLP in layer 1).
+# projections split by key-head groups, a dense MLP in layer 1); Qwen2-MoE (q/k/v biases, the gated shared
+# expert, a dense MLP in layer 1).
 TARGETS = {"qwen2": ("qwen2", EVEN), "qwen3": ("qwen3", EVEN), "llama": ("llama", EVEN),
            "qwen3-1kv-odd-vocab": ("qwen3", dict(num_key_value_heads=1)), "qwen3_5": ("qwen3_5", EVEN),
            "qwen3_moe": ("qwen3_moe", EVEN), "deepseek_v3": ("deepseek_v3", {**EVEN, **DEEPSEEK["q_lora"]}),
            "deepseek_v3-full-q-odd-vocab": ("deepseek_v3", DEEPSEEK["full_q"]), "qwen3_5_moe": ("qwen3_5_moe", EVEN),
-           "qwen3_next-odd-vocab": ("qwen3_next", {})}
+           "qwen3_next-odd-vocab": ("qwen3_next", {}), "qwen2_moe": ("qwen2_moe", EVEN)}
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))

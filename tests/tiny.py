@@ -69,6 +69,13 @@ def make_config(family: str, vocab_size: int, **overrides):
         return Qwen3MoeConfig(head_dim=16, rope_theta=10000.0, num_experts=8, num_experts_per_tok=2,
                               moe_intermediate_size=32, decoder_sparse_step=2, norm_topk_prob=True,
                               **{**common, "num_hidden_layers": overrides.get("num_hidden_layers", 4)})
+    if family == "qwen2_moe":  # q/k/v biases; routed and gated shared experts, a dense MLP in layer 1,
+        # top-k weights not renormalised (the type's default)
+        from transformers import Qwen2MoeConfig
+        return Qwen2MoeConfig(**{"rope_theta": 10000.0, "num_experts": 8, "num_experts_per_tok": 2,
+                                 "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                                 "decoder_sparse_step": 1, "mlp_only_layers": [1], **common,
+                                 "num_hidden_layers": overrides.get("num_hidden_layers", 3)})
     if family == "deepseek_v3":  # MLA; a dense first layer, then routed experts in 2 groups and a shared expert
         from transformers import DeepseekV3Config
         common["num_key_value_heads"] = common["num_attention_heads"]  # (transformers' MLA: one KV head per head)

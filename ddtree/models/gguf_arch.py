@@ -66,10 +66,14 @@ _BETA_ALPHA = {"ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in
 # Both attention kinds of the hybrid models, and the norm after them
 _HYBRID_ATTENTION = {**_ATTENTION, "post_attention_norm": "post_attention_layernorm", **_LINEAR_ATTENTION}
 _HYBRID = {**_HYBRID_ATTENTION, **_MLP, **_BETA_ALPHA}
+# Qwen's shared expert and the gate that scales its output (Qwen2-MoE, Qwen3.5-MoE, Qwen3-Next)
+_SHARED_EXPERT = {"ffn_gate_inp_shexp": "mlp.shared_expert_gate", **_ffn("_shexp", "mlp.shared_expert")}
+# Qwen2-MoE: routed experts and the shared expert in every layer
+_QWEN2MOE = {**_MOE, **_SHARED_EXPERT}
 # Routed experts (gate and up may come stacked together, as the converter's --fuse-gate-up-exps writes them)
-# and Qwen's shared expert with the gate that scales its output, in every layer of Qwen3.5-MoE and Qwen3-Next
+# and the shared expert, in every layer of Qwen3.5-MoE and Qwen3-Next
 _HYBRID_EXPERTS = {**_HYBRID_ATTENTION, **_ROUTED, "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
-                   "ffn_gate_inp_shexp": "mlp.shared_expert_gate", **_ffn("_shexp", "mlp.shared_expert")}
+                   **_SHARED_EXPERT}
 # Qwen3-Next keeps HF's fused in_proj_ba (ssm_ba); its in_proj_qkvz comes whole (ssm_in, older converters)
 # or as attn_qkv and attn_gate, which _join_qkvz joins back.
 _QWEN3NEXT = {**_HYBRID_EXPERTS, "ssm_in": "linear_attn.in_proj_qkvz", "ssm_ba": "linear_attn.in_proj_ba"}
@@ -181,8 +185,8 @@ def _moe_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> N
 
 
 def _routed_experts(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> None:
-    """Softmax-routed experts in every layer: llama.cpp's qwen3moe, qwen35moe and qwen3next have no dense
-    layers, and they renormalise the top-k routing weights (the file does not say so)."""
+    """Softmax-routed experts in every layer: llama.cpp's qwen2moe, qwen3moe, qwen35moe and qwen3next have
+    no dense layers; all but qwen2moe renormalise the top-k routing weights (the file does not say so)."""
     dense = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
     if dense:
         raise ValueError(f"GGUF {arch} layers {dense} have no expert router; llama.cpp's {arch} has experts "
@@ -193,7 +197,7 @@ def _routed_experts(reader: GGUFReader, arch: str, tensors: dict, config: dict) 
         "num_experts": required(reader, f"{arch}.expert_count"),
         "num_experts_per_tok": required(reader, f"{arch}.expert_used_count"),
         "moe_intermediate_size": width,
-        "norm_topk_prob": True,
+        "norm_topk_prob": arch != "qwen2moe",
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     })
@@ -333,6 +337,19 @@ def _hybrid_moe_config(reader: GGUFReader, arch: str, tensors: dict, config: dic
     scale = value(reader, f"{arch}.expert_weights_scale", 0.0)
     if scale not in (0.0, 1.0):  # (llama.cpp would scale the routing weights; the HF models do not)
         raise ValueError(f"GGUF {arch} expert_weights_scale {scale} is not supported")
+    _shared_expert(reader, arch, tensors, config)
+
+
+def _qwen2moe_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> None:
+    """Qwen2-MoE: q/k/v biases where the file has them, routed experts and a shared expert in every layer."""
+    _whole_head_rope(reader, arch, config)
+    config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    _routed_experts(reader, arch, tensors, config)
+    _shared_expert(reader, arch, tensors, config)
+
+
+def _shared_expert(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> None:
+    """Qwen's shared expert, whose output sigmoid(shared_expert_gate . x) scales, in every layer."""
     unshared = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_up_shexp.weight" not in tensors]
     if unshared:
         raise ValueError(f"GGUF {arch} layers {unshared} have no shared expert; llama.cpp's {arch} has one in "
@@ -549,6 +566,8 @@ ARCHITECTURES = {
                           finish=_zero_o_proj_bias),
     "qwen3moe": Architecture("Qwen3MoeForCausalLM", "qwen3_moe", _MOE, _moe_config, fix_tensor=_split_experts,
                              finish=_zero_o_proj_bias),
+    "qwen2moe": Architecture("Qwen2MoeForCausalLM", "qwen2_moe", _QWEN2MOE, _qwen2moe_config,
+                             fix_tensor=_chain(_split_experts, _shared_expert_gate)),
     "qwen35": Architecture("Qwen3_5ForCausalLM", "qwen3_5_text", _HYBRID, _hybrid_config,
                            fix_tensor=_chain(_undo_qwen3next, _regroup_v_heads)),
     "qwen35moe": Architecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", {**_HYBRID_EXPERTS, **_BETA_ALPHA},

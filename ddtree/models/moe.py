@@ -1,11 +1,12 @@
-"""Routed experts (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3): the MLP of a mixture-of-experts layer.
+"""Routed experts (Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3): the MLP of a
+mixture-of-experts layer.
 
 A router (`gate`, one logit per expert) scores each token; the token goes to its `top_k` experts by
 softmax probability, those probabilities renormalised over the k when the config says so
 (`norm_topk_prob`). Each expert is a SiLU-gated MLP; the layer's output is the weighted sum of the k
-experts' outputs. Qwen3.5-MoE and Qwen3-Next add a shared expert, a SiLU-gated MLP that every token
-goes through, its output scaled by sigmoid(shared_expert_gate . x), a per-token scalar. Experts act per
-token, so chain and tree verification need nothing more.
+experts' outputs. Qwen2-MoE, Qwen3.5-MoE and Qwen3-Next add a shared expert, a SiLU-gated MLP that
+every token goes through, its output scaled by sigmoid(shared_expert_gate . x), a per-token scalar.
+Experts act per token, so chain and tree verification need nothing more.
 
 The experts' weights are stacked, `gate_up_proj` [E, 2I, D] (gate rows, then up rows) and `down_proj`
 [E, D, I], as transformers stores them; checkpoints with one tensor per expert
