@@ -32,7 +32,7 @@ class MoEConfig:
     # `routed_scaling_factor`.
     # A shared SiLU-gated MLP of width `shared_intermediate_size` (0: none) runs on every token: with
     # "sigmoid" routing DeepSeek-V3's `shared_experts`, added as is; with "softmax" routing Qwen's
-    # `shared_expert` (Qwen3.5-MoE, Qwen3-Next), scaled by sigmoid(`shared_expert_gate` . x).
+    # `shared_expert` (Qwen2-MoE, Qwen3.5-MoE, Qwen3-Next), scaled by sigmoid(`shared_expert_gate` . x).
     scoring: str = "softmax"
     n_group: int = 1
     topk_group: int = 1

@@ -17,6 +17,7 @@ from gguf import GGUFReader
 
 from ddtree.models.gguf_read import f32, required, to_torch, value
 
+
 def _as_stored(name: str, w: torch.Tensor, config: dict):
     yield name, w
 
@@ -40,6 +41,8 @@ class Architecture:
     finish: Callable[[dict[str, torch.Tensor], dict], None] = _nothing_to_finish
     # transformers' AutoTokenizer first reads the file's model config, which it has for some architectures only
     auto_tokenizer: bool = True
+    # its config builder reads the rope.scaling.* keys; for the others `base_config` refuses a scaled rope
+    scaled_rope: bool = False
 
 
 def _ffn(gguf_suffix: str, hf_module: str) -> dict[str, str]:
@@ -138,7 +141,7 @@ def base_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
     hidden = value(reader, f"{arch}.embedding_length")
     n_head = value(reader, f"{arch}.attention.head_count")
     scaling = value(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" and arch != "deepseek2":  # (deepseek2's YaRN: _deepseek2_rope)
+    if scaling != "none" and not ARCHITECTURES[arch].scaled_rope:
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
     return {
         "architectures": [ARCHITECTURES[arch].hf_class],
@@ -577,5 +580,6 @@ ARCHITECTURES = {
                               fix_tensor=_chain(_split_experts, _shared_expert_gate, _undo_qwen3next),
                               finish=_join_qkvz, auto_tokenizer=False),
     "deepseek2": Architecture("DeepseekV3ForCausalLM", "deepseek_v3", _MLA, _deepseek2_config,
-                              fix_tensor=_split_experts, finish=_finish_deepseek2, auto_tokenizer=False),
+                              fix_tensor=_split_experts, finish=_finish_deepseek2, auto_tokenizer=False,
+                              scaled_rope=True),  # (YaRN: _deepseek2_rope)
 }
