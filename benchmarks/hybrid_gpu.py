@@ -16,7 +16,7 @@
    Before those (`hf`), float32 greedy output against transformers' on the same GPU (4 prompts).
 4. flash-linear-attention's chunked delta rule, if importable, against ours (models/hybrid.py) on
    variable-length prompts with initial states: agreement and time.
-5. `profile` (with `bf16`): kernel time by name over replays of an AR step and a verify of 33 nodes at C=1.
+5. `profile`: kernel time by name over replays of an AR step and a verify of 33 nodes at C=1.
    `steps`: part 2's step times alone.
 """
 from __future__ import annotations
@@ -286,9 +286,11 @@ def main() -> None:
         built = hybrid_pair(args.config, os.path.join(work, "bf16"), "bfloat16")
         out["model"] = {k: built[k] for k in ("layers", "linear_layers", "params")}
         vocab = json.load(open(os.path.join(built["target"], "config.json")))["vocab_size"]
-        if "profile" in parts:
-            profile(built["target"], built["drafter"], out)
         bf16_runs(built["target"], built["drafter"], vocab, out)
+
+    def profiled():
+        built = hybrid_pair(args.config, os.path.join(work, "bf16"), "bfloat16")
+        profile(built["target"], built["drafter"], out)
 
     def fp32():
         built = hybrid_pair(args.config, os.path.join(work, "fp32"), "float32", sharpen=args.sharpen)
@@ -301,6 +303,7 @@ def main() -> None:
 
     part("fla", lambda: fla_probe(out))
     part("steps", steps)
+    part("profile", profiled)
     part("bf16", bf16)
     part("fp32", fp32)
     print(json.dumps(out, indent=1))
