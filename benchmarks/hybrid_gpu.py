@@ -280,6 +280,8 @@ def main() -> None:
         out["bf16_step_times"] = step_times(llm, [1, 8], [17, 33, 65], context=512)
         for row in out["bf16_step_times"]:
             row["verify_33_over_ar"] = round(row["verify_33_ms"] / row["ar_step_ms"], 3)
+        from ddtree.ops import triton_gdn  # the tree kernel's split chosen per (N, batch key)
+        out["tree_splits"] = {str(k): str(v) for k, v in getattr(triton_gdn._tree_delta, "cache", {}).items()}
         print(json.dumps(out["bf16_step_times"]), flush=True)
 
     def bf16():

@@ -247,7 +247,8 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
 # The best split of a head's value columns, and warps, depend on the tree's size and the batch: tried at
 # the first call of each (outside any graph capture; the kernel writes only its own outputs). Triton's
 # interpreter has no timer: there the first split runs.
-TREE_SPLITS = [triton.Config({"BLOCK_V": bv}, num_warps=w) for bv, w in ((32, 4), (16, 4), (32, 8), (64, 8))]
+TREE_SPLITS = [triton.Config({"BLOCK_V": bv}, num_warps=w)
+               for bv, w in ((32, 4), (16, 4), (32, 8), (64, 8), (16, 2), (32, 2))]
 _tree_delta = _tree_delta_kernel if INTERPRETED else \
     triton.autotune(TREE_SPLITS, key=["N", "R_KEY"])(_tree_delta_kernel)
 
