@@ -16,6 +16,7 @@ products at every width.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -93,6 +94,7 @@ def main() -> None:
                 out[f"{experts}_{mode}_C{C}_tok_s"] = throughput(llm, cfg.vocab_size, C)
                 print(experts, mode, C, out[f"{experts}_{mode}_C{C}_tok_s"], flush=True)
         del llm
+        gc.collect()  # (the engine's reference cycles hold its weights until collected)
         torch.cuda.empty_cache()
     triton_moe.experts_fit = fits
     with open(args.out, "w") as f:

@@ -281,6 +281,10 @@ def test_step_times_run_on_a_hybrid_target(hybrid, drafter):
     assert [r["concurrency"] for r in rows] == [1, 2]
     assert all(r[k] > 0 for r in rows for k in ("ar_step_ms", "draft_step_ms", "spec_step_ms", "verify_9_ms"))
     assert_idle(llm)
+    # more requests than the cache holds: a clear error, and nothing taken
+    with pytest.raises(ValueError, match="KV pages"):
+        step_times(llm, [40], [9], context=20)
+    assert_idle(llm)
 
 
 def random_tree(n: int, g: torch.Generator) -> tuple[list[int], list[int]]:

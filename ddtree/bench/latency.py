@@ -198,6 +198,10 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
     for bs in batch_sizes:
         seqs = [Sequence(list(range(100, 100 + context)), SamplingParams(), None) for _ in range(bs)]
         width = max(widths + [eng.speculator.drafter.block_size if eng.speculator else 1]) + 1
+        pages = sum(eng.allocator.pages_needed(s, context + width) for s in seqs)
+        if pages > eng.allocator.num_free:
+            raise ValueError(f"{bs} requests of {context + width} tokens need {pages} KV pages; the cache has "
+                             f"{eng.allocator.num_free} free (fewer requests, a shorter context, or more memory)")
         for s in seqs:
             eng.allocator.grow(s, context + width)
             s.num_cached = context  # K/V content is irrelevant for timing

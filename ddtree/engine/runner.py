@@ -108,6 +108,7 @@ class ModelRunner:
 
     def _pages_from_memory(self, ec: EngineConfig, logit_rows: int) -> int:
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks the allocator holds but does not use are free for the cache
             free, total = torch.cuda.mem_get_info(self.device)
             # A step's logits in the model dtype plus their fp32 copy (sampling, AR read-out), twice:
             # once in the CUDA graphs' pool, once in eager steps' cached blocks; and a prefill chunk's

@@ -155,8 +155,8 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
         full, cfg = cfg, shard_config(cfg, shard)
         part = lambda name: tensor_part(text_model_name(name), full, shard)  # noqa: E731
     with torch.device("meta"):
-        model = CausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = CausalLM(cfg).to(dtype)  # (in the target dtype before any memory is taken)
+    model = model.to_empty(device=device)
     tied = cfg.tie_word_embeddings
     if tied:
         del model.lm_head.weight  # re-tied after loading so the shared tensor is filled once
