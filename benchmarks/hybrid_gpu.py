@@ -16,7 +16,8 @@
    Before those (`hf`), float32 greedy output against transformers' on the same GPU (4 prompts).
 4. flash-linear-attention's chunked delta rule, if importable, against ours (models/hybrid.py) on
    variable-length prompts with initial states: agreement and time.
-5. `profile`: kernel time by name over replays of an AR step and a verify of 33 nodes at C=1.
+5. `profile`: kernel time by name over replays of an AR step, a draft, a whole speculative step and a
+   verify of 33 nodes at C=1, each step alone.
    `steps`: part 2's step times alone.
 """
 from __future__ import annotations
@@ -117,14 +118,13 @@ def bf16_runs(target: str, drafter: str, vocab: int, out: dict) -> None:
 
 
 def profile(target: str, drafter: str, out: dict) -> None:
-    """Kernel time by name over `step_times`' replays of an AR step and a verify of 33 nodes at C=1
-    (bfloat16, CUDA graphs): where a step's time goes."""
-    from ddtree.bench.latency import kernel_table, step_times
+    """Kernel time by name over replays of each step `step_times` measures at C=1 and 512 cached tokens
+    (bfloat16, CUDA graphs), each step alone: where an AR step's and a 33-node verify's time goes."""
+    from ddtree.bench.latency import step_profiles
     llm = LLM(target, draft=drafter, spec="ddtree", budget=32, topk=4, dtype="bfloat16", num_pages=2048, max_num_seqs=1)
-    step_times(llm, [1], [33], context=512)  # warm: graphs captured, kernels compiled
-    table = kernel_table(lambda: step_times(llm, [1], [33], context=512))
-    out["profile_C1"] = table
-    print(table, flush=True)
+    out["profile_C1"] = step_profiles(llm, 1, [33], context=512)
+    for name, table in out["profile_C1"].items():
+        print(name, table, sep="\n", flush=True)
     del llm
     torch.cuda.empty_cache()
 

@@ -26,7 +26,7 @@ import time
 import torch
 
 from ddtree import LLM, SamplingParams
-from ddtree.bench.latency import kernel_table, step_times
+from ddtree.bench.latency import step_profiles, step_times
 from ddtree.config import ModelConfig
 from ddtree.models.dflash import random_drafter, save_drafter
 
@@ -86,8 +86,9 @@ def main() -> None:
         out.setdefault("step_times", []).extend(rows)
         print(json.dumps(rows), flush=True)
         if args.profile:  # where an AR step and a 33-node verify at C=1 spend their time
-            out[f"{experts}_profile_C1"] = kernel_table(lambda: step_times(llm, [1], [33], context=512))
-            print(out[f"{experts}_profile_C1"], flush=True)
+            out[f"{experts}_profile_C1"] = step_profiles(llm, 1, [33], context=512)
+            for name, table in out[f"{experts}_profile_C1"].items():
+                print(name, table, sep="\n", flush=True)
         for mode, budget in (("none", None), ("ddtree", 32)):
             llm.set_mode(mode, budget, 4 if budget else None)
             for C in sizes:

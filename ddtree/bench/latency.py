@@ -182,9 +182,12 @@ def inputs_rows(inp) -> int:
 
 
 @torch.inference_mode()
-def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int = 512) -> list[dict]:
+def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int = 512,
+               timer=None) -> list[dict]:
     """Device time of one AR decode step, one draft step and one verify step of each width, for
-    requests with `context` cached tokens (fake requests; their pages are returned afterwards)."""
+    requests with `context` cached tokens (fake requests; their pages are returned afterwards).
+    `timer(fn, inputs, tp)` times each step (`time_graph` unless given)."""
+    timer = timer or time_graph
     from ddtree.engine.ar import DecodeInputs
     from ddtree.engine.sampler import COLUMNS
     from ddtree.engine.sequence import Sequence
@@ -213,7 +216,7 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
         # (hybrid targets: the fake requests' recurrent-state slots, handed out with their pages)
         slots = torch.tensor([s.state_slot for s in seqs], device=dev) if llm.config.is_hybrid else None
         row = {"concurrency": bs, "context": context}
-        row["ar_step_ms"] = time_graph(
+        row["ar_step_ms"] = timer(
             lambda i: runner.decode_features(i.ids, i.block_tables, i.starts, None, i.state_slots)[0],
             DecodeInputs(ids, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots), tp=tp)
         if eng.speculator is not None:
@@ -223,22 +226,22 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
                              (starts[:, None] - C + torch.arange(C, device=dev)),
                              torch.full((bs, C), dr.scratch_slot, device=dev),
                              torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots)
-            row["draft_step_ms"] = time_graph(dr.logits, inp, tp=tp)
+            row["draft_step_ms"] = timer(dr.logits, inp, tp=tp)
             if not isinstance(eng.speculator, AdaptiveSpeculator):  # a fixed budget: the whole step (draft, tree, verify,
                 # accept, K/V compaction), as the engine replays it
-                row["spec_step_ms"] = time_graph(eng.speculator._graph_step, inp, tp=tp)
+                row["spec_step_ms"] = timer(eng.speculator._graph_step, inp, tp=tp)
             taps = dr.layer_ids
             for n in widths:
                 depth = torch.arange(n, device=dev).expand(bs, n).contiguous()
                 mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)).expand(bs, n, n).contiguous()
                 toks = (torch.arange(bs * n, device=dev).view(bs, n) * 7919 + 13) % vocab
                 vin = DecodeInputs(toks, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots)
-                row[f"verify_{n}_ms"] = time_graph(
+                row[f"verify_{n}_ms"] = timer(
                     lambda i, d=depth, m=mask: runner.verify(i.block_tables, i.starts, i.ids, d, m, taps,
                                                              i.state_slots)[0], vin, tp=tp)
         if tp is not None:  # the row-parallel layers' all-reduces of one AR step (two a layer), alone
             hidden = AllReduceInputs(torch.zeros(bs, llm.config.hidden_size, dtype=llm.dtype, device=dev))
-            row["all_reduce_ms"] = time_graph(lambda i: runner.all_reduce(i.x, 2 * llm.config.num_layers), hidden, tp=tp)
+            row["all_reduce_ms"] = timer(lambda i: runner.all_reduce(i.x, 2 * llm.config.num_layers), hidden, tp=tp)
             row["all_reduce_share"] = row["all_reduce_ms"] / row["ar_step_ms"]
         for s in seqs:
             eng.allocator.release(s)
@@ -247,11 +250,27 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
 
 
 def kernel_table(fn, rows: int = 30) -> str:
-    """GPU kernel time by name over one call of `fn` (torch's profiler), the largest first."""
+    """GPU kernel time by name over one call of `fn` (torch's profiler), the largest first (op time on
+    the CPU where there is no GPU)."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
         fn()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    return prof.key_averages().table(sort_by="cuda_time_total" if gpu else "cpu_time_total", row_limit=rows)
+
+
+def step_profiles(llm: LLM, batch_size: int, widths: list[int], context: int = 512) -> dict[str, str]:
+    """`kernel_table` of each step `step_times` measures (ar_step, draft_step, spec_step, verify_N), each
+    step's graph replayed alone: where each kind of step spends its time."""
+    tables = []
+
+    def profiled(fn, inputs, tp=None):
+        ms = time_graph(fn, inputs, tp=tp)  # (compiles and autotunes outside the profile)
+        tables.append(kernel_table(lambda: time_graph(fn, inputs, tp=tp)))
+        return ms
+
+    row = step_times(llm, [batch_size], widths, context, timer=profiled)[0]
+    return dict(zip([k[:-len("_ms")] for k in row if k.endswith("_ms")], tables))
 
 
 @dataclasses.dataclass
