@@ -419,3 +419,12 @@ def test_the_triton_path_generates_like_the_torch_path(hybrid, drafter, prompts)
         if spec is None:  # one request: its decode steps take the fused few-rows products
             assert llm.generate(prompts[:1], params)[0].token_ids == ar[0].token_ids
         assert_idle(llm)
+
+
+def test_the_tree_kernel_is_offered_only_splits_within_a_head():
+    # The autotuner's splits of a head's value columns: a whole 128-column head a program is among them,
+    # and none wider than the head it splits (a 64-column head never gets 128).
+    from ddtree.ops.triton_gdn import TREE_SPLITS, splits_within_head
+    widths = lambda dv: sorted({c.kwargs["BLOCK_V"] for c in splits_within_head(TREE_SPLITS, {}, DV=dv)})  # noqa: E731
+    assert widths(128) == [16, 32, 64, 128]
+    assert widths(64) == [16, 32, 64]

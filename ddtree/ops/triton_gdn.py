@@ -245,12 +245,21 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
 
 
 # The best split of a head's value columns, and warps, depend on the tree's size and the batch: tried at
-# the first call of each (outside any graph capture; the kernel writes only its own outputs). Triton's
-# interpreter has no timer: there the first split runs.
+# the first call of each (outside any graph capture; the kernel writes only its own outputs). Narrow
+# splits give more programs; wide ones solve each head's system fewer times (BLOCK_V 128: once, where
+# the head has 128 columns). Triton's interpreter has no timer: there the first split runs.
 TREE_SPLITS = [triton.Config({"BLOCK_V": bv}, num_warps=w)
-               for bv, w in ((32, 4), (16, 4), (32, 8), (64, 8), (16, 2), (32, 2))]
-_tree_delta = _tree_delta_kernel if INTERPRETED else \
-    triton.autotune(TREE_SPLITS, key=["N", "R_KEY"])(_tree_delta_kernel)
+               for bv, w in ((32, 4), (16, 4), (32, 8), (64, 8), (16, 2), (32, 2), (128, 4), (128, 8))]
+
+
+def splits_within_head(configs, named_args, **kwargs):
+    """The splits no wider than a head's value columns."""
+    dv = kwargs.get("DV", named_args.get("DV"))
+    return [c for c in configs if c.kwargs["BLOCK_V"] <= dv]
+
+
+_tree_delta = _tree_delta_kernel if INTERPRETED else triton.autotune(
+    TREE_SPLITS, key=["N", "R_KEY"], prune_configs_by={"early_config_prune": splits_within_head})(_tree_delta_kernel)
 
 
 @triton.jit
