@@ -252,6 +252,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--sharpen", type=float, default=8.0)
     ap.add_argument("--parts", default="fla,bf16,hf,fp32")
+    ap.add_argument("--concurrency", default="1,8", help="steps: the batch sizes")
+    ap.add_argument("--widths", default="17,33,65", help="steps: the verify widths (33 gives verify_33_over_ar)")
     ap.add_argument("--modes", default="greedy,sampled", help="fp32: the oracle runs' modes (greedy, sampled)")
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -277,9 +279,11 @@ def main() -> None:
         llm = LLM(built["target"], draft=built["drafter"], spec="ddtree", budget=32, topk=4, dtype="bfloat16",
                   num_pages=8192, max_num_seqs=8)
         from ddtree.bench.latency import step_times
-        out["bf16_step_times"] = step_times(llm, [1, 8], [17, 33, 65], context=512)
+        out["bf16_step_times"] = step_times(llm, [int(c) for c in args.concurrency.split(",")],
+                                            [int(w) for w in args.widths.split(",")], context=512)
         for row in out["bf16_step_times"]:
-            row["verify_33_over_ar"] = round(row["verify_33_ms"] / row["ar_step_ms"], 3)
+            if "verify_33_ms" in row:
+                row["verify_33_over_ar"] = round(row["verify_33_ms"] / row["ar_step_ms"], 3)
         from ddtree.ops import triton_gdn  # the tree kernel's split chosen per (N, batch key)
         out["tree_splits"] = {str(k): str(v) for k, v in getattr(triton_gdn._tree_delta, "cache", {}).items()}
         print(json.dumps(out["bf16_step_times"]), flush=True)
