@@ -18,7 +18,9 @@ The layer's in-projection yields, per token, the q|k|v stream x [conv_dim] and t
 - the output: RMS norm of o (over Dv) times the norm weight, gated by silu(z), in the model dtype.
 
 A program takes one (request, value head, BLOCK_V value columns): the columns of S are independent,
-so a single request spreads over Hv * Dv / BLOCK_V programs. The norm needs the whole head: a second
+so a single request spreads over Hv * Dv / BLOCK_V programs. A tree's program reads q, k and S0 a few
+key channels at a time, so its tiles stay in registers (`benchmarks/kernel_resources.py` counts what
+spills). The norm needs the whole head: a second
 kernel norms and gates the outputs. A request whose state is fresh (nothing cached before the
 step: prefix 0) starts from zero windows and states, whatever its slot holds.
 """
@@ -171,7 +173,8 @@ def tree_conv(window: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, x
 def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_ba, ALog, DtBias, Out, Mask,
                        stride_mask_r, stride_mask_q, Dbuf, Gbuf, stride_slot, stride_head, HV, REPEAT, KEY_DIM,
                        VALUE_OFF, C, N, R_KEY, DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr,
-                       LOG_NP: tl.constexpr, SOLVE: tl.constexpr, BLOCK_V: tl.constexpr):
+                       LOG_NP: tl.constexpr, SOLVE: tl.constexpr, BLOCK_V: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     # Node 0 (the root: ancestors come first, so it has none) is solved on its own, and the NP-row tiles
     # hold nodes 1 to N - 1: a tree of 2^m + 1 nodes (a budget of 2^m) fills them without padding.
     r = tl.program_id(0)
@@ -182,32 +185,65 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     valid = node < N
     rows = r * N + node
     root = r * N
-    dk = tl.arange(0, DK)
     dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     hk = h // REPEAT
-    scale = 1.0 / tl.sqrt(DK * 1.0)
-    q = _unit_rows(tl.load(Mixed + rows[:, None] * C + hk * DK + dk[None, :], mask=valid[:, None], other=0.0), scale)
-    k = _unit_rows(tl.load(Mixed + rows[:, None] * C + KEY_DIM + hk * DK + dk[None, :], mask=valid[:, None],
-                           other=0.0), 1.0)
-    q0 = _unit_rows(tl.load(Mixed + root * C + hk * DK + dk)[None, :], scale)
-    k0 = _unit_rows(tl.load(Mixed + root * C + KEY_DIM + hk * DK + dk)[None, :], 1.0)
     beta, g = _gate_inputs(B, A, ALog, DtBias, rows * stride_ba + h, h, valid)
     beta = tl.where(valid, beta, 0.0)
     g = tl.where(valid, g, 0.0)
     beta0, g0 = _gate_inputs(B, A, ALog, DtBias, root * stride_ba + h, h, r >= 0)
     keep = tl.load(Prefix + r) != 0
     base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
-    s0 = tl.where(keep, tl.load(base + dk[:, None] * DV + dv[None, :]), 0.0)
-    # (every product with q and k first: they are the largest tiles, and die here)
-    qs0 = tl.dot(q, s0, input_precision=SOLVE)
-    ks0 = tl.dot(k, s0, input_precision=SOLVE)
-    kk = tl.dot(k, tl.trans(k), input_precision=SOLVE)
-    qk = tl.dot(q, tl.trans(k), input_precision=SOLVE)
-    kk0 = tl.sum(k * k0, 1)
-    qk0 = tl.sum(q * k0, 1)
-    q0s0 = tl.sum(tl.trans(q0) * s0, 0)
-    k0s0 = tl.sum(tl.trans(k0) * s0, 0)
-    q0k0 = tl.sum(tl.sum(q0 * k0, 1), 0)
+    q_rows = Mixed + rows[:, None] * C + hk * DK
+    q_root = Mixed + root * C + hk * DK
+    # Every product of q, k and S0, over the key channels BLOCK_K at a time (small tiles, no spills), from
+    # the raw q and k: a row's L2 norm is a scalar that factors out of its products, applied after.
+    qs0 = tl.zeros((NP, BLOCK_V), dtype=tl.float32)
+    ks0 = tl.zeros((NP, BLOCK_V), dtype=tl.float32)
+    kk = tl.zeros((NP, NP), dtype=tl.float32)
+    qk = tl.zeros((NP, NP), dtype=tl.float32)
+    q0s0 = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    k0s0 = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    kk0 = tl.zeros((NP,), dtype=tl.float32)
+    qk0 = tl.zeros((NP,), dtype=tl.float32)
+    qq = tl.zeros((NP,), dtype=tl.float32)
+    sq = tl.zeros((NP,), dtype=tl.float32)
+    qq0 = tl.zeros((), dtype=tl.float32)
+    kk00 = tl.zeros((), dtype=tl.float32)
+    q0k0 = tl.zeros((), dtype=tl.float32)
+    for c in tl.static_range(0, DK, BLOCK_K):
+        ch = c + tl.arange(0, BLOCK_K)
+        q = tl.load(q_rows + ch[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(q_rows + KEY_DIM + ch[None, :], mask=valid[:, None], other=0.0)
+        q0 = tl.load(q_root + ch)
+        k0 = tl.load(q_root + KEY_DIM + ch)
+        s0 = tl.where(keep, tl.load(base + ch[:, None] * DV + dv[None, :]), 0.0)
+        qs0 = tl.dot(q, s0, qs0, input_precision=SOLVE)
+        ks0 = tl.dot(k, s0, ks0, input_precision=SOLVE)
+        kk = tl.dot(k, tl.trans(k), kk, input_precision=SOLVE)
+        qk = tl.dot(q, tl.trans(k), qk, input_precision=SOLVE)
+        q0s0 += tl.sum(q0[:, None] * s0, 0)
+        k0s0 += tl.sum(k0[:, None] * s0, 0)
+        kk0 += tl.sum(k * k0[None, :], 1)
+        qk0 += tl.sum(q * k0[None, :], 1)
+        qq += tl.sum(q * q, 1)
+        sq += tl.sum(k * k, 1)
+        qq0 += tl.sum(q0 * q0, 0)
+        kk00 += tl.sum(k0 * k0, 0)
+        q0k0 += tl.sum(q0 * k0, 0)
+    scale = 1.0 / tl.sqrt(DK * 1.0)
+    rq = tl.rsqrt(qq + 1e-6) * scale
+    rk = tl.rsqrt(sq + 1e-6)
+    rq0 = tl.rsqrt(qq0 + 1e-6) * scale
+    rk0 = tl.rsqrt(kk00 + 1e-6)
+    qs0 = qs0 * rq[:, None]
+    ks0 = ks0 * rk[:, None]
+    kk = kk * (rk[:, None] * rk[None, :])
+    qk = qk * (rq[:, None] * rk[None, :])
+    kk0 = kk0 * (rk * rk0)
+    qk0 = qk0 * (rq * rk0)
+    q0s0 = q0s0 * rq0
+    k0s0 = k0s0 * rk0
+    q0k0 = q0k0 * (rq0 * rk0)
     row_mask = Mask + r * stride_mask_r + node * stride_mask_q
     above = tl.load(row_mask[:, None] + node[None, :], mask=valid[:, None] & valid[None, :], other=0) != 0
     under_root = tl.load(row_mask, mask=valid, other=0) != 0
@@ -306,7 +342,8 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
         state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, raw, above, above.stride(0),
         above.stride(1), d, G, state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK,
         2 * num_k_heads * DK, mixed.shape[1], N, triton.next_power_of_2(R), DK=DK, DV=DV,
-        NP=NP, LOG_NP=NP.bit_length() - 1, SOLVE="tf32x3" if z.dtype == torch.float32 else "tf32", **fixed)
+        NP=NP, LOG_NP=NP.bit_length() - 1, SOLVE="tf32x3" if z.dtype == torch.float32 else "tf32",
+        BLOCK_K=min(DK, 32), **fixed)
     return gated_norm(raw, z, norm_weight, eps, H), d, G
 
 
