@@ -68,17 +68,21 @@ def test_random_targets_follow_their_config(tmp_path):
         assert json.load(f)["block_size"] == 4
 
 
-def test_the_tree_kernel_compiles_for_hopper_at_every_split(tmp_path):
-    # The interpreter runs the kernel's semantics on the CPU; this builds the real thing: each split the
-    # autotuner may pick, for 33-node trees, through Triton's sm_90 compiler and the ptxas that triton
-    # ships, read back with cuobjdump (benchmarks/kernel_resources.py, in a process without the interpreter).
+def test_the_tree_and_attention_kernels_compile_for_hopper(tmp_path):
+    # The interpreter runs the kernels' semantics on the CPU; this builds the real thing through Triton's
+    # sm_90 compiler and the ptxas that triton ships, read back with cuobjdump (benchmarks/
+    # kernel_resources.py, in a process without the interpreter): the tree kernel at each split the
+    # autotuner may pick (33-node trees), the default target's attention at each step's tiles and warps.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    out = tmp_path / "resources.json"
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_resources.py"), str(out), "--nodes", "33"],
-                   env=env, check=True, capture_output=True, timeout=600)
-    rows = json.loads(out.read_text())
-    assert sorted((r["block_v"], r["warps"]) for r in rows) == sorted(
+    tool = os.path.join(ROOT, "benchmarks", "kernel_resources.py")
+    for kernel in ("tree", "attention"):
+        subprocess.run([sys.executable, tool, str(tmp_path / f"{kernel}.json"), "--kernel", kernel],
+                       env=env, check=True, capture_output=True, timeout=600)
+    tree = json.loads((tmp_path / "tree.json").read_text())
+    assert sorted((r["block_v"], r["warps"]) for r in tree) == sorted(
         (c.kwargs["BLOCK_V"], c.num_warps) for c in TREE_SPLITS)
-    for row in rows:
+    attention = json.loads((tmp_path / "attention.json").read_text())
+    assert {r["step"] for r in attention if r["chosen"]} == {"ar", "draft16", "verify33", "prefill"}
+    for row in tree + attention:
         assert 0 < row["registers"] <= 255 and row["mma"] > 0 and row["instructions"] > row["mma"], row

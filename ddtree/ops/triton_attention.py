@@ -189,6 +189,18 @@ def choose_block_n(rows: int, head_dim: int, itemsize: int) -> int:
     return bn
 
 
+TILE_REGISTERS = 64  # of a thread's registers, the share its program's tiles may take (the rest: addresses, masks, softmax state)
+
+
+def choose_warps(rows: int, block_n: int, head_dim: int, itemsize: int) -> int:
+    """Warps a program, 4 or 8: enough that its tiles (the rows of q, a K and a V tile, the float32
+    accumulator and scores) come to at most TILE_REGISTERS registers a thread. Past that the compiled
+    kernel spills to local memory (benchmarks/kernel_resources.py --kernel attention shows where)."""
+    tiles = (rows + 2 * block_n) * head_dim * itemsize + rows * (head_dim + block_n) * 4
+    need = -(-tiles // (TILE_REGISTERS * 4 * 32))
+    return min(8, max(4, triton.next_power_of_2(need)))
+
+
 def choose_splits(num_blocks: int, num_kv_heads: int, max_q: int) -> int:
     """Split the keys across programs when the grid alone cannot fill the GPU (decode, verify)."""
     if max_q > DECODE_MAX_Q:
@@ -231,6 +243,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     splits = meta.splits
     block_rows = meta.block_m * triton.next_power_of_2(group)
     rows = choose_rows(block_rows, D_P, q.element_size())
+    block_n = choose_block_n(rows, D_P, q.element_size())
     grid = (meta.blk_req.shape[0], Hkv * (block_rows // rows), splits)
     if splits > 1:
         part = torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device)
@@ -244,9 +257,10 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         meta.block_tables.stride(0), mask.stride(0) if mask is not None else 0,
         mask.stride(1) if mask is not None else 0, scale, part, part_ml,
         PAGE=meta.page_size, GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=D, HEAD_DIM_P=D_P,
-        BLOCK_M=meta.block_m, ROWS=rows, BLOCK_N=choose_block_n(rows, D_P, q.element_size()), HAS_MASK=mask is not None,
+        BLOCK_M=meta.block_m, ROWS=rows, BLOCK_N=block_n, HAS_MASK=mask is not None,
         # fp32 models get exact products (tests, parity); tf32 would round them like bf16 does.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, NUM_HEADS=H)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, NUM_HEADS=H,
+        num_warps=choose_warps(rows, block_n, D_P, q.element_size()))
     if splits > 1:
         _combine_kernel[(T, H)](out, part, part_ml, out.stride(0), out.stride(1), NUM_HEADS=H, HEAD_DIM=D,
                                 HEAD_DIM_P=D_P, SPLITS=splits)

@@ -343,7 +343,7 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
         above.stride(1), d, G, state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK,
         2 * num_k_heads * DK, mixed.shape[1], N, triton.next_power_of_2(R), DK=DK, DV=DV,
         NP=NP, LOG_NP=NP.bit_length() - 1, SOLVE="tf32x3" if z.dtype == torch.float32 else "tf32",
-        BLOCK_K=min(DK, 32), **fixed)
+        BLOCK_K=16, **fixed)
     return gated_norm(raw, z, norm_weight, eps, H), d, G
 
 
