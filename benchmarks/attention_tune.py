@@ -1,22 +1,28 @@
-"""Times the Triton paged attention at the default target's head shapes (14 query / 2 KV heads of 64)
-for the query widths of decoding at C=1 (1: AR; 16: the drafter block; 33: a budget-32 tree) over a
-few context lengths, at every key split (flash-decoding) and query block size, to pick
-`choose_splits` / `choose_block_m` by measurement. CUDA graph replays, median of 200.
+"""Times the Triton paged attention at a model's head shapes (default: the default target's 14 query / 2 KV
+heads of 64) for the query widths of decoding at C=1 (1: AR; 16: the drafter block; 33: a budget-32 tree)
+over a few context lengths, at every key split (flash-decoding), query block size and warps (4, 8), to pick
+`choose_splits` / `choose_block_m` / `choose_warps` by measurement. CUDA graph replays, median of 200.
 
-    python benchmarks/attention_tune.py OUT.jsonl
+    python benchmarks/attention_tune.py OUT.jsonl [--heads 14,2,64] [--contexts 256,512,1024,2048] [--chosen]
+
+`--chosen`: only the block size and splits the engine picks, each at both warps (a quick check of
+`choose_warps`).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
 import torch
+import triton
 
 from ddtree.bench.latency import median_replay_ms
 from ddtree.ops.attention import uniform_batch
+import ddtree.ops.triton_attention as attention
 from ddtree.ops.triton_attention import choose_block_m, choose_splits, triton_paged_attention
 
-H, HKV, D, PAGE = 14, 2, 64, 16
+PAGE = 16
 
 
 def time_graph(fn, reps: int = 200) -> float:
@@ -34,10 +40,17 @@ def time_graph(fn, reps: int = 200) -> float:
 
 
 def main() -> int:
-    out = sys.argv[1] if len(sys.argv) > 1 else "attention_tune.jsonl"
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", nargs="?", default="attention_tune.jsonl")
+    ap.add_argument("--heads", default="14,2,64", help="query heads, KV heads, channels a head")
+    ap.add_argument("--contexts", default="256,512,1024,2048")
+    ap.add_argument("--chosen", action="store_true", help="only the engine's block size and splits")
+    args = ap.parse_args()
+    H, HKV, D = (int(x) for x in args.heads.split(","))
     dev = torch.device("cuda")
+    chosen_warps = attention.choose_warps
     rows = []
-    for ctx in (256, 512, 1024, 2048):
+    for ctx in (int(c) for c in args.contexts.split(",")):
         pages = -(-(ctx + 64) // PAGE)
         cache = torch.randn(pages * PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
         vcache = torch.randn_like(cache)
@@ -47,19 +60,28 @@ def main() -> int:
             mask = torch.tril(torch.ones(1, width, width, dtype=torch.bool, device=dev)) if width > 1 else None
             starts = torch.tensor([ctx], device=dev)
             default_bm = choose_block_m(width, H // HKV)
-            for bm in sorted({default_bm, 8, 16}):
-                for splits in (1, 2, 4, 8, 16):
+            for bm in [default_bm] if args.chosen else sorted({default_bm, 8, 16}):
+                per = -(-width // bm)
+                for splits in [choose_splits(per, HKV, width)] if args.chosen else (1, 2, 4, 8, 16):
                     batch = uniform_batch(tables, starts, width, mask, PAGE, True, H // HKV, HKV)
-                    per = -(-width // bm)
                     batch.block_m, batch.splits = bm, splits
                     batch.blk_req = torch.zeros(per, device=dev, dtype=torch.int32)
                     batch.blk_q = torch.arange(per, device=dev, dtype=torch.int32) * bm
-                    us = time_graph(lambda: triton_paged_attention(q, cache, vcache, batch, D ** -0.5))
-                    row = {"ctx": ctx, "width": width, "block_m": bm, "splits": splits, "us": round(us, 2),
-                           "default": bm == default_bm and splits == choose_splits(per, HKV, width)}
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
-    with open(out, "w") as f:
+                    for warps in (4, 8):
+                        attention.choose_warps = lambda *shape, w=warps: w  # noqa: E731
+                        try:
+                            us = time_graph(lambda: triton_paged_attention(q, cache, vcache, batch, D ** -0.5))
+                        finally:
+                            attention.choose_warps = chosen_warps
+                        d_p = triton.next_power_of_2(D)  # (the engine's pick for these tiles)
+                        tile = attention.choose_rows(bm * triton.next_power_of_2(H // HKV), d_p, 2)
+                        pick = chosen_warps(tile, attention.choose_block_n(tile, d_p, 2), d_p, 2)
+                        row = {"heads": [H, HKV, D], "ctx": ctx, "width": width, "block_m": bm, "splits": splits,
+                               "warps": warps, "us": round(us, 2),
+                               "default": bm == default_bm and splits == choose_splits(per, HKV, width) and warps == pick}
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+    with open(args.out, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return 0
 
