@@ -8,8 +8,6 @@ import sys
 
 import pytest
 
-from ddtree.ops.triton_gdn import TREE_SPLITS
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py"))
 
@@ -73,6 +71,7 @@ def test_the_tree_and_attention_kernels_compile_for_hopper(tmp_path):
     # sm_90 compiler and the ptxas that triton ships, read back with cuobjdump (benchmarks/
     # kernel_resources.py, in a process without the interpreter): the tree kernel at each split the
     # autotuner may pick (33-node trees), the default target's attention at each step's tiles and warps.
+    from ddtree.ops.triton_gdn import TREE_SPLITS
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     tool = os.path.join(ROOT, "benchmarks", "kernel_resources.py")

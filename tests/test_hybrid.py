@@ -284,10 +284,14 @@ def test_step_times_run_on_a_hybrid_target(hybrid, drafter):
     # each step's kernels, profiled alone
     assert list(step_profiles(llm, 1, [9], context=20)) == ["ar_step", "draft_step", "spec_step", "verify_9"]
     assert_idle(llm)
-    # more requests than the cache holds: a clear error, and nothing taken
+    # more requests than the cache holds, or than there are state slots: a clear error, and nothing taken
     with pytest.raises(ValueError, match="KV pages"):
         step_times(llm, [40], [9], context=20)
     assert_idle(llm)
+    few_slots = LLM(hybrid, **ENGINE, num_pages=64, max_num_seqs=2)
+    with pytest.raises(ValueError, match="state slots"):
+        step_times(few_slots, [8], [9], context=20)
+    assert_idle(few_slots)
 
 
 def random_tree(n: int, g: torch.Generator) -> tuple[list[int], list[int]]:

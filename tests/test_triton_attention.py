@@ -130,7 +130,7 @@ def test_programs_with_wide_tiles_take_eight_warps():
     # A program's tiles (q rows, a K and a V tile, the float32 accumulator and scores) get at most
     # TILE_REGISTERS registers a thread: the default target's one-token steps (16 rows of 64 channels)
     # keep 4 warps; its 64-row verify and drafter tiles, prefill tiles, and heads of 128 or more channels
-    # take 8 (in the compiled code, 4 warps spill there: benchmarks/kernel_resources.py --kernel attention).
+    # take 8 (`benchmarks/kernel_resources.py --kernel attention` shows each choice's compiled code).
     assert tri.choose_warps(16, 64, 64, 2) == 4
     assert tri.choose_warps(64, 64, 64, 2) == tri.choose_warps(128, 64, 64, 2) == 8
     assert tri.choose_warps(16, 64, 128, 2) == tri.choose_warps(64, 64, 256, 2) == 8

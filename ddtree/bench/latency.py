@@ -205,46 +205,51 @@ def step_times(llm: LLM, batch_sizes: list[int], widths: list[int], context: int
         if pages > eng.allocator.num_free:
             raise ValueError(f"{bs} requests of {context + width} tokens need {pages} KV pages; the cache has "
                              f"{eng.allocator.num_free} free (fewer requests, a shorter context, or more memory)")
+        if eng.allocator.num_state_slots and bs > len(eng.allocator.free_slots):
+            raise ValueError(f"{bs} requests need {bs} recurrent-state slots; {len(eng.allocator.free_slots)} "
+                             f"are free (max_num_seqs sets them)")
         for s in seqs:
             eng.allocator.grow(s, context + width)
             s.num_cached = context  # K/V content is irrelevant for timing
-        tables = runner.tables(seqs)
-        starts = torch.full((bs,), context, device=dev)
-        # (distinct tokens: a routed-experts layer sends them to different experts, as real text does)
-        vocab = llm.config.vocab_size
-        ids = (torch.arange(bs, device=dev) * 7919 + 11) % vocab
-        # (hybrid targets: the fake requests' recurrent-state slots, handed out with their pages)
-        slots = torch.tensor([s.state_slot for s in seqs], device=dev) if llm.config.is_hybrid else None
-        row = {"concurrency": bs, "context": context}
-        row["ar_step_ms"] = timer(
-            lambda i: runner.decode_features(i.ids, i.block_tables, i.starts, None, i.state_slots)[0],
-            DecodeInputs(ids, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots), tp=tp)
-        if eng.speculator is not None:
-            dr = eng.speculator.drafter
-            C = dr.block_size
-            inp = StepInputs(ids, starts, tables, torch.zeros(bs, C, dr.feat_dim, dtype=llm.dtype, device=dev),
-                             (starts[:, None] - C + torch.arange(C, device=dev)),
-                             torch.full((bs, C), dr.scratch_slot, device=dev),
-                             torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots)
-            row["draft_step_ms"] = timer(dr.logits, inp, tp=tp)
-            if not isinstance(eng.speculator, AdaptiveSpeculator):  # a fixed budget: the whole step (draft, tree, verify,
-                # accept, K/V compaction), as the engine replays it
-                row["spec_step_ms"] = timer(eng.speculator._graph_step, inp, tp=tp)
-            taps = dr.layer_ids
-            for n in widths:
-                depth = torch.arange(n, device=dev).expand(bs, n).contiguous()
-                mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)).expand(bs, n, n).contiguous()
-                toks = (torch.arange(bs * n, device=dev).view(bs, n) * 7919 + 13) % vocab
-                vin = DecodeInputs(toks, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots)
-                row[f"verify_{n}_ms"] = timer(
-                    lambda i, d=depth, m=mask: runner.verify(i.block_tables, i.starts, i.ids, d, m, taps,
-                                                             i.state_slots)[0], vin, tp=tp)
-        if tp is not None:  # the row-parallel layers' all-reduces of one AR step (two a layer), alone
-            hidden = AllReduceInputs(torch.zeros(bs, llm.config.hidden_size, dtype=llm.dtype, device=dev))
-            row["all_reduce_ms"] = timer(lambda i: runner.all_reduce(i.x, 2 * llm.config.num_layers), hidden, tp=tp)
-            row["all_reduce_share"] = row["all_reduce_ms"] / row["ar_step_ms"]
-        for s in seqs:
-            eng.allocator.release(s)
+        try:  # (the fake requests' pages and slots go back whatever happens)
+            tables = runner.tables(seqs)
+            starts = torch.full((bs,), context, device=dev)
+            # (distinct tokens: a routed-experts layer sends them to different experts, as real text does)
+            vocab = llm.config.vocab_size
+            ids = (torch.arange(bs, device=dev) * 7919 + 11) % vocab
+            # (hybrid targets: the fake requests' recurrent-state slots, handed out with their pages)
+            slots = torch.tensor([s.state_slot for s in seqs], device=dev) if llm.config.is_hybrid else None
+            row = {"concurrency": bs, "context": context}
+            row["ar_step_ms"] = timer(
+                lambda i: runner.decode_features(i.ids, i.block_tables, i.starts, None, i.state_slots)[0],
+                DecodeInputs(ids, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots), tp=tp)
+            if eng.speculator is not None:
+                dr = eng.speculator.drafter
+                C = dr.block_size
+                inp = StepInputs(ids, starts, tables, torch.zeros(bs, C, dr.feat_dim, dtype=llm.dtype, device=dev),
+                                 (starts[:, None] - C + torch.arange(C, device=dev)),
+                                 torch.full((bs, C), dr.scratch_slot, device=dev),
+                                 torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots)
+                row["draft_step_ms"] = timer(dr.logits, inp, tp=tp)
+                if not isinstance(eng.speculator, AdaptiveSpeculator):  # a fixed budget: the whole step (draft, tree, verify,
+                    # accept, K/V compaction), as the engine replays it
+                    row["spec_step_ms"] = timer(eng.speculator._graph_step, inp, tp=tp)
+                taps = dr.layer_ids
+                for n in widths:
+                    depth = torch.arange(n, device=dev).expand(bs, n).contiguous()
+                    mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)).expand(bs, n, n).contiguous()
+                    toks = (torch.arange(bs * n, device=dev).view(bs, n) * 7919 + 13) % vocab
+                    vin = DecodeInputs(toks, starts, tables, torch.zeros(bs, COLUMNS, dtype=torch.long, device=dev), slots)
+                    row[f"verify_{n}_ms"] = timer(
+                        lambda i, d=depth, m=mask: runner.verify(i.block_tables, i.starts, i.ids, d, m, taps,
+                                                                 i.state_slots)[0], vin, tp=tp)
+            if tp is not None:  # the row-parallel layers' all-reduces of one AR step (two a layer), alone
+                hidden = AllReduceInputs(torch.zeros(bs, llm.config.hidden_size, dtype=llm.dtype, device=dev))
+                row["all_reduce_ms"] = timer(lambda i: runner.all_reduce(i.x, 2 * llm.config.num_layers), hidden, tp=tp)
+                row["all_reduce_share"] = row["all_reduce_ms"] / row["ar_step_ms"]
+        finally:
+            for s in seqs:
+                eng.allocator.release(s)
         rows.append(row)
     return rows
 
@@ -261,7 +266,8 @@ def kernel_table(fn, rows: int = 30) -> str:
 
 def step_profiles(llm: LLM, batch_size: int, widths: list[int], context: int = 512) -> dict[str, str]:
     """`kernel_table` of each step `step_times` measures (ar_step, draft_step, spec_step, verify_N), each
-    step's graph replayed alone: where each kind of step spends its time."""
+    kind of step alone: its graph's warm-up runs, capture and replays (`time_graph`), nearly all replays.
+    Where each kind of step spends its time."""
     tables = []
 
     def profiled(fn, inputs, tp=None):

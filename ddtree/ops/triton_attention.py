@@ -36,9 +36,8 @@ DECODE_MAX_Q = 65
 
 def choose_block_m(max_q: int, group: int) -> int:
     # tl.dot needs >= 16 rows: BLOCK_M tokens x (group padded to a power of two) heads. Up to 64 rows
-    # for decode widths (a verify tree, the drafter block): more programs, each splitting the keys
-    # (benchmarks/attention_tune.py on the H200, 7-head groups at 512 cached tokens: 33 query rows
-    # 12.9 us at 64-row tiles vs 16.5 at 128; 16 rows 14.8 vs 15.7). Prefill fills the GPU with
+    # for decode widths (a verify tree, the drafter block): more programs, each splitting the keys, which
+    # `benchmarks/attention_tune.py` measured faster than 128-row tiles there. Prefill fills the GPU with
     # 128-row tiles.
     g = triton.next_power_of_2(group)
     bm = max(1, 16 // g)
@@ -189,7 +188,8 @@ def choose_block_n(rows: int, head_dim: int, itemsize: int) -> int:
     return bn
 
 
-TILE_REGISTERS = 64  # of a thread's registers, the share its program's tiles may take (the rest: addresses, masks, softmax state)
+# Of a thread's registers, the share its program's tiles may take (the rest: addresses, masks, softmax state).
+TILE_REGISTERS = 64
 
 
 def choose_warps(rows: int, block_n: int, head_dim: int, itemsize: int) -> int:

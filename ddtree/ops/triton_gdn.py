@@ -37,6 +37,7 @@ from ddtree.ops.triton_linear import INTERPRETED
 # error (about 1e-3) is below the rounding of the outputs it feeds.
 PRECISION: tl.constexpr = tl.constexpr("tf32x3")
 MAX_TREE = 65  # the most nodes a tree kernel takes (a root and NP x NP, NP x Dk tiles in registers)
+TREE_KEY_CHUNK = 16  # key channels the tree kernel reads at a time
 
 
 @triton.jit
@@ -195,8 +196,9 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     base = State + tl.load(Slots + r * stride_slots).to(tl.int64) * stride_slot + h * stride_head
     q_rows = Mixed + rows[:, None] * C + hk * DK
     q_root = Mixed + root * C + hk * DK
-    # Every product of q, k and S0, over the key channels BLOCK_K at a time (small tiles, no spills), from
-    # the raw q and k: a row's L2 norm is a scalar that factors out of its products, applied after.
+    # Every product of q, k and S0, over the key channels BLOCK_K at a time (tiles of BLOCK_K columns live
+    # at once, not of DK), from the raw q and k: a row's L2 norm is a scalar that factors out of its
+    # products, applied after.
     qs0 = tl.zeros((NP, BLOCK_V), dtype=tl.float32)
     ks0 = tl.zeros((NP, BLOCK_V), dtype=tl.float32)
     kk = tl.zeros((NP, NP), dtype=tl.float32)
@@ -295,7 +297,8 @@ def splits_within_head(configs, named_args, **kwargs):
 
 
 _tree_delta = _tree_delta_kernel if INTERPRETED else triton.autotune(
-    TREE_SPLITS, key=["N", "R_KEY"], prune_configs_by={"early_config_prune": splits_within_head})(_tree_delta_kernel)
+    TREE_SPLITS, key=["N", "R_KEY", "DV"],
+    prune_configs_by={"early_config_prune": splits_within_head})(_tree_delta_kernel)
 
 
 @triton.jit
@@ -331,7 +334,7 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     R, N = depth.shape
     H, DK, DV = state.shape[1], state.shape[2], state.shape[3]
     assert N <= MAX_TREE and above.stride(2) == 1 and state.stride(3) == 1 and state.stride(2) == DV
-    assert DV & (DV - 1) == 0
+    assert DV & (DV - 1) == 0 and DK % TREE_KEY_CHUNK == 0
     raw = torch.empty(R * N, H * DV, dtype=torch.float32, device=z.device)
     d = torch.empty(R, H, N, DV, dtype=torch.float32, device=z.device)
     G = torch.empty(R, H, N, dtype=torch.float32, device=z.device)
@@ -343,7 +346,7 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
         above.stride(1), d, G, state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK,
         2 * num_k_heads * DK, mixed.shape[1], N, triton.next_power_of_2(R), DK=DK, DV=DV,
         NP=NP, LOG_NP=NP.bit_length() - 1, SOLVE="tf32x3" if z.dtype == torch.float32 else "tf32",
-        BLOCK_K=16, **fixed)
+        BLOCK_K=TREE_KEY_CHUNK, **fixed)
     return gated_norm(raw, z, norm_weight, eps, H), d, G
 
 
