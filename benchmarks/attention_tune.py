@@ -3,7 +3,8 @@ heads of 64) for the query widths of decoding at C=1 (1: AR; 16: the drafter blo
 over a few context lengths, at every key split (flash-decoding), query block size and warps (4, 8), to pick
 `choose_splits` / `choose_block_m` / `choose_warps` by measurement. CUDA graph replays, median of 200.
 
-    python benchmarks/attention_tune.py OUT.jsonl [--heads 14,2,64] [--contexts 256,512,1024,2048] [--chosen]
+    python benchmarks/attention_tune.py OUT.jsonl [--heads 14,2,64] [--contexts 256,512,1024,2048]
+        [--widths 1,16,33] [--chosen]
 
 `--chosen`: only the block size and splits the engine picks, each at both warps (a quick check of
 `choose_warps`).
@@ -44,18 +45,20 @@ def main() -> int:
     ap.add_argument("out", nargs="?", default="attention_tune.jsonl")
     ap.add_argument("--heads", default="14,2,64", help="query heads, KV heads, channels a head")
     ap.add_argument("--contexts", default="256,512,1024,2048")
+    ap.add_argument("--widths", default="1,16,33", help="query rows of one request (past 65: prefill tiles)")
     ap.add_argument("--chosen", action="store_true", help="only the engine's block size and splits")
     args = ap.parse_args()
     H, HKV, D = (int(x) for x in args.heads.split(","))
+    widths = [int(w) for w in args.widths.split(",")]
     dev = torch.device("cuda")
     chosen_warps = attention.choose_warps
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
-        pages = -(-(ctx + 64) // PAGE)
+        pages = -(-(ctx + max(widths)) // PAGE)
         cache = torch.randn(pages * PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
         vcache = torch.randn_like(cache)
         tables = torch.arange(pages, device=dev)[None]
-        for width in (1, 16, 33):
+        for width in widths:
             q = torch.randn(width, H, D, device=dev, dtype=torch.bfloat16)
             mask = torch.tril(torch.ones(1, width, width, dtype=torch.bool, device=dev)) if width > 1 else None
             starts = torch.tensor([ctx], device=dev)
