@@ -18,7 +18,7 @@ import sys
 import torch
 import triton
 
-from ddtree.bench.latency import median_replay_ms
+from ddtree.bench.steps import median_replay_ms
 from ddtree.ops.attention import uniform_batch
 import ddtree.ops.triton_attention as attention
 from ddtree.ops.triton_attention import choose_block_m, choose_splits, triton_paged_attention

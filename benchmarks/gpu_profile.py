@@ -25,7 +25,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from ddtree import LLM, SamplingParams
-from ddtree.bench.latency import step_times
+from ddtree.bench.steps import step_times
 from ddtree.bench.random_model import qwen2_config, save_random_target
 from ddtree.models.hub import DEFAULT_DRAFT_DIR
 

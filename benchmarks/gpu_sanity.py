@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_checks import check_kernels  # noqa: E402  (the kernel checks at real shapes, shared)
 
 from ddtree import LLM, SamplingParams  # noqa: E402
-from ddtree.bench.latency import step_times  # noqa: E402
+from ddtree.bench.steps import step_times  # noqa: E402
 from ddtree.bench.random_model import qwen2_config, save_random_drafter, save_random_target  # noqa: E402
 
 

@@ -107,7 +107,7 @@ def bf16_runs(target: str, drafter: str, vocab: int, out: dict) -> None:
         out[f"bf16_ar_C{C}_tok_s"] = round(C * 128 / (time.perf_counter() - t0), 1)
         out[f"bf16_ar_C{C}_stats"] = llm.last_stats.get("bursts")
         del llm
-    from ddtree.bench.latency import step_times
+    from ddtree.bench.steps import step_times
     llm = LLM(target, draft=drafter, spec="ddtree", budget=32, topk=4, dtype="bfloat16", num_pages=8192, max_num_seqs=8)
     out["bf16_step_times"] = step_times(llm, [1, 8], [17, 33, 65], context=512)
     for row in out["bf16_step_times"]:
@@ -120,7 +120,7 @@ def bf16_runs(target: str, drafter: str, vocab: int, out: dict) -> None:
 def profile(target: str, drafter: str, out: dict) -> None:
     """Kernel time by name over replays of each step `step_times` measures at C=1 and 512 cached tokens
     (bfloat16, CUDA graphs), each step alone: where an AR step's and a 33-node verify's time goes."""
-    from ddtree.bench.latency import step_profiles
+    from ddtree.bench.steps import step_profiles
     llm = LLM(target, draft=drafter, spec="ddtree", budget=32, topk=4, dtype="bfloat16", num_pages=2048, max_num_seqs=1)
     out["profile_C1"] = step_profiles(llm, 1, [33], context=512)
     for name, table in out["profile_C1"].items():
@@ -278,7 +278,7 @@ def main() -> None:
         built = hybrid_pair(args.config, os.path.join(work, "bf16"), "bfloat16")
         llm = LLM(built["target"], draft=built["drafter"], spec="ddtree", budget=32, topk=4, dtype="bfloat16",
                   num_pages=8192, max_num_seqs=8)
-        from ddtree.bench.latency import step_times
+        from ddtree.bench.steps import step_times
         out["bf16_step_times"] = step_times(llm, [int(c) for c in args.concurrency.split(",")],
                                             [int(w) for w in args.widths.split(",")], context=512)
         for row in out["bf16_step_times"]:

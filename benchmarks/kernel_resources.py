@@ -49,7 +49,6 @@ STEPS = {"ar": (1, False), "draft16": (16, True), "verify33": (33, True), "prefi
 def compile_for_hopper(kernel, constants: dict, warps: int, stages: int):
     """`kernel` with these constexprs (the rest: its pointers' types, or 32-bit integers), for sm_90."""
     names = kernel.arg_names
-    constants = {k: v for k, v in constants.items() if k in names}
     signature = {a: "constexpr" if a in constants else POINTERS[kernel].get(a, "i32") for a in names}
     source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
     return triton.compile(source, target=HOPPER, options=dict(num_warps=warps, num_stages=stages))

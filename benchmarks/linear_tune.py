@@ -18,7 +18,7 @@ from itertools import product
 import torch
 import torch.nn.functional as F
 
-from ddtree.bench.latency import median_replay_ms
+from ddtree.bench.steps import median_replay_ms
 from ddtree.ops.fused import add_rms_norm, silu_mul
 from ddtree.ops.triton_linear import Config, linear, linear_config, norm_linear
 

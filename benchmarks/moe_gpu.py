@@ -26,7 +26,7 @@ import time
 import torch
 
 from ddtree import LLM, SamplingParams
-from ddtree.bench.latency import step_profiles, step_times
+from ddtree.bench.steps import step_profiles, step_times
 from ddtree.config import ModelConfig
 from ddtree.models.dflash import random_drafter, save_drafter
 

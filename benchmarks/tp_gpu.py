@@ -55,7 +55,7 @@ def timed_generate(llm: LLM, prompts, params) -> tuple[list, float]:
 
 
 def runs(target: str, drafter: str, parallel: ParallelConfig | None) -> dict:
-    from ddtree.bench.latency import step_times
+    from ddtree.bench.steps import step_times
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (37, 5, 120, 64, 9, 200, 17, 80)]
     greedy = SamplingParams(max_tokens=64, ignore_eos=True)
@@ -81,7 +81,7 @@ def runs(target: str, drafter: str, parallel: ParallelConfig | None) -> dict:
 
 def sizes_run(target: str, drafter: str, sizes: list[int], shape: str, dtype: str, out: str) -> None:
     """The multi-GPU rows (module docstring), appended to `out` as each size finishes."""
-    from ddtree.bench.latency import step_times
+    from ddtree.bench.steps import step_times
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(1)
     for tp in sizes:

@@ -275,7 +275,7 @@ def test_preempted_speculative_requests_recompute_their_state_and_stay_lossless(
 def test_step_times_run_on_a_hybrid_target(hybrid, drafter):
     # `bench latency --step-times` (an AR step, a draft, a whole speculative step, verify of a width) on
     # fake requests that hold state slots; afterwards every page and slot is back.
-    from ddtree.bench.latency import step_profiles, step_times
+    from ddtree.bench.steps import step_profiles, step_times
     llm = LLM(hybrid, draft=drafter, spec="ddtree", budget=8, topk=2, **ENGINE, num_pages=64)
     rows = step_times(llm, [1, 2], [9], context=20)
     assert [r["concurrency"] for r in rows] == [1, 2]

@@ -74,7 +74,7 @@ class ModelRunner:
 
     def all_reduce(self, x: torch.Tensor, times: int = 1) -> torch.Tensor:
         """Sums `x` over the tensor-parallel ranks `times` times, as the row-parallel layers of a step do
-        (the collectives' share of a step is measured with it: bench/latency.py)."""
+        (the collectives' share of a step is measured with it: bench/steps.py)."""
         from ddtree.models.transformer import RowParallelLinear
         group = next((m.group for m in self.model.modules() if isinstance(m, RowParallelLinear)), None)
         if group is None:

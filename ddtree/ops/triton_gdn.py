@@ -19,9 +19,9 @@ The layer's in-projection yields, per token, the q|k|v stream x [conv_dim] and t
 
 A program takes one (request, value head, BLOCK_V value columns): the columns of S are independent,
 so a single request spreads over Hv * Dv / BLOCK_V programs. A tree's program reads q, k and S0 a few
-key channels at a time, so its tiles stay in registers (`benchmarks/kernel_resources.py` counts what
-spills). The norm needs the whole head: a second
-kernel norms and gates the outputs. A request whose state is fresh (nothing cached before the
+key channels at a time, so only narrow tiles of them are live at once (`benchmarks/kernel_resources.py`
+counts what the compiled kernel spills). The norm needs the whole head: a second kernel norms and gates
+the outputs. A request whose state is fresh (nothing cached before the
 step: prefix 0) starts from zero windows and states, whatever its slot holds.
 """
 from __future__ import annotations
@@ -207,10 +207,10 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     k0s0 = tl.zeros((BLOCK_V,), dtype=tl.float32)
     kk0 = tl.zeros((NP,), dtype=tl.float32)
     qk0 = tl.zeros((NP,), dtype=tl.float32)
-    qq = tl.zeros((NP,), dtype=tl.float32)
-    sq = tl.zeros((NP,), dtype=tl.float32)
-    qq0 = tl.zeros((), dtype=tl.float32)
-    kk00 = tl.zeros((), dtype=tl.float32)
+    q_sq = tl.zeros((NP,), dtype=tl.float32)  # squared norms of the rows of q and k, and of q0, k0
+    k_sq = tl.zeros((NP,), dtype=tl.float32)
+    q0_sq = tl.zeros((), dtype=tl.float32)
+    k0_sq = tl.zeros((), dtype=tl.float32)
     q0k0 = tl.zeros((), dtype=tl.float32)
     for c in tl.static_range(0, DK, BLOCK_K):
         ch = c + tl.arange(0, BLOCK_K)
@@ -227,16 +227,16 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
         k0s0 += tl.sum(k0[:, None] * s0, 0)
         kk0 += tl.sum(k * k0[None, :], 1)
         qk0 += tl.sum(q * k0[None, :], 1)
-        qq += tl.sum(q * q, 1)
-        sq += tl.sum(k * k, 1)
-        qq0 += tl.sum(q0 * q0, 0)
-        kk00 += tl.sum(k0 * k0, 0)
+        q_sq += tl.sum(q * q, 1)
+        k_sq += tl.sum(k * k, 1)
+        q0_sq += tl.sum(q0 * q0, 0)
+        k0_sq += tl.sum(k0 * k0, 0)
         q0k0 += tl.sum(q0 * k0, 0)
     scale = 1.0 / tl.sqrt(DK * 1.0)
-    rq = tl.rsqrt(qq + 1e-6) * scale
-    rk = tl.rsqrt(sq + 1e-6)
-    rq0 = tl.rsqrt(qq0 + 1e-6) * scale
-    rk0 = tl.rsqrt(kk00 + 1e-6)
+    rq = tl.rsqrt(q_sq + 1e-6) * scale
+    rk = tl.rsqrt(k_sq + 1e-6)
+    rq0 = tl.rsqrt(q0_sq + 1e-6) * scale
+    rk0 = tl.rsqrt(k0_sq + 1e-6)
     qs0 = qs0 * rq[:, None]
     ks0 = ks0 * rk[:, None]
     kk = kk * (rk[:, None] * rk[None, :])
