@@ -18,26 +18,12 @@ import sys
 import torch
 import triton
 
-from ddtree.bench.steps import median_replay_ms
+from ddtree.bench.steps import graph_us
 from ddtree.ops.attention import uniform_batch
 import ddtree.ops.triton_attention as attention
 from ddtree.ops.triton_attention import choose_block_m, choose_splits, triton_paged_attention
 
 PAGE = 16
-
-
-def time_graph(fn, reps: int = 200) -> float:
-    """Median microseconds of one replay of fn, captured in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return median_replay_ms(g, reps) * 1e3
 
 
 def main() -> int:
@@ -73,7 +59,7 @@ def main() -> int:
                     for warps in (4, 8):
                         attention.choose_warps = lambda *shape, w=warps: w  # noqa: E731
                         try:
-                            us = time_graph(lambda: triton_paged_attention(q, cache, vcache, batch, D ** -0.5))
+                            us = graph_us(lambda: triton_paged_attention(q, cache, vcache, batch, D ** -0.5))
                         finally:
                             attention.choose_warps = chosen_warps
                         d_p = triton.next_power_of_2(D)  # (the engine's pick for these tiles)

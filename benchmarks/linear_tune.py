@@ -18,7 +18,7 @@ from itertools import product
 import torch
 import torch.nn.functional as F
 
-from ddtree.bench.steps import median_replay_ms
+from ddtree.bench.steps import graph_us
 from ddtree.ops.fused import add_rms_norm, silu_mul
 from ddtree.ops.triton_linear import Config, linear, linear_config, norm_linear
 
@@ -32,17 +32,6 @@ def configs(m: int) -> list[Config]:
     if m == 1:
         return [Config(*c) for c in product((1, 2, 4, 8), (512, 1024), (1, 2))]
     return [Config(*c) for c in product((16, 32), (64, 128), (2, 4), (1, 4, 8))]  # (split-K: more programs)
-
-
-def time_us(fn, calls: int = 50, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    return median_replay_ms(g, reps) * 1e3 / calls
 
 
 def calls(name: str, m: int, dev):
@@ -74,14 +63,14 @@ def main() -> int:
             ours, base = calls(name, m, dev)
             want = base().float()
             err = ((ours(None).float() - want).abs().max() / want.abs().max()).item()  # bf16 tensor-core path check
-            row = {"rows": m, "shape": name, "impl": "cublas+ops", "us": time_us(base), "triton_rel_err": err}
+            row = {"rows": m, "shape": name, "impl": "cublas+ops", "us": graph_us(base, calls=50, reps=20), "triton_rel_err": err}
             base_total += row["us"]
             rows = [row]
             default = linear_config(m, n // 2 if kind == "norm+glu" else n, k)
             for cfg in dict.fromkeys(configs(m) + [default]):
                 try:
                     rows.append({"rows": m, "shape": name, "impl": "triton", "config": list(cfg),
-                                 "default": cfg == default, "us": time_us(lambda c=cfg: ours(c))})
+                                 "default": cfg == default, "us": graph_us(lambda c=cfg: ours(c), calls=50, reps=20)})
                 except Exception as e:  # a config that does not compile (registers, shared memory): skip it
                     rows.append({"rows": m, "shape": name, "impl": "triton", "config": list(cfg), "error": repr(e)[:200]})
             ok = [r for r in rows if r["impl"] == "triton" and "us" in r]

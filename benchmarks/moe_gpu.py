@@ -4,19 +4,20 @@ weights.
 
     python benchmarks/moe_gpu.py benchmarks/configs/qwen3-30b-a3b.json OUT.json [--layers 24]
 
-(the whole Qwen3-30B-A3B shape is 61 GB of bfloat16 weights: an H200, or `--layers` on an H100)
+(the whole Qwen3-30B-A3B shape is 61 GB of bfloat16 weights: it fits an 80 GB H100 with a small KV cache)
 
 bfloat16, CUDA graphs (the experts' grouped products run on the device), a random one-layer drafter
 (acceptance near one: the per-step costs are what is measured). Writes the step times at 512 cached
 tokens (an AR step, a draft, a verify of 17, 33 and 65 nodes) at C=1 and 64, verify-33 over an AR step,
-and output tokens per second of AR and DDTree (budget 32, top-4) at C=1 and 64 (64-token prompts,
-128 new tokens); once with the Triton experts kernels where a step's pairs fit them, once with grouped
-products at every width.
+and output tokens per second of AR and DDTree (budget 32, top-4) at C=1 and 64, greedy and at T=0.7
+(64-token prompts, 128 new tokens); once with the Triton experts kernels where a step's pairs fit them,
+once with grouped products at every width.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import sys
@@ -31,10 +32,10 @@ from ddtree.config import ModelConfig
 from ddtree.models.dflash import random_drafter, save_drafter
 
 
-def throughput(llm: LLM, vocab: int, C: int, tokens: int = 128) -> float:
+def throughput(llm: LLM, vocab: int, C: int, temperature: float, tokens: int = 128) -> float:
     g = torch.Generator().manual_seed(C)
     prompts = [torch.randint(0, vocab, (64,), generator=g).tolist() for _ in range(C)]
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    params = [SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=temperature, seed=i) for i in range(C)]
     llm.generate(prompts, params)  # warm: every graph this batch needs is captured
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -91,9 +92,10 @@ def main() -> None:
                 print(name, table, sep="\n", flush=True)
         for mode, budget in (("none", None), ("ddtree", 32)):
             llm.set_mode(mode, budget, 4 if budget else None)
-            for C in sizes:
-                out[f"{experts}_{mode}_C{C}_tok_s"] = throughput(llm, cfg.vocab_size, C)
-                print(experts, mode, C, out[f"{experts}_{mode}_C{C}_tok_s"], flush=True)
+            for C, T in itertools.product(sizes, (0.0, 0.7)):
+                key = f"{experts}_{mode}_T{T}_C{C}_tok_s"
+                out[key] = throughput(llm, cfg.vocab_size, C, T)
+                print(key, out[key], flush=True)
         del llm
         gc.collect()  # (the engine's reference cycles hold its weights until collected)
         torch.cuda.empty_cache()

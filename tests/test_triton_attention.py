@@ -126,15 +126,15 @@ def test_wide_heads_split_a_blocks_rows_across_programs(monkeypatch):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_programs_with_wide_tiles_take_eight_warps():
-    # A program's tiles (q rows, a K and a V tile, the float32 accumulator and scores) get at most
-    # TILE_REGISTERS registers a thread: the default target's one-token steps (16 rows of 64 channels)
-    # keep 4 warps; its 64-row verify and drafter tiles, prefill tiles, and heads of 128 or more channels
-    # take 8 (`benchmarks/kernel_resources.py --kernel attention` shows each choice's compiled code).
-    assert tri.choose_warps(16, 64, 64, 2) == 4
-    assert tri.choose_warps(64, 64, 64, 2) == tri.choose_warps(128, 64, 64, 2) == 8
-    assert tri.choose_warps(16, 64, 128, 2) == tri.choose_warps(64, 64, 256, 2) == 8
-    assert tri.choose_warps(64, 16, 1024, 2) == 8  # (MLA: at most 8)
+def test_programs_of_a_warp_group_of_rows_whose_tiles_pass_the_register_budget_take_eight_warps():
+    # A program's tiles over 4 warps' threads: the default target's one-token steps (16 rows of 64
+    # channels) and its 64-row verify and drafter tiles keep 4 warps, its 128-row prefill tiles take 8;
+    # Qwen3.5's 256-channel heads take 8 at 64 rows, and 4 at one-token steps' 16 (fewer than a warp
+    # group's rows); MLA's 1024 padded channels the same.
+    assert tri.choose_warps(16, 64, 64, 2) == tri.choose_warps(64, 64, 64, 2) == 4
+    assert tri.choose_warps(128, 64, 64, 2) == 8
+    assert tri.choose_warps(16, 64, 256, 2) == 4 and tri.choose_warps(64, 64, 256, 2) == 8
+    assert tri.choose_warps(16, 32, 1024, 2) == 4 and tri.choose_warps(64, 16, 1024, 2) == 8
 
 
 def test_move_kv_kernel_copies_slots_in_order_across_layers():

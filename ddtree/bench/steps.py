@@ -46,6 +46,23 @@ def median_replay_ms(graph, reps: int, rows: int = 0) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn, calls: int = 1, reps: int = 200) -> float:
+    """Median microseconds of one call of fn (no arguments), `calls` calls captured in one CUDA graph after
+    two warm calls on a side stream (where Triton compiles and autotunes), over `reps` replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    return median_replay_ms(g, reps) * 1e3 / calls
+
+
 def inputs_rows(inp) -> int:
     return getattr(inp, dataclasses.fields(inp)[0].name).shape[0]
 

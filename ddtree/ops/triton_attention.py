@@ -188,17 +188,21 @@ def choose_block_n(rows: int, head_dim: int, itemsize: int) -> int:
     return bn
 
 
-# Of a thread's registers, the share its program's tiles may take (the rest: addresses, masks, softmax state).
-TILE_REGISTERS = 64
+# Of a thread's 255 registers, the most a program's tiles may take at 4 warps (the rest: addresses, masks,
+# softmax state); and the query rows of one warp group's tensor-core tile.
+TILE_REGISTERS = 128
+WARP_GROUP_ROWS = 64
 
 
 def choose_warps(rows: int, block_n: int, head_dim: int, itemsize: int) -> int:
-    """Warps a program, 4 or 8: enough that its tiles (the rows of q, a K and a V tile, the float32
-    accumulator and scores) come to at most TILE_REGISTERS registers a thread. Past that the compiled
-    kernel spills to local memory (benchmarks/kernel_resources.py --kernel attention shows where)."""
+    """Warps a program, 4 or 8. Its tiles (the rows of q, a K and a V tile, the float32 accumulator and
+    scores) over 4 warps' threads give its registers a thread; 8 warps halve that where it passes
+    TILE_REGISTERS and the program has a warp group's rows or more. A program of fewer rows keeps 4 warps
+    even where it spills: 8 warps would only split its few rows' products further
+    (docs/performance-history.md has the timings behind the rule)."""
     tiles = (rows + 2 * block_n) * head_dim * itemsize + rows * (head_dim + block_n) * 4
-    need = -(-tiles // (TILE_REGISTERS * 4 * 32))
-    return min(8, max(4, triton.next_power_of_2(need)))
+    registers = tiles // (4 * 32 * 4)
+    return 8 if registers > TILE_REGISTERS and rows >= WARP_GROUP_ROWS else 4
 
 
 def choose_splits(num_blocks: int, num_kv_heads: int, max_q: int) -> int:

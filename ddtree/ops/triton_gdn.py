@@ -324,13 +324,14 @@ def gated_norm(raw: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, ep
 
 def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, mixed: torch.Tensor, b: torch.Tensor,
                a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
-               eps: float, num_k_heads: int, above: torch.Tensor, depth: torch.Tensor
+               eps: float, num_k_heads: int, above: torch.Tensor, depth: torch.Tensor, split: dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A tree of N nodes per request (ancestors first; above [R, >=N, >=N] the ancestor-or-self mask, depth
     [R, N]), solved from the slots' states, which are only read. Arguments as `delta_step`'s, with R * N
     rows. Returns the gated, normed outputs [R * N, Hv Dv] (z's dtype), the updates d [R, Hv, N, Dv] and
     the decay sums G [R, Hv, N] (float32) that `tree_commit` needs. One program per (request, head,
-    BLOCK_V value columns); then one per (node, head) norms and gates the outputs."""
+    BLOCK_V value columns); then one per (node, head) norms and gates the outputs. `split` (BLOCK_V,
+    BLOCK_K, num_warps) fixes the launch in place of the autotuner's pick (`benchmarks/tree_tune.py`)."""
     R, N = depth.shape
     H, DK, DV = state.shape[1], state.shape[2], state.shape[3]
     assert N <= MAX_TREE and above.stride(2) == 1 and state.stride(3) == 1 and state.stride(2) == DV
@@ -339,14 +340,15 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     d = torch.empty(R, H, N, DV, dtype=torch.float32, device=z.device)
     G = torch.empty(R, H, N, dtype=torch.float32, device=z.device)
     assert INTERPRETED or DV >= 64, "the tree kernel's splits take 64 value columns a head at least"
-    fixed = dict(BLOCK_V=min(DV, 32), num_warps=4) if INTERPRETED else {}
+    kernel, fixed = _tree_delta, dict(BLOCK_K=TREE_KEY_CHUNK)
+    if split is not None or INTERPRETED:
+        kernel, fixed = _tree_delta_kernel, split or dict(BLOCK_V=min(DV, 32), BLOCK_K=TREE_KEY_CHUNK, num_warps=4)
     NP = max(16, triton.next_power_of_2(N - 1))  # (the nodes past the root)
-    _tree_delta[lambda meta: (R, H, triton.cdiv(DV, meta["BLOCK_V"]))](
+    kernel[lambda meta: (R, H, triton.cdiv(DV, meta["BLOCK_V"]))](
         state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, raw, above, above.stride(0),
         above.stride(1), d, G, state.stride(0), state.stride(1), H, H // num_k_heads, num_k_heads * DK,
         2 * num_k_heads * DK, mixed.shape[1], N, triton.next_power_of_2(R), DK=DK, DV=DV,
-        NP=NP, LOG_NP=NP.bit_length() - 1, SOLVE="tf32x3" if z.dtype == torch.float32 else "tf32",
-        BLOCK_K=TREE_KEY_CHUNK, **fixed)
+        NP=NP, LOG_NP=NP.bit_length() - 1, SOLVE="tf32x3" if z.dtype == torch.float32 else "tf32", **fixed)
     return gated_norm(raw, z, norm_weight, eps, H), d, G
 
 
