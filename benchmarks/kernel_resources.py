@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 
 from ddtree.ops.triton_attention import (DECODE_MAX_Q, _paged_attention_kernel, choose_block_m, choose_block_n,
                                          choose_rows, choose_warps)
-from ddtree.ops.triton_gdn import TREE_KEY_CHUNK, TREE_SPLITS, _tree_delta_kernel
+from ddtree.ops.triton_gdn import TREE_SPLITS, _tree_delta_kernel, key_chunk
 
 HOPPER = GPUTarget("cuda", 90, 32)
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -58,7 +58,7 @@ def compile_tree_kernel(nodes: int, head: int, block_v: int, warps: int, stages:
     """The launch `tree_delta` makes for trees of `nodes` nodes, heads of `head` key and value channels."""
     NP = max(16, triton.next_power_of_2(nodes - 1))
     return compile_for_hopper(_tree_delta_kernel, dict(DK=head, DV=head, NP=NP, LOG_NP=NP.bit_length() - 1,
-                                                       SOLVE="tf32", BLOCK_V=block_v, BLOCK_K=TREE_KEY_CHUNK), warps, stages)
+                                                       SOLVE="tf32", BLOCK_V=block_v, BLOCK_K=key_chunk(head)), warps, stages)
 
 
 def attention_tiles(head: int, group: int, max_q: int, masked: bool) -> dict:

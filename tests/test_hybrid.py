@@ -374,7 +374,7 @@ def test_the_tree_solve_holds_every_ancestor_when_keys_align(N, chain):
     from ddtree.models.delta_rule import delta_rule_over, l2_normalize
     from ddtree.ops.triton_gdn import tree_delta
     g = torch.Generator().manual_seed(N)
-    H, DK, DV, R = 2, 32, 16, 2  # (two chunks of the kernel's 16 key channels)
+    H, DK, DV, R = 2, 64, 16, 2  # (two chunks of the kernel's 32 key channels)
     parents = [list(range(-1, N - 1)) if chain else random_tree(N, g)[0] for _ in range(R)]
     above = torch.zeros(R, N, N, dtype=torch.bool)
     for r in range(R):

@@ -26,6 +26,8 @@ step: prefix 0) starts from zero windows and states, whatever its slot holds.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -37,7 +39,15 @@ from ddtree.ops.triton_linear import INTERPRETED
 # error (about 1e-3) is below the rounding of the outputs it feeds.
 PRECISION: tl.constexpr = tl.constexpr("tf32x3")
 MAX_TREE = 65  # the most nodes a tree kernel takes (a root and NP x NP, NP x Dk tiles in registers)
-TREE_KEY_CHUNK = 16  # key channels the tree kernel reads at a time
+TREE_KEY_CHUNK = 32  # key channels the tree kernel reads at a time (where the head's divide by it)
+
+
+def key_chunk(head_dim: int) -> int:
+    """Key channels a tree program reads at a time: TREE_KEY_CHUNK, or fewer where the head's key channels
+    do not divide by it (16 at least: tl.dot's smallest inner size)."""
+    chunk = math.gcd(head_dim, TREE_KEY_CHUNK)
+    assert chunk >= 16, f"the tree kernel takes key heads of a multiple of 16 channels, got {head_dim}"
+    return chunk
 
 
 @triton.jit
@@ -335,14 +345,14 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     R, N = depth.shape
     H, DK, DV = state.shape[1], state.shape[2], state.shape[3]
     assert N <= MAX_TREE and above.stride(2) == 1 and state.stride(3) == 1 and state.stride(2) == DV
-    assert DV & (DV - 1) == 0 and DK % TREE_KEY_CHUNK == 0
+    assert DV & (DV - 1) == 0
     raw = torch.empty(R * N, H * DV, dtype=torch.float32, device=z.device)
     d = torch.empty(R, H, N, DV, dtype=torch.float32, device=z.device)
     G = torch.empty(R, H, N, dtype=torch.float32, device=z.device)
     assert INTERPRETED or DV >= 64, "the tree kernel's splits take 64 value columns a head at least"
-    kernel, fixed = _tree_delta, dict(BLOCK_K=TREE_KEY_CHUNK)
+    kernel, fixed = _tree_delta, dict(BLOCK_K=key_chunk(DK))
     if split is not None or INTERPRETED:
-        kernel, fixed = _tree_delta_kernel, split or dict(BLOCK_V=min(DV, 32), BLOCK_K=TREE_KEY_CHUNK, num_warps=4)
+        kernel, fixed = _tree_delta_kernel, split or dict(BLOCK_V=min(DV, 32), BLOCK_K=key_chunk(DK), num_warps=4)
     NP = max(16, triton.next_power_of_2(N - 1))  # (the nodes past the root)
     kernel[lambda meta: (R, H, triton.cdiv(DV, meta["BLOCK_V"]))](
         state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, raw, above, above.stride(0),
