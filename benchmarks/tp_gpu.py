@@ -2,6 +2,7 @@
 
     python benchmarks/tp_gpu.py OUT.json [--layers 16]
     python benchmarks/tp_gpu.py OUT.jsonl --tp 1,2,4,8 [--shape llama-3-8b] [--dtype bfloat16]
+    python benchmarks/tp_gpu.py OUT.json --check --tp 1,2 [--prompts 32] [--max-tokens 128]
 
 The first form runs on one GPU: a world of one rank (ParallelConfig with dist_init_addr), so that every
 target call is announced, its inputs broadcast and each row-parallel layer all-reduced over NCCL inside
@@ -13,7 +14,11 @@ step and the all-reduces' share of an AR step; one JSON line a row with the fiel
 tensor_parallel_size, model, mode, concurrency, output_tok_per_s and command. `--shape llama-3-8b` has
 32 query heads and 8 KV heads, so sizes up to 8 divide it.
 
-The model is random, with Llama-3.2-1B's shapes (32 query heads, 8 KV heads) and `--layers` layers, and
+The third is the multi-GPU run's correctness check: the default pair (or `--model`/`--draft`) in float32,
+greedy, on HumanEval prompts, under AR and DDTree (budget 32, top-4) at each tensor-parallel size; each
+size's outputs against the first size's, prompt by prompt, and DDTree's against AR's at each size.
+
+In the first form the model is random, with Llama-3.2-1B's shapes (32 query heads, 8 KV heads) and `--layers` layers, and
 a random one-layer drafter: outputs must be equal (bf16; an all-reduce over one rank is the identity),
 greedy and seeded sampled, under AR and DDTree (budget 32, top-4); the times show what the machinery
 costs a step. Several ranks need several GPUs (the multi-GPU issue).
@@ -106,14 +111,62 @@ def sizes_run(target: str, drafter: str, sizes: list[int], shape: str, dtype: st
         print(tp, json.dumps(rows), json.dumps(steps), flush=True)
 
 
+def check_run(model: str | None, draft: str | None, sizes: list[int], n: int, max_tokens: int, dtype: str,
+              device: str | None = None) -> dict:
+    """The correctness check (module docstring): the tokens of every (size, mode), and how they compare."""
+    from ddtree.bench.datasets import load_prompts
+    from ddtree.models.hub import default_draft
+    draft = draft or default_draft()
+    rows = load_prompts("humaneval", n)
+    params = SamplingParams(max_tokens=max_tokens)
+    tokens = {}
+    for tp in sizes:
+        with LLM(model, draft=draft, spec="none", dtype=dtype, device=device, tensor_parallel_size=tp,
+                 max_num_seqs=n) as llm:
+            prompts = [llm.encode_chat(r["messages"]) for r in rows]
+            for mode, budget, topk in (("ar", None, None), ("ddtree", 32, 4)):
+                llm.set_mode("none" if mode == "ar" else mode, budget, topk)
+                tokens[tp, mode] = [o.token_ids for o in llm.generate(prompts, params)]
+
+    def agreement(got: list[list[int]], want: list[list[int]]) -> dict:
+        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else
+                      min(len(a), len(b))) for a, b in zip(got, want)]
+        return {"equal": sum(f is None for f in first), "of": len(first),
+                "first_difference": {rows[i]["id"]: f for i, f in enumerate(first) if f is not None}}
+
+    out = {"model": model or "default", "draft": draft, "dtype": dtype, "prompts": n, "max_tokens": max_tokens,
+           "sizes": sizes, "tokens": {f"tp{tp}_{mode}": t for (tp, mode), t in tokens.items()}}
+    for tp in sizes:
+        out[f"tp{tp}_ddtree_vs_ar"] = agreement(tokens[tp, "ddtree"], tokens[tp, "ar"])
+        for mode in ("ar", "ddtree"):
+            if tp != sizes[0]:
+                out[f"tp{tp}_vs_tp{sizes[0]}_{mode}"] = agreement(tokens[tp, mode], tokens[sizes[0], mode])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--layers", type=int, default=None, help="(default: the shape's)")
     ap.add_argument("--tp", default=None, help="tensor-parallel sizes, e.g. 1,2,4,8: the multi-GPU run")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default=None, help="(default: bfloat16; float32 with --check)")
+    ap.add_argument("--check", action="store_true", help="the correctness check on HumanEval (module docstring)")
+    ap.add_argument("--model", default=None, help="--check: the target (default: the default model)")
+    ap.add_argument("--draft", default=None, help="--check: the drafter (default: the shipped one)")
+    ap.add_argument("--prompts", type=int, default=32, help="--check: HumanEval prompts")
+    ap.add_argument("--max-tokens", type=int, default=128, help="--check: new tokens a prompt")
     args = ap.parse_args()
+    if args.check:
+        sizes = [int(n) for n in (args.tp or "1,2").split(",")]
+        out = check_run(args.model, args.draft, sizes, args.prompts, args.max_tokens, args.dtype or "float32")
+        out |= {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "torch": torch.__version__, "command": " ".join(sys.argv)}
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(json.dumps({k: v for k, v in out.items() if k != "tokens"}, indent=1))
+        return
+    args.dtype = args.dtype or "bfloat16"
     shape, layers = SHAPES[args.shape]
     target, drafter = build(tempfile.mkdtemp(), args.layers or layers, shape)
     if args.tp:

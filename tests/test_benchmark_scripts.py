@@ -85,3 +85,20 @@ def test_the_tree_and_attention_kernels_compile_for_hopper(tmp_path):
     assert {r["step"] for r in attention if r["chosen"]} == {"ar", "draft16", "verify33", "prefill"}
     for row in tree + attention:
         assert 0 < row["registers"] <= 255 and row["mma"] > 0 and row["instructions"] > row["mma"], row
+
+
+def test_the_tensor_parallel_check_compares_each_size_and_mode_prompt_by_prompt(tmp_path, tiny_qwen2):
+    # tp_gpu.py --check, the multi-GPU run's correctness half, over 2 gloo ranks on the CPU: HumanEval
+    # prompts, AR and DDTree at 1 and 2 ranks, every output equal (float32).
+    from ddtree.config import ModelConfig
+    from ddtree.models.dflash import random_drafter, save_drafter
+    cfg = ModelConfig.from_dir(tiny_qwen2)
+    drafter = str(tmp_path / "drafter")
+    save_drafter(random_drafter(cfg, num_layers=1, block_size=8, target_layer_ids=[0, cfg.num_layers - 1]), drafter)
+    spec = importlib.util.spec_from_file_location("bench_tp_gpu", os.path.join(ROOT, "benchmarks", "tp_gpu.py"))
+    tp_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp_gpu)
+    out = tp_gpu.check_run(tiny_qwen2, drafter, [1, 2], 2, 8, "float32", device="cpu")
+    assert len(out["tokens"]) == 4 and all(len(t) == 2 and all(len(x) == 8 for x in t) for t in out["tokens"].values())
+    for key in ("tp1_ddtree_vs_ar", "tp2_ddtree_vs_ar", "tp2_vs_tp1_ar", "tp2_vs_tp1_ddtree"):
+        assert out[key] == {"equal": 2, "of": 2, "first_difference": {}}, key
