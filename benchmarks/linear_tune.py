@@ -63,7 +63,8 @@ def main() -> int:
             ours, base = calls(name, m, dev)
             want = base().float()
             err = ((ours(None).float() - want).abs().max() / want.abs().max()).item()  # bf16 tensor-core path check
-            row = {"rows": m, "shape": name, "impl": "cublas+ops", "us": graph_us(base, calls=50, reps=20), "triton_rel_err": err}
+            row = {"rows": m, "shape": name, "impl": "cublas+ops", "us": graph_us(base, calls=50, reps=20),
+                   "triton_rel_err": err}
             base_total += row["us"]
             rows = [row]
             default = linear_config(m, n // 2 if kind == "norm+glu" else n, k)

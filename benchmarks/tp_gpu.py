@@ -18,10 +18,10 @@ The third is the multi-GPU run's correctness check: the default pair (or `--mode
 greedy, on HumanEval prompts, under AR and DDTree (budget 32, top-4) at each tensor-parallel size; each
 size's outputs against the first size's, prompt by prompt, and DDTree's against AR's at each size.
 
-In the first form the model is random, with Llama-3.2-1B's shapes (32 query heads, 8 KV heads) and `--layers` layers, and
-a random one-layer drafter: outputs must be equal (bf16; an all-reduce over one rank is the identity),
-greedy and seeded sampled, under AR and DDTree (budget 32, top-4); the times show what the machinery
-costs a step. Several ranks need several GPUs (the multi-GPU issue).
+In the first form the model is random, with Llama-3.2-1B's shapes (32 query heads, 8 KV heads) and
+`--layers` layers, and a random one-layer drafter: outputs must be equal (bf16; an all-reduce over one
+rank is the identity), greedy and seeded sampled, under AR and DDTree (budget 32, top-4); the times show
+what the machinery costs a step. Several ranks need several GPUs (the multi-GPU issue).
 """
 from __future__ import annotations
 

@@ -66,24 +66,24 @@ def main() -> int:
     block_vs = [bv for bv in (16, 32, 64, 128) if bv <= DV]
     chunks = [int(x) for x in args.key_chunks.split(",")]
     warps = [int(x) for x in args.warps.split(",")]
-    rows = []
-    for R, N in itertools.product((int(x) for x in args.batch.split(",")), (int(x) for x in args.nodes.split(","))):
-        run = launcher(cfg, R, N, dev)
-        want = run(None)[0].float()
-        splits = [None] + [dict(BLOCK_V=bv, BLOCK_K=bk, num_warps=w) for bv, bk, w in
-                           itertools.product(block_vs, chunks, warps)]
-        for split in splits:
-            try:
-                err = float((run(split)[0].float() - want).abs().max())
-                us = graph_us(lambda s=split: run(s))
-            except Exception as e:  # noqa: BLE001 (a split that does not compile is reported, the rest run)
-                err, us = None, f"failed: {type(e).__name__}: {str(e)[:200]}"
-            row = {"batch": R, "nodes": N, "autotuned": split is None, **(split or {}),
-                   "us": round(us, 2) if isinstance(us, float) else us, "max_diff": err}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    with open(args.out, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    cases = itertools.product([int(x) for x in args.batch.split(",")], [int(x) for x in args.nodes.split(",")])
+    with open(args.out, "w") as out:  # (a row a line as measured: a run cut short keeps its rows)
+        for R, N in cases:
+            run = launcher(cfg, R, N, dev)
+            want = run(None)[0].float()
+            splits = [None] + [dict(BLOCK_V=bv, BLOCK_K=bk, num_warps=w) for bv, bk, w in
+                               itertools.product(block_vs, chunks, warps)]
+            for split in splits:
+                try:
+                    err = float((run(split)[0].float() - want).abs().max())
+                    us = graph_us(lambda s=split: run(s))
+                except Exception as e:  # noqa: BLE001 (a split that does not compile is reported, the rest run)
+                    err, us = None, f"failed: {type(e).__name__}: {str(e)[:200]}"
+                row = {"batch": R, "nodes": N, "autotuned": split is None, **(split or {}),
+                       "us": round(us, 2) if isinstance(us, float) else us, "max_diff": err}
+                print(json.dumps(row), flush=True)
+                out.write(json.dumps(row) + "\n")
+                out.flush()
     return 0
 
 
