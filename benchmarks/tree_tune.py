@@ -5,11 +5,16 @@ makes (the autotuner's pick among `TREE_SPLITS`). CUDA graph replays, median of 
 many siblings a depth.
 
     python benchmarks/tree_tune.py OUT.jsonl [--config benchmarks/configs/qwen3.5-0.8b.json]
-        [--batch 1,8] [--nodes 17,33,65] [--key-chunks 16,32,64]
+        [--batch 1,8] [--nodes 17,33,65] [--key-chunks 16,32,64] [--warps 2,4,8] [--baseline FILE]
+
+`--baseline FILE`: the ops module of another revision (`git show REV:ddtree/ops/triton_gdn.py > FILE`),
+whose `tree_delta` is timed beside this tree's at the same inputs and splits, in the same run (rows
+`"kernel": "baseline"`), and checked against it.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import sys
@@ -32,8 +37,8 @@ def random_tree_mask(R: int, N: int, g: torch.Generator) -> tuple[torch.Tensor, 
     return above, above.sum(-1) - 1
 
 
-def launcher(cfg: dict, R: int, N: int, dev: torch.device):
-    """A closure `run(split)` over random inputs of one layer's tree solve (bfloat16 model)."""
+def launcher(cfg: dict, R: int, N: int, dev: torch.device, solve=tree_delta):
+    """A closure `run(split)` over random inputs of one layer's tree solve (bfloat16 model) by `solve`."""
     Hk, Hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     DK, DV = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     g = torch.Generator().manual_seed(R * 1000 + N)
@@ -46,7 +51,7 @@ def launcher(cfg: dict, R: int, N: int, dev: torch.device):
     args = [t.to(dev) for t in (state, slots, prefix, mixed, b, a)]
     args += [torch.zeros(Hv, device=dev, dtype=torch.bfloat16), torch.zeros(Hv, device=dev, dtype=torch.bfloat16),
              z.to(dev), torch.ones(DV, device=dev, dtype=torch.bfloat16), 1e-6, Hk, above.to(dev), depth.to(dev)]
-    return lambda split: tree_delta(*args, split=split)
+    return lambda split: solve(*args, split=split)
 
 
 def main() -> int:
@@ -57,7 +62,14 @@ def main() -> int:
     ap.add_argument("--nodes", default="17,33,65", help="nodes a tree (the root included)")
     ap.add_argument("--key-chunks", default="16,32,64", help="BLOCK_K values to try")
     ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--baseline", default=None, help="triton_gdn.py of another revision, timed beside this one")
     args = ap.parse_args()
+    kernels = {"current": tree_delta}
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_triton_gdn", args.baseline)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        kernels["baseline"] = module.tree_delta
     with open(args.config) as f:
         cfg = json.load(f)
     cfg = cfg.get("text_config", cfg)
@@ -69,17 +81,17 @@ def main() -> int:
     cases = itertools.product([int(x) for x in args.batch.split(",")], [int(x) for x in args.nodes.split(",")])
     with open(args.out, "w") as out:  # (a row a line as measured: a run cut short keeps its rows)
         for R, N in cases:
-            run = launcher(cfg, R, N, dev)
-            want = run(None)[0].float()
+            runs = {name: launcher(cfg, R, N, dev, solve) for name, solve in kernels.items()}
+            want = runs["current"](None)[0].float()
             splits = [None] + [dict(BLOCK_V=bv, BLOCK_K=bk, num_warps=w) for bv, bk, w in
                                itertools.product(block_vs, chunks, warps)]
-            for split in splits:
+            for split, (name, run) in itertools.product(splits, runs.items()):
                 try:
                     err = float((run(split)[0].float() - want).abs().max())
-                    us = graph_us(lambda s=split: run(s))
+                    us = graph_us(lambda r=run, s=split: r(s))
                 except Exception as e:  # noqa: BLE001 (a split that does not compile is reported, the rest run)
                     err, us = None, f"failed: {type(e).__name__}: {str(e)[:200]}"
-                row = {"batch": R, "nodes": N, "autotuned": split is None, **(split or {}),
+                row = {"kernel": name, "batch": R, "nodes": N, "autotuned": split is None, **(split or {}),
                        "us": round(us, 2) if isinstance(us, float) else us, "max_diff": err}
                 print(json.dumps(row), flush=True)
                 out.write(json.dumps(row) + "\n")

@@ -208,40 +208,45 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     q_root = Mixed + root * C + hk * DK
     # Every product of q, k and S0, over the key channels BLOCK_K at a time (tiles of BLOCK_K columns live
     # at once, not of DK), from the raw q and k: a row's L2 norm is a scalar that factors out of its
-    # products, applied after.
+    # products, applied after. The root's q and k are rows 0 and 1 of a 16-row tile, so that their
+    # products too are tensor-core products accumulated over the chunks; each is read out once, after.
+    two = tl.arange(0, 16)
+    root_rows = q_root + tl.where(two == 1, KEY_DIM, 0)
     qs0 = tl.zeros((NP, BLOCK_V), dtype=tl.float32)
     ks0 = tl.zeros((NP, BLOCK_V), dtype=tl.float32)
     kk = tl.zeros((NP, NP), dtype=tl.float32)
     qk = tl.zeros((NP, NP), dtype=tl.float32)
-    q0s0 = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    k0s0 = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    kk0 = tl.zeros((NP,), dtype=tl.float32)
-    qk0 = tl.zeros((NP,), dtype=tl.float32)
-    q_sq = tl.zeros((NP,), dtype=tl.float32)  # squared norms of the rows of q and k, and of q0, k0
-    k_sq = tl.zeros((NP,), dtype=tl.float32)
-    q0_sq = tl.zeros((), dtype=tl.float32)
-    k0_sq = tl.zeros((), dtype=tl.float32)
-    q0k0 = tl.zeros((), dtype=tl.float32)
+    rs0 = tl.zeros((16, BLOCK_V), dtype=tl.float32)  # root rows x S0
+    kr = tl.zeros((NP, 16), dtype=tl.float32)  # k x root rows
+    qr = tl.zeros((NP, 16), dtype=tl.float32)
+    rr = tl.zeros((16, 16), dtype=tl.float32)
+    q_sq = tl.zeros((NP, BLOCK_K), dtype=tl.float32)  # squares of q and k, summed over the chunks
+    k_sq = tl.zeros((NP, BLOCK_K), dtype=tl.float32)
     for c in tl.static_range(0, DK, BLOCK_K):
         ch = c + tl.arange(0, BLOCK_K)
         q = tl.load(q_rows + ch[None, :], mask=valid[:, None], other=0.0)
         k = tl.load(q_rows + KEY_DIM + ch[None, :], mask=valid[:, None], other=0.0)
-        q0 = tl.load(q_root + ch)
-        k0 = tl.load(q_root + KEY_DIM + ch)
+        r01 = tl.load(root_rows[:, None] + ch[None, :], mask=(two < 2)[:, None], other=0.0)
         s0 = tl.where(keep, tl.load(base + ch[:, None] * DV + dv[None, :]), 0.0)
         qs0 = tl.dot(q, s0, qs0, input_precision=SOLVE)
         ks0 = tl.dot(k, s0, ks0, input_precision=SOLVE)
         kk = tl.dot(k, tl.trans(k), kk, input_precision=SOLVE)
         qk = tl.dot(q, tl.trans(k), qk, input_precision=SOLVE)
-        q0s0 += tl.sum(q0[:, None] * s0, 0)
-        k0s0 += tl.sum(k0[:, None] * s0, 0)
-        kk0 += tl.sum(k * k0[None, :], 1)
-        qk0 += tl.sum(q * k0[None, :], 1)
-        q_sq += tl.sum(q * q, 1)
-        k_sq += tl.sum(k * k, 1)
-        q0_sq += tl.sum(q0 * q0, 0)
-        k0_sq += tl.sum(k0 * k0, 0)
-        q0k0 += tl.sum(q0 * k0, 0)
+        rs0 = tl.dot(r01, s0, rs0, input_precision=SOLVE)
+        kr = tl.dot(k, tl.trans(r01), kr, input_precision=SOLVE)
+        qr = tl.dot(q, tl.trans(r01), qr, input_precision=SOLVE)
+        rr = tl.dot(r01, tl.trans(r01), rr, input_precision=SOLVE)
+        q_sq += q * q
+        k_sq += k * k
+    q0s0 = tl.sum(tl.where(two[:, None] == 0, rs0, 0.0), 0)
+    k0s0 = tl.sum(tl.where(two[:, None] == 1, rs0, 0.0), 0)
+    kk0 = tl.sum(tl.where(two[None, :] == 1, kr, 0.0), 1)
+    qk0 = tl.sum(tl.where(two[None, :] == 1, qr, 0.0), 1)
+    q0_sq = tl.sum(tl.sum(tl.where((two[:, None] == 0) & (two[None, :] == 0), rr, 0.0), 1), 0)
+    k0_sq = tl.sum(tl.sum(tl.where((two[:, None] == 1) & (two[None, :] == 1), rr, 0.0), 1), 0)
+    q0k0 = tl.sum(tl.sum(tl.where((two[:, None] == 0) & (two[None, :] == 1), rr, 0.0), 1), 0)
+    q_sq = tl.sum(q_sq, 1)
+    k_sq = tl.sum(k_sq, 1)
     scale = 1.0 / tl.sqrt(DK * 1.0)
     rq = tl.rsqrt(q_sq + 1e-6) * scale
     rk = tl.rsqrt(k_sq + 1e-6)
