@@ -1,11 +1,12 @@
 """What a Triton kernel costs in registers, spills and instructions on a Hopper GPU, read off its compiled
 code on any machine: Triton compiles it for sm_90 with the ptxas it ships, no GPU needed.
 
-    python benchmarks/kernel_resources.py [OUT.json] [--kernel tree] [--nodes 33] [--head 128]
+    python benchmarks/kernel_resources.py [OUT.json] [--kernel tree] [--nodes 33] [--head 128] [--key-chunk 32]
     python benchmarks/kernel_resources.py [OUT.json] --kernel attention [--head 64] [--group 7]
 
 - `tree`: the hybrid tree kernel (`_tree_delta_kernel`) at each split the autotuner may pick
-  (`TREE_SPLITS`), for trees of `--nodes` nodes and heads of `--head` key and value channels.
+  (`TREE_SPLITS`), for trees of `--nodes` nodes and heads of `--head` key and value channels, reading
+  `--key-chunk` key channels at a time (the engine's `key_chunk` unless given).
 - `attention`: the paged attention of a model with `--head` channels a head and `--group` query heads a
   KV head, at the tiles an AR step, a drafter block (16 rows), a 33-node verify and a prefill choose,
   with 4 and 8 warps (`chosen` marks `choose_warps`'s pick).
@@ -54,11 +55,14 @@ def compile_for_hopper(kernel, constants: dict, warps: int, stages: int):
     return triton.compile(source, target=HOPPER, options=dict(num_warps=warps, num_stages=stages))
 
 
-def compile_tree_kernel(nodes: int, head: int, block_v: int, warps: int, stages: int = 3):
-    """The launch `tree_delta` makes for trees of `nodes` nodes, heads of `head` key and value channels."""
+def compile_tree_kernel(nodes: int, head: int, block_v: int, warps: int, stages: int = 3,
+                        block_k: int | None = None):
+    """The launch `tree_delta` makes for trees of `nodes` nodes, heads of `head` key and value channels
+    (`block_k` key channels at a time: `key_chunk`'s unless given)."""
     NP = max(16, triton.next_power_of_2(nodes - 1))
-    return compile_for_hopper(_tree_delta_kernel, dict(DK=head, DV=head, NP=NP, LOG_NP=NP.bit_length() - 1,
-                                                       SOLVE="tf32", BLOCK_V=block_v, BLOCK_K=key_chunk(head)), warps, stages)
+    constants = dict(DK=head, DV=head, NP=NP, LOG_NP=NP.bit_length() - 1, SOLVE="tf32", BLOCK_V=block_v,
+                     BLOCK_K=block_k or key_chunk(head))
+    return compile_for_hopper(_tree_delta_kernel, constants, warps, stages)
 
 
 def attention_tiles(head: int, group: int, max_q: int, masked: bool) -> dict:
@@ -95,6 +99,7 @@ def main():
     ap.add_argument("--head", type=int, default=None, help="channels a head (tree: 128, attention: 64)")
     ap.add_argument("--group", type=int, default=7, help="attention: query heads a KV head")
     ap.add_argument("--stages", type=int, default=3, help="tree: software pipelining stages")
+    ap.add_argument("--key-chunk", type=int, default=None, help="tree: key channels at a time (key_chunk's)")
     args = ap.parse_args()
     rows, scratch = [], os.path.join(tempfile.mkdtemp(), "kernel.cubin")
     if args.kernel == "tree":
@@ -102,8 +107,10 @@ def main():
         for config in TREE_SPLITS:
             block_v, warps = config.kwargs["BLOCK_V"], config.num_warps
             if block_v <= head:
-                row = {"nodes": args.nodes, "head": head, "block_v": block_v, "warps": warps, "stages": args.stages}
-                rows.append(row | resources(compile_tree_kernel(args.nodes, head, block_v, warps, args.stages), scratch))
+                row = {"nodes": args.nodes, "head": head, "block_v": block_v, "warps": warps, "stages": args.stages,
+                       "block_k": args.key_chunk or key_chunk(head)}
+                kernel = compile_tree_kernel(args.nodes, head, block_v, warps, args.stages, args.key_chunk)
+                rows.append(row | resources(kernel, scratch))
                 print(json.dumps(rows[-1]), flush=True)
     else:
         head = args.head or 64

@@ -9,7 +9,8 @@ many siblings a depth.
 
 `--baseline FILE`: the ops module of another revision (`git show REV:ddtree/ops/triton_gdn.py > FILE`),
 whose `tree_delta` is timed beside this tree's at the same inputs and splits, in the same run (rows
-`"kernel": "baseline"`), and checked against it.
+`"kernel": "baseline"`), and checked against it. A revision whose `tree_delta` takes no `split` is timed
+at its autotuned launch only (its fixed splits fail, reported as such).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def launcher(cfg: dict, R: int, N: int, dev: torch.device, solve=tree_delta):
     args = [t.to(dev) for t in (state, slots, prefix, mixed, b, a)]
     args += [torch.zeros(Hv, device=dev, dtype=torch.bfloat16), torch.zeros(Hv, device=dev, dtype=torch.bfloat16),
              z.to(dev), torch.ones(DV, device=dev, dtype=torch.bfloat16), 1e-6, Hk, above.to(dev), depth.to(dev)]
-    return lambda split: solve(*args, split=split)
+    return lambda split: solve(*args) if split is None else solve(*args, split=split)
 
 
 def main() -> int:
@@ -60,7 +61,7 @@ def main() -> int:
     ap.add_argument("--config", default="benchmarks/configs/qwen3.5-0.8b.json")
     ap.add_argument("--batch", default="1,8", help="requests a step")
     ap.add_argument("--nodes", default="17,33,65", help="nodes a tree (the root included)")
-    ap.add_argument("--key-chunks", default="16,32,64", help="BLOCK_K values to try")
+    ap.add_argument("--key-chunks", default="16,32,64,128", help="BLOCK_K values to try (at most the key head's)")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--baseline", default=None, help="triton_gdn.py of another revision, timed beside this one")
     args = ap.parse_args()
@@ -76,7 +77,7 @@ def main() -> int:
     dev = torch.device("cuda")
     DV = cfg["linear_value_head_dim"]
     block_vs = [bv for bv in (16, 32, 64, 128) if bv <= DV]
-    chunks = [int(x) for x in args.key_chunks.split(",")]
+    chunks = [int(x) for x in args.key_chunks.split(",") if int(x) <= cfg["linear_key_head_dim"]]
     warps = [int(x) for x in args.warps.split(",")]
     cases = itertools.product([int(x) for x in args.batch.split(",")], [int(x) for x in args.nodes.split(",")])
     with open(args.out, "w") as out:  # (a row a line as measured: a run cut short keeps its rows)
