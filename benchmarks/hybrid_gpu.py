@@ -278,7 +278,7 @@ def main() -> None:
         built = hybrid_pair(args.config, os.path.join(work, "bf16"), "bfloat16")
         sizes = [int(c) for c in args.concurrency.split(",")]
         llm = LLM(built["target"], draft=built["drafter"], spec="ddtree", budget=32, topk=4, dtype="bfloat16",
-                  num_pages=8192, max_num_seqs=max(sizes))  # (graphs for these batch sizes only)
+                  num_pages=8192, max_num_seqs=max(sizes))  # (slots and graphs up to the largest size)
         from ddtree.bench.steps import step_times
         out["bf16_step_times"] = step_times(llm, sizes,
                                             [int(w) for w in args.widths.split(",")], context=512)

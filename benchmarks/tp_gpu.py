@@ -1,4 +1,5 @@
-"""Tensor parallelism on the GPU, on random models (no weights to download).
+"""Tensor parallelism on the GPU: speed on random models (no weights to download), correctness on the
+default pair.
 
     python benchmarks/tp_gpu.py OUT.json [--layers 16]
     python benchmarks/tp_gpu.py OUT.jsonl --tp 1,2,4,8 [--shape llama-3-8b] [--dtype bfloat16]
@@ -115,7 +116,9 @@ def check_run(model: str | None, draft: str | None, sizes: list[int], n: int, ma
               device: str | None = None) -> dict:
     """The correctness check (module docstring): the tokens of every (size, mode), and how they compare."""
     from ddtree.bench.datasets import load_prompts
-    from ddtree.models.hub import default_draft
+    from ddtree.models.hub import default_draft, is_default_model
+    if draft is None and not is_default_model(model):
+        raise SystemExit("--check with --model needs --draft (the shipped drafter is the default model's)")
     draft = draft or default_draft()
     rows = load_prompts("humaneval", n)
     params = SamplingParams(max_tokens=max_tokens)

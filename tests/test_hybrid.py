@@ -366,15 +366,17 @@ def test_the_triton_kernels_equal_the_torch_path_for_decode_steps_trees_and_comm
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="Triton needs a GPU or its interpreter")
-@pytest.mark.parametrize("N, chain", [(40, True), (65, True), (65, False)])
-def test_the_tree_solve_holds_every_ancestor_when_keys_align(N, chain):
+@pytest.mark.parametrize("N, chain, DK, Hk", [(40, True, 64, 2), (65, True, 64, 2), (65, False, 64, 2), (17, False, 48, 1)])
+def test_the_tree_solve_holds_every_ancestor_when_keys_align(N, chain, DK, Hk):
     # Nearly parallel keys, beta near 1 and no decay make every ancestor's update count in a node's
     # (the solve's deep terms are of order one), as in trained models where neighbouring keys align. The
-    # kernel's updates and outputs equal the torch solve's over a deep chain and a wide tree.
+    # kernel's updates and outputs equal the torch solve's over a deep chain and a wide tree: 64 key
+    # channels are two of the kernel's 32-channel chunks, 48 three 16-channel ones, and one key head may
+    # serve both value heads.
     from ddtree.models.delta_rule import delta_rule_over, l2_normalize
     from ddtree.ops.triton_gdn import tree_delta
     g = torch.Generator().manual_seed(N)
-    H, DK, DV, R = 2, 64, 16, 2  # (two chunks of the kernel's 32 key channels)
+    H, DV, R = 2, 16, 2  # (value heads)
     parents = [list(range(-1, N - 1)) if chain else random_tree(N, g)[0] for _ in range(R)]
     above = torch.zeros(R, N, N, dtype=torch.bool)
     for r in range(R):
@@ -383,8 +385,8 @@ def test_the_tree_solve_holds_every_ancestor_when_keys_align(N, chain):
             while j >= 0:
                 above[r, i, j], j = True, parents[r][j]
     depth = above.sum(-1) - 1
-    q = torch.randn(R * N, H, DK, generator=g)
-    k = torch.randn(H, DK, generator=g) + 0.05 * torch.randn(R * N, H, DK, generator=g)
+    q = torch.randn(R * N, Hk, DK, generator=g)
+    k = torch.randn(Hk, DK, generator=g) + 0.05 * torch.randn(R * N, Hk, DK, generator=g)
     v = torch.randn(R * N, H, DV, generator=g)
     mixed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
     b = torch.full((R * N, H), 4.0) + torch.rand(R * N, H, generator=g)  # beta = sigmoid(b) near 1
@@ -393,7 +395,8 @@ def test_the_tree_solve_holds_every_ancestor_when_keys_align(N, chain):
     state = torch.randn(3, H, DK, DV, generator=g) * 0.3
     slots, prefix = torch.tensor([2, 0]), torch.tensor([5, 7])
     z = torch.randn(R * N, H * DV, generator=g)
-    out, d, G = tree_delta(state, slots, prefix, mixed, b, a, A_log, dt_bias, z, torch.ones(DV), 1e-6, H, above, depth)
+    out, d, G = tree_delta(state, slots, prefix, mixed, b, a, A_log, dt_bias, z, torch.ones(DV), 1e-6, Hk, above, depth)
+    q, k = (x.repeat_interleave(H // Hk, dim=1) for x in (q, k))  # (each value head's key head)
     qn = (l2_normalize(q) / DK ** 0.5).view(R, N, H, DK).transpose(1, 2)
     kn = l2_normalize(k).view(R, N, H, DK).transpose(1, 2)
     gate = (-torch.nn.functional.softplus(a)).view(R, N, H).transpose(1, 2)

@@ -39,7 +39,7 @@ from ddtree.ops.triton_linear import INTERPRETED
 # error (about 1e-3) is below the rounding of the outputs it feeds.
 PRECISION: tl.constexpr = tl.constexpr("tf32x3")
 MAX_TREE = 65  # the most nodes a tree kernel takes (a root and NP x NP, NP x Dk tiles in registers)
-TREE_KEY_CHUNK = 32  # key channels the tree kernel reads at a time (where the head's divide by it)
+TREE_KEY_CHUNK = 32  # key channels the tree kernel reads at a time (where a head's key channels divide by it)
 
 
 def key_chunk(head_dim: int) -> int:
@@ -210,8 +210,8 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     # at once, not of DK), from the raw q and k: a row's L2 norm is a scalar that factors out of its
     # products, applied after. The root's q and k are rows 0 and 1 of a 16-row tile, so that their
     # products too are tensor-core products accumulated over the chunks; each is read out once, after.
-    two = tl.arange(0, 16)
-    root_rows = q_root + tl.where(two == 1, KEY_DIM, 0)
+    root_row = tl.arange(0, 16)  # (0: the root's q, 1: its k, the rest zero)
+    root_rows = q_root + tl.where(root_row == 1, KEY_DIM, 0)
     qs0 = tl.zeros((NP, BLOCK_V), dtype=tl.float32)
     ks0 = tl.zeros((NP, BLOCK_V), dtype=tl.float32)
     kk = tl.zeros((NP, NP), dtype=tl.float32)
@@ -219,14 +219,15 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     rs0 = tl.zeros((16, BLOCK_V), dtype=tl.float32)  # root rows x S0
     kr = tl.zeros((NP, 16), dtype=tl.float32)  # k x root rows
     qr = tl.zeros((NP, 16), dtype=tl.float32)
-    rr = tl.zeros((16, 16), dtype=tl.float32)
-    q_sq = tl.zeros((NP, BLOCK_K), dtype=tl.float32)  # squares of q and k, summed over the chunks
+    rr = tl.zeros((16, 16), dtype=tl.float32)  # (its [0, 1]: q0 . k0)
+    q_sq = tl.zeros((NP, BLOCK_K), dtype=tl.float32)  # squares of q, k and the root rows, summed over the chunks
     k_sq = tl.zeros((NP, BLOCK_K), dtype=tl.float32)
+    r_sq = tl.zeros((16, BLOCK_K), dtype=tl.float32)
     for c in tl.static_range(0, DK, BLOCK_K):
         ch = c + tl.arange(0, BLOCK_K)
         q = tl.load(q_rows + ch[None, :], mask=valid[:, None], other=0.0)
         k = tl.load(q_rows + KEY_DIM + ch[None, :], mask=valid[:, None], other=0.0)
-        r01 = tl.load(root_rows[:, None] + ch[None, :], mask=(two < 2)[:, None], other=0.0)
+        r01 = tl.load(root_rows[:, None] + ch[None, :], mask=(root_row < 2)[:, None], other=0.0)
         s0 = tl.where(keep, tl.load(base + ch[:, None] * DV + dv[None, :]), 0.0)
         qs0 = tl.dot(q, s0, qs0, input_precision=SOLVE)
         ks0 = tl.dot(k, s0, ks0, input_precision=SOLVE)
@@ -238,13 +239,15 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
         rr = tl.dot(r01, tl.trans(r01), rr, input_precision=SOLVE)
         q_sq += q * q
         k_sq += k * k
-    q0s0 = tl.sum(tl.where(two[:, None] == 0, rs0, 0.0), 0)
-    k0s0 = tl.sum(tl.where(two[:, None] == 1, rs0, 0.0), 0)
-    kk0 = tl.sum(tl.where(two[None, :] == 1, kr, 0.0), 1)
-    qk0 = tl.sum(tl.where(two[None, :] == 1, qr, 0.0), 1)
-    q0_sq = tl.sum(tl.sum(tl.where((two[:, None] == 0) & (two[None, :] == 0), rr, 0.0), 1), 0)
-    k0_sq = tl.sum(tl.sum(tl.where((two[:, None] == 1) & (two[None, :] == 1), rr, 0.0), 1), 0)
-    q0k0 = tl.sum(tl.sum(tl.where((two[:, None] == 0) & (two[None, :] == 1), rr, 0.0), 1), 0)
+        r_sq += r01 * r01
+    q0s0 = tl.sum(tl.where(root_row[:, None] == 0, rs0, 0.0), 0)
+    k0s0 = tl.sum(tl.where(root_row[:, None] == 1, rs0, 0.0), 0)
+    kk0 = tl.sum(tl.where(root_row[None, :] == 1, kr, 0.0), 1)
+    qk0 = tl.sum(tl.where(root_row[None, :] == 1, qr, 0.0), 1)
+    q0k0 = tl.sum(tl.sum(tl.where((root_row[:, None] == 0) & (root_row[None, :] == 1), rr, 0.0), 1), 0)
+    r_sq = tl.sum(r_sq, 1)
+    q0_sq = tl.sum(tl.where(root_row == 0, r_sq, 0.0), 0)
+    k0_sq = tl.sum(tl.where(root_row == 1, r_sq, 0.0), 0)
     q_sq = tl.sum(q_sq, 1)
     k_sq = tl.sum(k_sq, 1)
     scale = 1.0 / tl.sqrt(DK * 1.0)
@@ -358,6 +361,7 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     kernel, fixed = _tree_delta, dict(BLOCK_K=key_chunk(DK))
     if split is not None or INTERPRETED:
         kernel, fixed = _tree_delta_kernel, split or dict(BLOCK_V=min(DV, 32), BLOCK_K=key_chunk(DK), num_warps=4)
+    assert DK % fixed["BLOCK_K"] == 0 and fixed["BLOCK_K"] >= 16 and fixed.get("BLOCK_V", 16) <= DV, fixed
     NP = max(16, triton.next_power_of_2(N - 1))  # (the nodes past the root)
     kernel[lambda meta: (R, H, triton.cdiv(DV, meta["BLOCK_V"]))](
         state, slots, slots.stride(0), prefix, mixed, b, a, b.stride(0), A_log, dt_bias, raw, above, above.stride(0),
