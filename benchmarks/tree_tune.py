@@ -7,9 +7,9 @@ many siblings a depth.
     python benchmarks/tree_tune.py OUT.jsonl [--config benchmarks/configs/qwen3.5-0.8b.json]
         [--batch 1,8] [--nodes 17,33,65] [--key-chunks 16,32,64] [--warps 2,4,8] [--baseline FILE]
 
-`--baseline FILE`: the ops module of another revision (`git show REV:ddtree/ops/triton_gdn.py > FILE`),
-whose `tree_delta` is timed beside this tree's at the same inputs and splits, in the same run (rows
-`"kernel": "baseline"`), and checked against it. A revision whose `tree_delta` takes no `split` is timed
+`--baseline FILE` (repeatable): the ops module of another revision (`git show REV:ddtree/ops/triton_gdn.py >
+FILE`), whose `tree_delta` is timed beside this tree's at the same inputs and splits, in the same run (rows
+`"kernel"`: the file's stem), and checked against it. A revision whose `tree_delta` takes no `split` is timed
 at its autotuned launch only (its fixed splits fail, reported as such).
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import itertools
 import json
+import pathlib
 import sys
 
 import torch
@@ -63,14 +64,16 @@ def main() -> int:
     ap.add_argument("--nodes", default="17,33,65", help="nodes a tree (the root included)")
     ap.add_argument("--key-chunks", default="16,32,64,128", help="BLOCK_K values to try (at most the key head's)")
     ap.add_argument("--warps", default="2,4,8")
-    ap.add_argument("--baseline", default=None, help="triton_gdn.py of another revision, timed beside this one")
+    ap.add_argument("--baseline", action="append", default=[],
+                    help="triton_gdn.py of another revision, timed beside this one (repeatable: rows named by file stem)")
     args = ap.parse_args()
     kernels = {"current": tree_delta}
-    if args.baseline:
-        spec = importlib.util.spec_from_file_location("baseline_triton_gdn", args.baseline)
+    for path in args.baseline:
+        name = pathlib.Path(path).stem
+        spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        kernels["baseline"] = module.tree_delta
+        kernels[name] = module.tree_delta
     with open(args.config) as f:
         cfg = json.load(f)
     cfg = cfg.get("text_config", cfg)
