@@ -327,8 +327,8 @@ class LLM:
         bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate")
         unfinished = seqs
         # No cyclic garbage collection inside the loop: a full one walks every object of the process
-        # (137 ms for 344k objects with the default pair loaded, on the CPU), a stall in the middle of
-        # the steps (once 430 ms in a 0.9 s benchmark row on the H200); it runs after instead.
+        # (hundreds of thousands with the default pair loaded), a stall in the middle of the steps that
+        # can take a large share of a short run; it runs after instead.
         collecting = gc.isenabled()
         gc.disable()
         try:

@@ -201,8 +201,8 @@ class ARDecoder:
 
     def _graph_prefill(self, taps: list[int] | None, inp: PrefillInputs) -> torch.Tensor:
         """A prefill graph: the chunks' logits at their last rows; with taps their target features also go
-        into the drafter cache as its context, here (a prompt's store outside a graph cost a few ms of
-        host time, paid by the first speculative step after it)."""
+        into the drafter cache as its context, here (a prompt's store outside a graph costs host time,
+        paid by the first speculative step after it)."""
         logits, feats = self.runner.prefill_rows(inp.ids, inp.starts, inp.block_tables, inp.last, taps)
         if taps:  # (padding tokens' rows land past the request's cached tokens, or in the scratch page)
             pos = inp.starts[:, None] + torch.arange(inp.ids.shape[1], device=inp.ids.device)

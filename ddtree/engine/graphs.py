@@ -88,7 +88,7 @@ class GraphPool:
 
     def capture_all(self, padding_inputs) -> None:
         """Every bucket's graph now, ahead of serving, on `padding_inputs(bs)` (fake rows whose writes go
-        where nobody reads): a capture in the middle of serving stalls that step by 60-110 ms."""
+        where nobody reads): a capture in the middle of serving stalls that step far longer than a replay."""
         for bs in self.buckets:
             self.run(padding_inputs(bs))
 

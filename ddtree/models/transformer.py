@@ -16,9 +16,8 @@ from ddtree.ops.fused import add_rms_norm, qkv_rope, rms_norm, rope, silu_mul
 
 
 # Steps of at most FUSED_ROWS tokens on the Triton path run each layer as three fused Triton products
-# (ddtree/ops/triton_linear.py). One row only: on the H200 (`benchmarks/linear_tune.py`) a layer's
-# products take 14.0 us fused against 24.1 with cuBLAS and the separate ops, but at 16+ rows the
-# tensor-core tiles lose to cuBLAS (33.5 vs 25.5 us at 16).
+# (ddtree/ops/triton_linear.py). One row only (`benchmarks/linear_tune.py`): at one row a layer's fused
+# products beat cuBLAS and the separate ops, but at 16+ rows the tensor-core tiles lose to cuBLAS.
 FUSED_ROWS = 1
 
 

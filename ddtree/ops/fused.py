@@ -78,7 +78,7 @@ def compiled_on_cuda(fn):
     """`fn`, run through torch.compile (dynamic shapes) while a CUDA graph is captured on a GPU
     (`graphing`), and eagerly otherwise: in a graph a chain of tiny element-wise / gather ops becomes
     a few fused kernels (fewer nodes for a replay to submit), but called eagerly a compiled function
-    pays ~0.1 ms of guards and wrappers on the host."""
+    pays host time for its guards and wrappers on every call."""
     compiled = []
 
     @functools.wraps(fn)

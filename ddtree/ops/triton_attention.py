@@ -29,15 +29,15 @@ def plan_blocks(q_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
 
 
 # The widest row of a decode-width batch: a verify tree of budget 64 plus its root. Wider rows are prefill
-# (128-row tiles, no key splits); a budget-64 tree treated as prefill ran 2.7 ms a verify on the H200
-# instead of ~1.2 (24 layers of ~10 programs walking the keys serially).
+# (128-row tiles, no key splits); a budget-64 tree treated as prefill walks the keys serially in ~10 programs
+# a layer, more than twice as slow a verify as the split decode tiles.
 DECODE_MAX_Q = 65
 
 
 def choose_block_m(max_q: int, group: int) -> int:
     # tl.dot needs >= 16 rows: BLOCK_M tokens x (group padded to a power of two) heads. Up to 64 rows
     # for decode widths (a verify tree, the drafter block): more programs, each splitting the keys, which
-    # `benchmarks/attention_tune.py` measured faster than 128-row tiles there. Prefill fills the GPU with
+    # run faster than 128-row tiles there (`benchmarks/attention_tune.py`). Prefill fills the GPU with
     # 128-row tiles.
     g = triton.next_power_of_2(group)
     bm = max(1, 16 // g)
@@ -59,7 +59,7 @@ def _channels_ok(d, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):
 
 
 # (Not specialized on the page-table width: Triton would compile a variant for each batch whose widest
-# table is a multiple of 16 pages, mid-run in an eager prefill or refeed, 0.5-1 s on the H200.)
+# table is a multiple of 16 pages, mid-run in an eager prefill or refeed, where a compile stalls the step.)
 @triton.jit(do_not_specialize=["stride_bt", "stride_mr", "stride_mi"])
 def _paged_attention_kernel(
         Q, K, V, Out, BlockTables, PrefixLens, QLens, QStarts, BlkReq, BlkQ, Mask,
@@ -160,7 +160,7 @@ def _combine_kernel(Out, Part, PartML, stride_ot, stride_oh, NUM_HEADS: tl.const
     tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
-SHARED_BYTES = 220 * 2**10  # a program's shared memory: the H100 and H200 give a block 227 KB
+SHARED_BYTES = 220 * 2**10  # a program's shared memory: sm90 gives a block up to 227 KB
 
 
 def _fits(rows: int, block_n: int, head_dim: int, itemsize: int) -> bool:

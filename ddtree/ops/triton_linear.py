@@ -2,10 +2,10 @@
 with the ops around them fused in.
 
 With few rows the model's projections are memory-bound: reading the weights is the whole cost. A
-cuBLAS call of the default target at 1-33 rows reads 1.6-17 MB in 4-7 us plus a split-K reduction
-(measured on the H200), because a handful of thread blocks cannot fill the machine. Here every
-program owns BLOCK_N output columns for all rows and streams their weights once, accumulating in
-fp32: a matrix-vector loop for one row, tensor-core dots for up to 64.
+cuBLAS call of the default target at 1-33 rows runs a handful of thread blocks plus a split-K
+reduction, which cannot fill the machine, so it reads the weights well below the memory's bandwidth.
+Here every program owns BLOCK_N output columns for all rows and streams their weights once,
+accumulating in fp32: a matrix-vector loop for one row, tensor-core dots for up to 64.
 
 A layer then needs no separate element-wise kernels:
 - the input RMSNorm (with the residual add before it) runs inside the q|k|v and gate|up products:
@@ -151,9 +151,9 @@ def _split_epilogue_kernel(Part, SqPart, Bias, Y, M, N, K, eps, NORM: tl.constex
 
 
 # Block sizes by tile height (1, 16, 32 or 64 rows) and shape kind: "small" (q|k|v, o: 896 deep,
-# about 1,000 wide), "wide" (gate|up: 4,864 per half), "deep" (down: 4,864 deep). One row: from
-# `benchmarks/linear_tune.py` on the H200 at the default target's shapes. More rows: guesses with
-# split-K (the unsplit tiles measured 1.3-2.9x slower than cuBLAS: too few programs), not yet tuned;
+# about 1,000 wide), "wide" (gate|up: 4,864 per half), "deep" (down: 4,864 deep). One row: tuned with
+# `benchmarks/linear_tune.py` at the default target's shapes. More rows: guesses with split-K (unsplit
+# tiles are too few programs and lose to cuBLAS), not yet tuned;
 # the model uses this path for one row only (transformer.FUSED_ROWS).
 CONFIGS = {
     1: {"small": Config(2, 1024, 1), "wide": Config(4, 512, 1), "deep": Config(1, 1024, 1)},

@@ -1,14 +1,14 @@
 """DDTree's candidate levels (speculative/tree.py `_levels`) in one kernel, one program per request.
 
 The torch version is a stable sort of W x K candidates per depth (14 levels for a 16-token block)
-and a final sort of the D x W kept nodes: ~60 kernels of a few microseconds each, ~0.2 ms of a
-graphed DDTree step on the H200 however small the sorts are. Here each request's levels run in one
+and a final sort of the D x W kept nodes: ~60 kernels, each with a fixed cost however small its sort,
+which add up to a sizeable share of a graphed DDTree step. Here each request's levels run in one
 program: per depth a bitonic sort of the W x K candidates (padded to powers of two) in registers,
 the best W kept for the next depth and written out; then one sort of all kept nodes for the order.
 
-The depth loop is a device loop, not unrolled: unrolled, the kernel took 132 s to build for sm90
-(15 depths, budget 32, topk 4); as a loop, 2.3 s. On the H200 a graphed DDTree step is 0.21-0.26 ms
-shorter with it at batch 1-32 (speculative/tree.py `TREE_KERNEL_MAX_WIDTH`).
+The depth loop is a device loop, not unrolled: unrolled, the body is repeated for every depth and the
+kernel builds dozens of times slower. A graphed DDTree step is shorter with it up to the widths and
+top-k of speculative/tree.py `TREE_KERNEL_MAX_WIDTH` and `TREE_KERNEL_MAX_TOPK`.
 
 Sort keys make the result match the torch version's stable sorts exactly: a float32 score becomes
 an int32 that orders like it, shifted above the complement of the candidate's index, so equal

@@ -350,7 +350,7 @@ def serve(args) -> int:
                   device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages,
                   max_model_len=args.max_model_len, parallel=parallel_from_args(args))
         # The server keeps this one engine for its life: what exists now is never garbage, and frozen it
-        # is not walked by every full collection (137 ms for 344k objects with the default pair, CPU),
+        # is not walked by every full collection (hundreds of thousands of objects with the default pair),
         # which would stall the engine loop mid-stream.
         gc.collect()
         gc.freeze()

@@ -356,7 +356,7 @@ class AdaptiveSpeculator(Speculator):
             steps = {"draft": partial(self._draft, inp), 0: partial(self._budget_step, 0, root)}
             steps.update({b: partial(self._whole_step, b, inp) for b in self.budgets[1:]})
         # (an entry per request and AR burst, as the AR decoder's bursts leave them; rebuilding the lists is
-        # timed too, ~0.3 ms at 512 requests on the CPU, against table stores of ~1 ms)
+        # timed too, a fraction of a store's time)
         per = min(STORE_ENTRY_ROWS, context)
         bursts = max(1, min(STORE_ROWS, context) // per)
         seqs = [Sequence([0] * context, SamplingParams(), None, block_table=table, num_cached=context)

@@ -38,11 +38,11 @@ def pending_count(seq: Sequence) -> int:
 
 def pending_rows(seqs: list[Sequence]) -> torch.Tensor | None:
     """The requests' pending features [T, K*D], in order (None: nothing pending). An AR burst keeps
-    (buffer, i, n) entries, not a view per request: cutting 2R views after every burst cost ~0.2 ms of
-    host time per AR step at 80 requests on the H200 (bursts there average 4 steps). Nor are they cut
-    here: each distinct source (a burst's buffer, a tensor) goes into one cat and every row comes out of
-    it in one gather, where a view per entry and a cat of them all took 3.6 ms of host time on the CPU
-    for 16 requests of 64 entries (what short bursts leave while requests wait for a slot). Where the
+    (buffer, i, n) entries, not a view per request: cutting 2R views after every burst adds host time to
+    every AR step at a large batch, where bursts are a few steps long. Nor are they cut here: each
+    distinct source (a burst's buffer, a tensor) goes into one cat and every row comes out of it in one
+    gather, where a view per entry and a cat of them all pay host time per entry, and short bursts leave
+    dozens of entries a request while requests wait for a slot. Where the
     rows wanted are a small share of their buffers' (the engine storing the few requests whose context
     piled up), the views again: the cat would copy whole buffers for a few rows."""
     assert not any(has_gap(s) for s in seqs), "a gap in the drafter context: refeed it first"
