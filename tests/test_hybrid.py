@@ -374,7 +374,7 @@ def test_the_tree_solve_holds_every_ancestor_when_keys_align(N, chain, DK, Hk):
     # channels are two of the kernel's 32-channel chunks, 48 three 16-channel ones, and one key head may
     # serve both value heads.
     from ddtree.models.delta_rule import delta_rule_over, l2_normalize
-    from ddtree.ops.triton_gdn import tree_delta
+    from ddtree.ops.triton_gdn import key_chunk, tree_delta
     g = torch.Generator().manual_seed(N)
     H, DV, R = 2, 16, 2  # (value heads)
     parents = [list(range(-1, N - 1)) if chain else random_tree(N, g)[0] for _ in range(R)]
@@ -395,7 +395,8 @@ def test_the_tree_solve_holds_every_ancestor_when_keys_align(N, chain, DK, Hk):
     state = torch.randn(3, H, DK, DV, generator=g) * 0.3
     slots, prefix = torch.tensor([2, 0]), torch.tensor([5, 7])
     z = torch.randn(R * N, H * DV, generator=g)
-    out, d, G = tree_delta(state, slots, prefix, mixed, b, a, A_log, dt_bias, z, torch.ones(DV), 1e-6, Hk, above, depth)
+    solve = lambda split=None: tree_delta(state, slots, prefix, mixed, b, a, A_log, dt_bias, z,  # noqa: E731
+                                          torch.ones(DV), 1e-6, Hk, above, depth, split=split)
     q, k = (x.repeat_interleave(H // Hk, dim=1) for x in (q, k))  # (each value head's key head)
     qn = (l2_normalize(q) / DK ** 0.5).view(R, N, H, DK).transpose(1, 2)
     kn = l2_normalize(k).view(R, N, H, DK).transpose(1, 2)
@@ -403,11 +404,14 @@ def test_the_tree_solve_holds_every_ancestor_when_keys_align(N, chain, DK, Hk):
     beta = torch.sigmoid(b).view(R, N, H).transpose(1, 2)
     o_ref, d_ref, G_ref = delta_rule_over(qn, kn, v.view(R, N, H, DV).transpose(1, 2), gate, beta, state[slots], above)
     assert d_ref.abs().max() > 1.0  # (the deep terms are not negligible)
-    torch.testing.assert_close(G, G_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(d, d_ref, atol=1e-4, rtol=1e-4)
     o_ref = o_ref.transpose(1, 2).reshape(R * N, H, DV)  # (the outputs, normed and gated as the kernel's are)
     want = o_ref * torch.rsqrt(o_ref.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.nn.functional.silu(z.view(R * N, H, DV))
-    torch.testing.assert_close(out, want.flatten(1), atol=1e-4, rtol=1e-4)
+    # the engine's launch, and the stacked products' layout (q and k rows in one tile) at a fixed split
+    for split in (None, dict(BLOCK_V=DV, BLOCK_K=key_chunk(DK), num_warps=4, STACK=True)):
+        out, d, G = solve(split)
+        torch.testing.assert_close(G, G_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(d, d_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out, want.flatten(1), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

@@ -181,11 +181,92 @@ def tree_conv(window: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, x
 
 
 @triton.jit
+def _products(q_rows, valid, root_rows, root_row, base, keep, dv, KEY_DIM, DK: tl.constexpr, DV: tl.constexpr,
+              NP: tl.constexpr, SOLVE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tree program's products of the raw q, k (NP node rows each), the root's two rows and S0, summed
+    over the key channels: q S0, k S0, k k^T, q k^T, root S0, k root^T, q root^T, root root^T, and the
+    squared norms of the q, k and root rows."""
+    qs0 = tl.zeros((NP, BLOCK_V), dtype=tl.float32)
+    ks0 = tl.zeros((NP, BLOCK_V), dtype=tl.float32)
+    kk = tl.zeros((NP, NP), dtype=tl.float32)
+    qk = tl.zeros((NP, NP), dtype=tl.float32)
+    rs0 = tl.zeros((16, BLOCK_V), dtype=tl.float32)
+    kr = tl.zeros((NP, 16), dtype=tl.float32)
+    qr = tl.zeros((NP, 16), dtype=tl.float32)
+    rr = tl.zeros((16, 16), dtype=tl.float32)
+    q_sq = tl.zeros((NP, BLOCK_K), dtype=tl.float32)
+    k_sq = tl.zeros((NP, BLOCK_K), dtype=tl.float32)
+    r_sq = tl.zeros((16, BLOCK_K), dtype=tl.float32)
+    for c in tl.static_range(0, DK, BLOCK_K):
+        ch = c + tl.arange(0, BLOCK_K)
+        q = tl.load(q_rows + ch[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(q_rows + KEY_DIM + ch[None, :], mask=valid[:, None], other=0.0)
+        r01 = tl.load(root_rows[:, None] + ch[None, :], mask=(root_row < 2)[:, None], other=0.0)
+        s0 = tl.where(keep, tl.load(base + ch[:, None] * DV + dv[None, :]), 0.0)
+        qs0 = tl.dot(q, s0, qs0, input_precision=SOLVE)
+        ks0 = tl.dot(k, s0, ks0, input_precision=SOLVE)
+        kk = tl.dot(k, tl.trans(k), kk, input_precision=SOLVE)
+        qk = tl.dot(q, tl.trans(k), qk, input_precision=SOLVE)
+        rs0 = tl.dot(r01, s0, rs0, input_precision=SOLVE)
+        kr = tl.dot(k, tl.trans(r01), kr, input_precision=SOLVE)
+        qr = tl.dot(q, tl.trans(r01), qr, input_precision=SOLVE)
+        rr = tl.dot(r01, tl.trans(r01), rr, input_precision=SOLVE)
+        q_sq += q * q
+        k_sq += k * k
+        r_sq += r01 * r01
+    return qs0, ks0, kk, qk, rs0, kr, qr, rr, tl.sum(q_sq, 1), tl.sum(k_sq, 1), tl.sum(r_sq, 1)
+
+
+@triton.jit
+def _stacked_products(Mixed, first, q_rows, valid, root_rows, root_row, base, keep, dv, N, C, hk, KEY_DIM,
+                      DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, SOLVE: tl.constexpr,
+                      BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_products`'s results from the nodes' q and k stacked as one tile of 2 NP rows (q first): each
+    product with S0, k or the root rows is one tensor-core product of twice the height (five products a
+    chunk, not eight), and the halves are split apart once, after the loop."""
+    x = tl.arange(0, 2 * NP)
+    x_node = (x % NP) + 1
+    x_ok = x_node < N
+    x_rows = Mixed + (first + x_node)[:, None] * C + hk * DK + tl.where(x >= NP, KEY_DIM, 0)[:, None]
+    xs0 = tl.zeros((2 * NP, BLOCK_V), dtype=tl.float32)
+    xk = tl.zeros((2 * NP, NP), dtype=tl.float32)
+    xr = tl.zeros((2 * NP, 16), dtype=tl.float32)
+    rs0 = tl.zeros((16, BLOCK_V), dtype=tl.float32)
+    rr = tl.zeros((16, 16), dtype=tl.float32)
+    x_sq = tl.zeros((2 * NP, BLOCK_K), dtype=tl.float32)
+    r_sq = tl.zeros((16, BLOCK_K), dtype=tl.float32)
+    for c in tl.static_range(0, DK, BLOCK_K):
+        ch = c + tl.arange(0, BLOCK_K)
+        qk_rows = tl.load(x_rows + ch[None, :], mask=x_ok[:, None], other=0.0)
+        k = tl.load(q_rows + KEY_DIM + ch[None, :], mask=valid[:, None], other=0.0)
+        r01 = tl.load(root_rows[:, None] + ch[None, :], mask=(root_row < 2)[:, None], other=0.0)
+        s0 = tl.where(keep, tl.load(base + ch[:, None] * DV + dv[None, :]), 0.0)
+        xs0 = tl.dot(qk_rows, s0, xs0, input_precision=SOLVE)
+        xk = tl.dot(qk_rows, tl.trans(k), xk, input_precision=SOLVE)
+        xr = tl.dot(qk_rows, tl.trans(r01), xr, input_precision=SOLVE)
+        rs0 = tl.dot(r01, s0, rs0, input_precision=SOLVE)
+        rr = tl.dot(r01, tl.trans(r01), rr, input_precision=SOLVE)
+        x_sq += qk_rows * qk_rows
+        r_sq += r01 * r01
+    qs0, ks0 = _halves(xs0, NP, BLOCK_V)
+    qk, kk = _halves(xk, NP, NP)
+    qr, kr = _halves(xr, NP, 16)
+    q_sq, k_sq = tl.split(tl.permute(tl.reshape(tl.sum(x_sq, 1), (2, NP)), (1, 0)))
+    return qs0, ks0, kk, qk, rs0, kr, qr, rr, q_sq, k_sq, tl.sum(r_sq, 1)
+
+
+@triton.jit
+def _halves(t, NP: tl.constexpr, M: tl.constexpr):
+    """The two NP-row halves of a [2 NP, M] tile."""
+    return tl.split(tl.permute(tl.reshape(t, (2, NP, M)), (1, 2, 0)))
+
+
+@triton.jit
 def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_ba, ALog, DtBias, Out, Mask,
                        stride_mask_r, stride_mask_q, Dbuf, Gbuf, stride_slot, stride_head, HV, REPEAT, KEY_DIM,
                        VALUE_OFF, C, N, R_KEY, DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr,
                        LOG_NP: tl.constexpr, SOLVE: tl.constexpr, BLOCK_V: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, STACK: tl.constexpr):
     # Node 0 (the root: ancestors come first, so it has none) is solved on its own, and the NP-row tiles
     # hold nodes 1 to N - 1: a tree of 2^m + 1 nodes (a budget of 2^m) fills them without padding.
     r = tl.program_id(0)
@@ -210,46 +291,24 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     # at once, not of DK), from the raw q and k: a row's L2 norm is a scalar that factors out of its
     # products, applied after. The root's q and k are rows 0 and 1 of a 16-row tile, so that their
     # products too are tensor-core products accumulated over the chunks; each is read out once, after.
+    # STACK takes `_stacked_products`' layout; the engine launches `_products` (benchmarks/tree_tune.py
+    # times both).
     root_row = tl.arange(0, 16)  # (0: the root's q, 1: its k, the rest zero)
     root_rows = q_root + tl.where(root_row == 1, KEY_DIM, 0)
-    qs0 = tl.zeros((NP, BLOCK_V), dtype=tl.float32)
-    ks0 = tl.zeros((NP, BLOCK_V), dtype=tl.float32)
-    kk = tl.zeros((NP, NP), dtype=tl.float32)
-    qk = tl.zeros((NP, NP), dtype=tl.float32)
-    rs0 = tl.zeros((16, BLOCK_V), dtype=tl.float32)  # root rows x S0
-    kr = tl.zeros((NP, 16), dtype=tl.float32)  # k x root rows
-    qr = tl.zeros((NP, 16), dtype=tl.float32)
-    rr = tl.zeros((16, 16), dtype=tl.float32)  # (its [0, 1]: q0 . k0)
-    q_sq = tl.zeros((NP, BLOCK_K), dtype=tl.float32)  # squares of q, k and the root rows, summed over the chunks
-    k_sq = tl.zeros((NP, BLOCK_K), dtype=tl.float32)
-    r_sq = tl.zeros((16, BLOCK_K), dtype=tl.float32)
-    for c in tl.static_range(0, DK, BLOCK_K):
-        ch = c + tl.arange(0, BLOCK_K)
-        q = tl.load(q_rows + ch[None, :], mask=valid[:, None], other=0.0)
-        k = tl.load(q_rows + KEY_DIM + ch[None, :], mask=valid[:, None], other=0.0)
-        r01 = tl.load(root_rows[:, None] + ch[None, :], mask=(root_row < 2)[:, None], other=0.0)
-        s0 = tl.where(keep, tl.load(base + ch[:, None] * DV + dv[None, :]), 0.0)
-        qs0 = tl.dot(q, s0, qs0, input_precision=SOLVE)
-        ks0 = tl.dot(k, s0, ks0, input_precision=SOLVE)
-        kk = tl.dot(k, tl.trans(k), kk, input_precision=SOLVE)
-        qk = tl.dot(q, tl.trans(k), qk, input_precision=SOLVE)
-        rs0 = tl.dot(r01, s0, rs0, input_precision=SOLVE)
-        kr = tl.dot(k, tl.trans(r01), kr, input_precision=SOLVE)
-        qr = tl.dot(q, tl.trans(r01), qr, input_precision=SOLVE)
-        rr = tl.dot(r01, tl.trans(r01), rr, input_precision=SOLVE)
-        q_sq += q * q
-        k_sq += k * k
-        r_sq += r01 * r01
+    if STACK:
+        qs0, ks0, kk, qk, rs0, kr, qr, rr, q_sq, k_sq, r_sq = _stacked_products(
+            Mixed, r * N, q_rows, valid, root_rows, root_row, base, keep, dv, N, C, hk, KEY_DIM, DK, DV, NP, SOLVE,
+            BLOCK_V, BLOCK_K)
+    else:
+        qs0, ks0, kk, qk, rs0, kr, qr, rr, q_sq, k_sq, r_sq = _products(
+            q_rows, valid, root_rows, root_row, base, keep, dv, KEY_DIM, DK, DV, NP, SOLVE, BLOCK_V, BLOCK_K)
     q0s0 = tl.sum(tl.where(root_row[:, None] == 0, rs0, 0.0), 0)
     k0s0 = tl.sum(tl.where(root_row[:, None] == 1, rs0, 0.0), 0)
     kk0 = tl.sum(tl.where(root_row[None, :] == 1, kr, 0.0), 1)
     qk0 = tl.sum(tl.where(root_row[None, :] == 1, qr, 0.0), 1)
     q0k0 = tl.sum(tl.sum(tl.where((root_row[:, None] == 0) & (root_row[None, :] == 1), rr, 0.0), 1), 0)
-    r_sq = tl.sum(r_sq, 1)
     q0_sq = tl.sum(tl.where(root_row == 0, r_sq, 0.0), 0)
     k0_sq = tl.sum(tl.where(root_row == 1, r_sq, 0.0), 0)
-    q_sq = tl.sum(q_sq, 1)
-    k_sq = tl.sum(k_sq, 1)
     scale = 1.0 / tl.sqrt(DK * 1.0)
     rq = tl.rsqrt(q_sq + 1e-6) * scale
     rk = tl.rsqrt(k_sq + 1e-6)
@@ -349,7 +408,8 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     rows. Returns the gated, normed outputs [R * N, Hv Dv] (z's dtype), the updates d [R, Hv, N, Dv] and
     the decay sums G [R, Hv, N] (float32) that `tree_commit` needs. One program per (request, head,
     BLOCK_V value columns); then one per (node, head) norms and gates the outputs. `split` (BLOCK_V,
-    BLOCK_K, num_warps) fixes the launch in place of the autotuner's pick (`benchmarks/tree_tune.py`)."""
+    BLOCK_K, num_warps; STACK: the stacked products of `_stacked_products`) fixes the launch in place of the
+    autotuner's pick (`benchmarks/tree_tune.py`)."""
     R, N = depth.shape
     H, DK, DV = state.shape[1], state.shape[2], state.shape[3]
     assert N <= MAX_TREE and above.stride(2) == 1 and state.stride(3) == 1 and state.stride(2) == DV
@@ -359,11 +419,12 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     G = torch.empty(R, H, N, dtype=torch.float32, device=z.device)
     assert INTERPRETED or DV >= 64, "the tree kernel's splits take 64 value columns a head at least"
     if split is not None:
-        kernel, fixed = _tree_delta_kernel, split
+        kernel, fixed = _tree_delta_kernel, {"STACK": False, **split}
     elif INTERPRETED:  # (no timer to autotune with)
-        kernel, fixed = _tree_delta_kernel, dict(BLOCK_V=min(DV, 32), BLOCK_K=key_chunk(DK), num_warps=4)
+        kernel, fixed = _tree_delta_kernel, dict(BLOCK_V=min(DV, 32), BLOCK_K=key_chunk(DK), num_warps=4,
+                                                 STACK=False)
     else:
-        kernel, fixed = _tree_delta, dict(BLOCK_K=key_chunk(DK))
+        kernel, fixed = _tree_delta, dict(BLOCK_K=key_chunk(DK), STACK=False)
     assert DK % fixed["BLOCK_K"] == 0 and fixed["BLOCK_K"] >= 16 and fixed.get("BLOCK_V", 16) <= DV, fixed
     NP = max(16, triton.next_power_of_2(N - 1))  # (the nodes past the root)
     kernel[lambda meta: (R, H, triton.cdiv(DV, meta["BLOCK_V"]))](
