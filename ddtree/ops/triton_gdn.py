@@ -419,12 +419,12 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     G = torch.empty(R, H, N, dtype=torch.float32, device=z.device)
     assert INTERPRETED or DV >= 64, "the tree kernel's splits take 64 value columns a head at least"
     if split is not None:
-        kernel, fixed = _tree_delta_kernel, {"STACK": False, **split}
+        kernel, fixed = _tree_delta_kernel, split
     elif INTERPRETED:  # (no timer to autotune with)
-        kernel, fixed = _tree_delta_kernel, dict(BLOCK_V=min(DV, 32), BLOCK_K=key_chunk(DK), num_warps=4,
-                                                 STACK=False)
+        kernel, fixed = _tree_delta_kernel, dict(BLOCK_V=min(DV, 32), BLOCK_K=key_chunk(DK), num_warps=4)
     else:
-        kernel, fixed = _tree_delta, dict(BLOCK_K=key_chunk(DK), STACK=False)
+        kernel, fixed = _tree_delta, dict(BLOCK_K=key_chunk(DK))
+    fixed = {"STACK": False, **fixed}  # (the engine's launches take `_products`)
     assert DK % fixed["BLOCK_K"] == 0 and fixed["BLOCK_K"] >= 16 and fixed.get("BLOCK_V", 16) <= DV, fixed
     NP = max(16, triton.next_power_of_2(N - 1))  # (the nodes past the root)
     kernel[lambda meta: (R, H, triton.cdiv(DV, meta["BLOCK_V"]))](
