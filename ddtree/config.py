@@ -311,6 +311,9 @@ class EngineConfig:
     # debug) or "triton" (also on the CPU, in Triton's interpreter: TRITON_INTERPRET=1 set before start).
     kernels: str = "auto"
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # budget "auto"
+    # Requests that begin with the tokens of an earlier one reuse its full pages of K/V (engine/kv_cache.py).
+    # Dense and MoE targets; a hybrid target's recurrent state is not paged, so hybrids compute every prompt.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.kernels not in ("auto", "triton", "torch"):

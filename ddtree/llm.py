@@ -29,6 +29,7 @@ class RequestOutput:
     # With SamplingParams.logprobs: per generated token, (its log-probability under the model,
     # [(token id, log-probability)] of the most likely tokens at that position)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache held (not computed again)
 
 
 def cost_cache_path(setup: dict) -> str:
@@ -59,12 +60,13 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  kv_cache_gb: float = 1.0, cuda_graphs: bool = True, kernels: str = "auto", tokenizer=None,
                  cost_table=None, tensor_parallel_size: int = 1, parallel: ParallelConfig | None = None,
-                 policy: PolicyConfig | None = None, load_format: str = "auto"):
+                 policy: PolicyConfig | None = None, load_format: str = "auto", enable_prefix_caching: bool = True):
         """`tensor_parallel_size` > 1 splits the target over that many ranks (processes) on this host;
         `parallel` sets more (several hosts: parallel/workers.py). `close()` stops them. `kernels`:
         EngineConfig's (the reference torch ops with "torch"); `policy`: budget "auto"'s tunables.
         `load_format="dummy"`: the checkpoint's config with random weights, nothing else read (to
-        measure speed without the weights)."""
+        measure speed without the weights). `enable_prefix_caching`: a prompt that begins with an earlier
+        request's tokens reuses their K/V (full pages; not for hybrid targets)."""
         from ddtree.models.hub import default_draft, is_default_model, resolve_model
         from ddtree.models.loader import load_model
 
@@ -90,7 +92,7 @@ class LLM:
         self.engine_cfg = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                        kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs, kernels=kernels,
-                                       policy=policy or PolicyConfig())
+                                       policy=policy or PolicyConfig(), enable_prefix_caching=enable_prefix_caching)
         self.drafter = None
         default_pair = draft is None and spec is None and is_default_model(model)
         if draft is None and spec != "none" and is_default_model(model):
@@ -347,7 +349,8 @@ class LLM:
         bar.close()
         self._record_stats(seqs, before, time.perf_counter() - t0, steps)
         return [RequestOutput(s.prompt_ids, s.text, list(s.output_ids), s.finish_reason, list(s.accept_lengths),
-                              None if s.logprobs is None else list(s.logprobs)) for s in seqs]
+                              None if s.logprobs is None else list(s.logprobs),
+                              min(s.num_prefix_cached, len(s.prompt_ids))) for s in seqs]
 
     def _record_stats(self, seqs: list[Sequence], before: tuple[dict, dict], elapsed: float, steps: int) -> None:
         """`last_stats`: the requests' tokens, time and acceptance, and the engine counters' growth since

@@ -4,31 +4,63 @@ The cache itself is one tensor per layer of shape [num_pages * page_size, Hkv, D
 token at position p lives at slot block_table[p // page_size] * page_size + p % page_size. Hybrid
 models also keep a recurrent state per request (models/hybrid.py): the allocator hands out a state
 slot with a request's first pages and takes it back with them.
+
+Prefix caching (`prefix_caching`): a full page whose entries are final is offered to the cache under
+a key for its tokens and all tokens before it (`page_key`), so the key names the whole prefix. A request
+admitted later takes the longest run of cached pages that begins its tokens and skips computing them;
+pages are shared by reference count. A page no request holds stays cached (`idle`, least recently used
+first) until the pool runs out of free pages and it is taken for new entries. A request always computes
+its last token (its logits are needed), so the pages it shares end before its first new token: no
+request writes into a shared page.
 """
 from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from array import array
 
 import torch
 
 from ddtree.engine.sequence import Sequence
 
 
+def page_key(previous: bytes, tokens: list[int]) -> bytes:
+    """The cache key of a page holding `tokens`, after the prefix whose last page's key is `previous`
+    (b"" for a first page): a 128-bit digest of the prefix, so keys of different prefixes do not meet."""
+    return hashlib.blake2b(previous + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int, num_state_slots: int = 0):
-        """`num_state_slots`: hybrid models, one per request that may hold pages at once."""
+    def __init__(self, num_pages: int, page_size: int, num_state_slots: int = 0, prefix_caching: bool = False):
+        """`num_state_slots`: hybrid models, one per request that may hold pages at once. `prefix_caching`:
+        keep full pages' entries for later requests with the same prefix (dense targets only: a hybrid's
+        recurrent state has no per-page form to share)."""
         assert num_pages > 0 and page_size > 0
+        assert not (prefix_caching and num_state_slots), "prefix caching shares K/V pages, not recurrent states"
         self.num_pages, self.page_size = num_pages, page_size
         # A stack: the most recently freed pages are reused first (warm in cache, low ids).
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
         self.num_state_slots = num_state_slots
         self.free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
+        self.prefix_caching = prefix_caching
+        self.refs = [0] * num_pages  # requests holding each page
+        self.key_of: dict[int, bytes] = {}  # cached page -> its key
+        self.page_of: dict[bytes, int] = {}  # key -> cached page
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached pages no request holds, oldest use first
+        self.hit_tokens = self.queried_tokens = 0  # admitted prompts' tokens found cached, and looked up
 
     @property
     def num_free(self) -> int:
-        return len(self.free_pages)
+        """Pages a request can be given: free ones, and cached ones no request holds."""
+        return len(self.free_pages) + len(self.idle)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self.free_pages)
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self.key_of)
 
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra pages `seq` needs so that positions [0, num_tokens) have a slot."""
@@ -41,17 +73,90 @@ class PageAllocator:
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         n = self.pages_needed(seq, num_tokens)
         assert n <= self.num_free, "caller must check can_grow"
-        seq.block_table.extend(self.free_pages.pop() for _ in range(n))
+        seq.block_table.extend(self._take() for _ in range(n))
         if self.num_state_slots and seq.state_slot < 0:
             assert self.free_slots, "more requests hold pages than there are state slots"
             seq.state_slot = self.free_slots.pop()
 
-    def release(self, seq: Sequence) -> None:
-        self.free_pages.extend(seq.block_table)
+    def admit(self, seq: Sequence) -> bool:
+        """Gives a waiting request pages for all its tokens, the cached ones first (its `num_cached` then
+        counts their tokens); False, and nothing taken, where the pool holds too few."""
+        hits = self._lookup(seq)
+        idle_hits = sum(1 for p in hits if self.refs[p] == 0)
+        if -(-len(seq) // self.page_size) - len(hits) > self.num_free - idle_hits:
+            return False
+        for p in hits:
+            self._hold(p)
+        seq.block_table = hits
+        seq.num_cached = seq.num_prefix_cached = len(hits) * self.page_size
+        if self.prefix_caching:
+            self.queried_tokens += len(seq)
+            self.hit_tokens += seq.num_cached
+        self.grow(seq, len(seq))
+        return True
+
+    def offer(self, seq: Sequence, final_tokens: int) -> None:
+        """Caches the request's full pages among its first `final_tokens` tokens (entries that no later
+        step of the request changes), those not offered before."""
+        if not self.prefix_caching:
+            return
+        last = min(final_tokens, len(seq)) // self.page_size
+        keys = self._keys(seq, last)
+        for i in range(seq.num_offered_pages, last):
+            page, key = seq.block_table[i], keys[i]
+            if key not in self.page_of and page not in self.key_of:  # (the same prefix computed twice: keep one)
+                self.page_of[key], self.key_of[page] = page, key
+        seq.num_offered_pages = max(seq.num_offered_pages, last)
+
+    def release(self, seq: Sequence, final_tokens: int = 0) -> None:
+        """Takes back the request's pages (after caching those among its first `final_tokens` tokens) and
+        its state slot."""
+        self.offer(seq, final_tokens)
+        for p in seq.block_table:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                if p in self.key_of:
+                    self.idle[p] = None
+                else:
+                    self.free_pages.append(p)
         if seq.state_slot >= 0:
             self.free_slots.append(seq.state_slot)
         seq.drop_cache()
-        assert len(self.free_pages) <= self.num_pages and len(self.free_slots) <= self.num_state_slots
+        assert self.num_free <= self.num_pages and len(self.free_slots) <= self.num_state_slots
+
+    def _take(self) -> int:
+        """A page for new entries: a free one, else the cached page unused the longest (uncached now)."""
+        if self.free_pages:
+            page = self.free_pages.pop()
+        else:
+            page, _ = self.idle.popitem(last=False)
+            del self.page_of[self.key_of.pop(page)]
+        self.refs[page] = 1
+        return page
+
+    def _hold(self, page: int) -> None:
+        self.refs[page] += 1
+        self.idle.pop(page, None)
+
+    def _keys(self, seq: Sequence, pages: int) -> list[bytes]:
+        """The keys of the request's first `pages` full pages (computed once a request)."""
+        keys, ps = seq.page_keys, self.page_size
+        while len(keys) < pages:
+            i = len(keys)
+            keys.append(page_key(keys[-1] if keys else b"", seq.tokens(i * ps, (i + 1) * ps)))
+        return keys
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """The cached pages that begin the request's tokens, up to its last one (always computed)."""
+        if not self.prefix_caching:
+            return []
+        hits = []
+        for key in self._keys(seq, (len(seq) - 1) // self.page_size):
+            page = self.page_of.get(key)
+            if page is None:
+                break
+            hits.append(page)
+        return hits
 
 
 def allocate_kv_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,

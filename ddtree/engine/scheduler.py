@@ -11,10 +11,16 @@ chunks first, then the draft and verify.
 Pages: a decode that cannot get a page preempts the most recently admitted request (its pages are
 released and it goes back to the front of the queue; its prompt and output are recomputed when it
 returns), so running out of KV pages slows the engine down but never crashes it or drops work.
+
+Prefix caching (engine/kv_cache.py): admission gives a request the cached pages that begin its tokens,
+and its prompt chunks start after them. Each step offers the running requests' full pages whose entries
+are final (`final_tokens`: the target's K/V, and the drafter's too where a drafter reads them), and a
+released request offers its own, so a preempted request finds its pages again unless they were taken.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ddtree.engine.kv_cache import PageAllocator
@@ -44,6 +50,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # admitted, holding pages, in admission order
         self.num_preemptions = 0
         self.out_of_pages = False  # the last schedule left a waiting request out for want of pages
+        # tokens of a request whose cache entries no later step changes (set by the engine's decoder)
+        self.final_tokens: Callable[[Sequence], int] = lambda seq: seq.num_cached
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -73,6 +81,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue
+            if alloc.prefix_caching:
+                alloc.offer(seq, self.final_tokens(seq))
             n = seq.num_uncached
             if n != 1:
                 if n > 1:
@@ -96,11 +106,10 @@ class Scheduler:
                 budget -= self._chunk(seq, budget, step)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.allocator.can_grow(seq, len(seq)):
+            if not self.allocator.admit(seq):
                 self.out_of_pages = True
                 return step
             self.waiting.popleft()
-            self.allocator.grow(seq, len(seq))
             seq.status = Status.RUNNING
             self.running.append(seq)
             budget -= self._chunk(seq, budget, step)
@@ -114,7 +123,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.release(seq)
+        self.allocator.release(seq, self.final_tokens(seq))
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -126,4 +135,4 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.allocator.release(seq)
+        self.allocator.release(seq, self.final_tokens(seq) if seq.block_table else 0)

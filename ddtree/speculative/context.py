@@ -82,7 +82,15 @@ class DraftContext:
 
 
 def context_of(seq) -> DraftContext:
-    """The request's drafter context (made on first use, and again after preemption dropped it)."""
+    """The request's drafter context (made on first use, and again after preemption dropped it). Pages the
+    prefix cache gave the request hold the drafter's entries too: the cache holds those positions."""
     if seq.draft_context is None:
-        seq.draft_context = DraftContext()
+        seq.draft_context = DraftContext(stored=seq.num_prefix_cached, covered=seq.num_prefix_cached)
     return seq.draft_context
+
+
+def final_tokens(seq) -> int:
+    """The request's tokens whose target and drafter cache entries are both final (what a speculative
+    engine may offer to the prefix cache): those the drafter cache holds."""
+    stored = seq.num_prefix_cached if seq.draft_context is None else seq.draft_context.stored
+    return min(seq.num_cached, stored)
