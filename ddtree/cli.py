@@ -49,6 +49,11 @@ def run_other_node(args) -> int:
     return 0
 
 
+def add_prefix_cache_arg(p: argparse.ArgumentParser, default: bool = True) -> None:
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=default,
+                   help="reuse the K/V of prompt prefixes seen before (full pages; not for hybrid targets)")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """A benchmark's sampling settings (every request alike)."""
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -71,7 +76,8 @@ def llm_from_args(args):
     t0 = time.perf_counter()
     print(f"[loading {args.model or 'the default model'} ...]", file=sys.stderr, flush=True)
     llm = LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
-              device=args.device, dtype=args.dtype, parallel=parallel_from_args(args))
+              device=args.device, dtype=args.dtype, parallel=parallel_from_args(args),
+              enable_prefix_caching=args.enable_prefix_caching)
     mode = llm.spec if llm.spec == "none" else f"{llm.spec} budget {llm.budget} topk {llm.topk}"
     print(f"[loaded in {time.perf_counter() - t0:.1f} s: {llm.device.type}, spec {mode}]", file=sys.stderr, flush=True)
     return llm
@@ -191,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--raw", action="store_true", help="no chat template: feed the prompt text as is")
+    add_prefix_cache_arg(g)
     add_parallel_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -211,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
     s.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized from memory)")
     s.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    add_prefix_cache_arg(s)
     add_parallel_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -316,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(lat)
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--num-pages", type=int, default=None)
+    add_prefix_cache_arg(lat, default=False)  # (off: repeats would skip the prompts' prefill)
     lat.add_argument("--step-times", action="store_true", help="also time AR / draft / verify steps")
     lat.add_argument("--peers", action="store_true", help="also run transformers and the reference dflash")
     lat.add_argument("--peer-prompts", type=int, default=4)
@@ -365,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep every mode's engine and run the modes in turn, run by run, at each concurrency (a "
                          "drift of the machine's speed then falls on every mode alike; a KV cache per mode)")
     sw.add_argument("--num-pages", type=int, default=None)
+    add_prefix_cache_arg(sw, default=False)  # (off: repeats would skip the prompts' prefill)
     sw.add_argument("--policy-trace", default=None, help="budget auto: append one JSON line per plan to this file")
     sw.add_argument("--out", default="benchmarks/results/sweep.jsonl")
     sw.set_defaults(func=cmd_bench_sweep)

@@ -492,11 +492,14 @@ def test_multi_prompt_prefills_replay_graphs_by_width_and_give_the_eager_outputs
     assert steps[0] == (4, True), steps
     assert sorted(replays[:3]) == [(16, [3, 9]), (16, [14]), (32, [20])], replays
     steps.clear(), replays.clear()
+    # The 50-token prompt begins with the 20-token one: the prefix cache holds its first 5 pages, so
+    # its chunk is the other 30 tokens (width 32); the 5-token prompt's one full page is its last.
     long_prompts = prompts_of(corpus_ids, [5, 50])
     outs = llm.generate(long_prompts, greedy(3))
     for prompt, out in zip(long_prompts, outs):
         assert out.token_ids == alone(prompt, greedy(3)).token_ids
-    assert steps[0] == (2, True) and sorted(replays) == [(16, [5]), (64, [50])], (steps, replays)
+    assert [o.num_cached_tokens for o in outs] == [0, 20]
+    assert steps[0] == (2, True) and sorted(replays) == [(16, [5]), (32, [30])], (steps, replays)
     assert_engine_idle(llm)
 
 

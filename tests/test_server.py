@@ -218,7 +218,11 @@ def test_streamed_chunks_concatenate_to_the_non_streamed_text_and_end_with_usage
     finals = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
     assert finals[0].model_extra["ddtree"] == full.model_extra["ddtree"]
-    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == \
+        (full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens)
+    # (the repeat finds the prompt's pages, all but the one holding its last token, in the prefix cache)
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16
     text = c.completions.create(model="tiny-qwen3", prompt="for i in", **GREEDY).choices[0].text
     parts = list(c.completions.create(model="tiny-qwen3", prompt="for i in", stream=True, **GREEDY))
     assert "".join(p.choices[0].text for p in parts) == text and parts[-1].choices[0].finish_reason == "length"
@@ -261,7 +265,7 @@ def test_speculative_greedy_output_equals_ar_output(ar, spec):
         a = ar.client().chat.completions.create(model="tiny-qwen3", messages=messages, **GREEDY)
         s = spec.client().chat.completions.create(model="tiny-qwen3", messages=messages, **GREEDY)
         assert s.choices[0].message.content == a.choices[0].message.content
-        assert s.usage == a.usage
+        assert (s.usage.prompt_tokens, s.usage.completion_tokens) == (a.usage.prompt_tokens, a.usage.completion_tokens)
         info = s.model_extra["ddtree"]
         assert info["spec"] == "ddtree" and sum(info["accept_lengths"]) == s.usage.completion_tokens - 1
         assert info["mean_accept_length"] >= 1
@@ -275,7 +279,8 @@ def test_a_tensor_parallel_server_answers_as_one_rank_does(spec, tp):
     for messages in convos:
         want = spec.client().chat.completions.create(model="tiny-qwen3", messages=messages, **GREEDY)
         got = tp.client().chat.completions.create(model="tiny-qwen3", messages=messages, **GREEDY)
-        assert got.choices[0].message.content == want.choices[0].message.content and got.usage == want.usage
+        assert got.choices[0].message.content == want.choices[0].message.content \
+            and got.usage.completion_tokens == want.usage.completion_tokens
     sampled = dict(messages=MSG, temperature=0.8, seed=3, max_tokens=16, extra_body={"ignore_eos": True})
     want = spec.client().chat.completions.create(model="tiny-qwen3", **sampled).choices[0].message.content
     parts = tp.client().chat.completions.create(model="tiny-qwen3", stream=True, **sampled)
@@ -348,7 +353,8 @@ def test_an_unknown_model_is_a_404_and_integral_numbers_are_integers(ar):
         r = ar.post(path, body)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
     r = ar.post(COMP, {"prompt": [1.0, 2], "max_tokens": 3.0, "seed": 7.0, "temperature": 1})
-    assert r.status_code == 200 and r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert r.status_code == 200 and r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                                                     "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_a_body_that_is_not_sent_as_json_gets_a_400_that_says_so(ar):
@@ -593,6 +599,29 @@ def test_metrics_count_requests_tokens_latency_and_speculation(spec):
     # committed per step = accepted drafts + 1 bonus token, less any cut by max_tokens or a stop
     assert m["ddtree_spec_acceptance_length_count"] == steps
     assert steps <= m["ddtree_spec_acceptance_length_sum"] <= steps + m["ddtree_spec_accepted_tokens_total"]
+
+
+@pytest.mark.parametrize("which", ["ar", "spec"])
+def test_a_repeated_prefix_comes_from_the_prefix_cache_with_the_same_answer(which, servers, tokenizer):
+    server = servers[which]
+    system = {"role": "system", "content": "You answer in one short line. " * 2}
+    first = [system, {"role": "user", "content": "Name a colour."}]
+    second = [system, {"role": "user", "content": "Name a fruit."}]
+    before = server.metrics()
+    hits_before = before.get("ddtree_prefix_cache_hit_tokens_total", 0)
+    a = server.client().chat.completions.create(model="tiny-qwen3", messages=first, **GREEDY)
+    b = server.client().chat.completions.create(model="tiny-qwen3", messages=second, **GREEDY)
+    again = server.client().chat.completions.create(model="tiny-qwen3", messages=first, **GREEDY)
+    ids_a, ids_b = chat_ids(tokenizer, first), chat_ids(tokenizer, second)
+    shared = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)  # the common prefix, in tokens
+    assert shared >= 32 and a.usage.prompt_tokens == len(ids_a)
+    # whole 16-token pages of the common prefix; the repeat, every page before its last token
+    assert b.usage.prompt_tokens_details.cached_tokens == shared // 16 * 16
+    assert again.usage.prompt_tokens_details.cached_tokens == (len(ids_a) - 1) // 16 * 16
+    assert again.choices[0].message.content == a.choices[0].message.content
+    m = server.wait_until(lambda m: m["ddtree_kv_pages_used"] == 0)
+    assert m["ddtree_prefix_cache_hit_tokens_total"] - hits_before >= shared // 16 * 16 + (len(ids_a) - 1) // 16 * 16
+    assert m["ddtree_prefix_cache_pages"] > 0
 
 
 # ---- schemathesis: generated valid and invalid requests for every operation conform to the schema

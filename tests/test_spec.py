@@ -291,6 +291,38 @@ def test_drafter_context_after_accepting_side_branches_equals_a_fresh_prefill(fa
     assert_idle(fresh)
 
 
+@pytest.mark.parametrize("spec,budget,topk", [("ddtree", 8, 4), ("dflash", None, None)])
+def test_prefix_cache_hits_stay_lossless_and_give_the_drafter_its_whole_context(spec, budget, topk, tiny, drafter,
+                                                                               ar, tokenizer):
+    # Prompts that share prefixes (a common head, a repeat, a second turn that extends a first turn and its
+    # answer): a request that finds pages in the prefix cache takes the drafter's entries of those pages too.
+    # Its output equals AR's, and each of its drafts equals that of an engine without the cache.
+    ids = tokenizer.encode("".join(CORPUS[:6]))
+    head = ids[:21]
+    shared = [head + ids[30:37], head + ids[40:52], head + ids[30:37], ids[60:63]]
+    params = greedy_params([12, 9, 12, 7])
+    first = ar("qwen3", shared, params, enable_prefix_caching=False)
+    turns = shared + [shared[1] + first[1].token_ids + ids[80:86]]
+    params.append(SamplingParams(max_tokens=10))
+    ref = ar("qwen3", turns, params, enable_prefix_caching=False)
+    cont = continuation(turns, ar("qwen3", turns, greedy_params([LONGEST] * 5), enable_prefix_caching=False))
+    drafts, outs = [], []
+    for caching in (True, False):
+        llm = spec_llm(tiny("qwen3"), drafter("qwen3", 8), spec, budget, topk, enable_prefix_caching=caching)
+        drafts.append(record_draft_logits(llm, planted(noisy_oracle(cont))))
+        outs.append([llm.generate([t], p)[0] for t, p in zip(turns, params)] + llm.generate(turns, params))
+        assert_idle(llm)
+    assert [o.token_ids for o in outs[0]] == [r.token_ids for r in ref + ref]
+    # alone: the head's 5 pages, the repeat's pages before its last token, the first turn's prompt pages
+    assert [o.num_cached_tokens for o in outs[0][:4]] == [0, 20, 24, 0]
+    assert outs[0][4].num_cached_tokens >= len(shared[1]) // 4 * 4
+    assert [o.num_cached_tokens for o in outs[0][5:]] == [(len(t) - 1) // 4 * 4 for t in turns]
+    assert not any(o.num_cached_tokens for o in outs[1])
+    assert drafts[0].keys() == drafts[1].keys()
+    for k in drafts[1]:
+        torch.testing.assert_close(drafts[0][k], drafts[1][k], atol=1e-3, rtol=1e-3)
+
+
 # ----------------------------------------------------------------------------- full and zero acceptance
 
 @pytest.mark.parametrize("block", [8, 16])

@@ -207,7 +207,8 @@ def main(args) -> int:
         args.draft = default_draft()  # the default pair
     llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
               max_num_seqs=max(args.concurrency), num_pages=args.num_pages,
-              policy=PolicyConfig(trace=getattr(args, "policy_trace", None)))
+              policy=PolicyConfig(trace=getattr(args, "policy_trace", None)),
+              enable_prefix_caching=getattr(args, "enable_prefix_caching", False))
     env = environment(llm)
     rows_in = load_prompts(args.dataset, args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]

@@ -56,7 +56,8 @@ def main(args) -> int:
         raise ValueError("--interleave keeps a KV cache per mode: give --num-pages (e.g. 16384 on the H200)")
     llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
               max_num_seqs=max(args.concurrency), num_pages=args.num_pages,
-              policy=PolicyConfig(trace=getattr(args, "policy_trace", None)))
+              policy=PolicyConfig(trace=getattr(args, "policy_trace", None)),
+              enable_prefix_caching=getattr(args, "enable_prefix_caching", False))
     rows_in = sample_prompts(args.dataset, args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
     cats = [r["category"] for r in rows_in]

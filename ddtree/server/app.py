@@ -255,7 +255,8 @@ def create_app(load: Callable[[], object], cfg: ServerConfig,
 
 def usage(stream: RequestStream) -> P.Usage:
     n = stream.completion_tokens
-    return P.Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=n, total_tokens=stream.prompt_tokens + n)
+    return P.Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=n, total_tokens=stream.prompt_tokens + n,
+                   prompt_tokens_details=P.PromptTokensDetails(cached_tokens=stream.cached_tokens))
 
 
 async def collect(stream: RequestStream, request: Request) -> Result:
@@ -348,7 +349,8 @@ def serve(args) -> int:
     def load():
         llm = LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
                   device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages,
-                  max_model_len=args.max_model_len, parallel=parallel_from_args(args))
+                  max_model_len=args.max_model_len, parallel=parallel_from_args(args),
+                  enable_prefix_caching=args.enable_prefix_caching)
         # The server keeps this one engine for its life: what exists now is never garbage, and frozen it
         # is not walked by every full collection (hundreds of thousands of objects with the default pair),
         # which would stall the engine loop mid-stream.

@@ -38,6 +38,7 @@ class Delta:
     num_tokens: int  # generated tokens so far
     finish_reason: str | None = None  # set on the last delta
     accept_lengths: list[int] | None = None  # on the last delta: tokens committed per verify step
+    cached_tokens: int = 0  # on the last delta: prompt tokens whose K/V came from the prefix cache
     error: str | None = None  # the engine failed; also the last delta
     # A request with logprobs: a record per token generated since the previous delta (token id,
     # log-probability, the most likely tokens with theirs), server/logprobs.py `Record`
@@ -51,7 +52,7 @@ class RequestStream:
         self.owner, self.prompt, self.params, self.max_tokens = owner, prompt, params, max_tokens
         self.arrival = time.perf_counter()
         self.added: asyncio.Future[int] = owner.loop.create_future()  # -> number of prompt tokens
-        self.prompt_tokens = self.completion_tokens = 0
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.done = False
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.seq = None
@@ -68,6 +69,7 @@ class RequestStream:
             raise StopAsyncIteration
         delta = await self.queue.get()
         self.completion_tokens = delta.num_tokens
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         if delta.finish_reason is not None or delta.error is not None:
             self._release()
         return delta
@@ -259,7 +261,8 @@ class AsyncEngine:
             if finished:
                 self._active.remove(st)
                 self.metrics.requests.labels(seq.finish_reason).inc()
-                self._push(st, Delta(text, n, seq.finish_reason, list(seq.accept_lengths), logprobs=records))
+                self._push(st, Delta(text, n, seq.finish_reason, list(seq.accept_lengths),
+                                     min(seq.num_prefix_cached, len(seq.prompt_ids)), logprobs=records))
             elif text:
                 self._push(st, Delta(text, n, logprobs=records))
 

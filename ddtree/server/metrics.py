@@ -39,7 +39,14 @@ class Metrics:
         self.kv_pages_total = Gauge("ddtree_kv_pages_total", "KV cache pages in the pool", registry=r)
         self.waiting = Gauge("ddtree_requests_waiting", "Requests queued for admission", registry=r)
         self.running = Gauge("ddtree_requests_running", "Requests admitted and generating", registry=r)
+        self.prefix_queries = Counter("ddtree_prefix_cache_queried_tokens",
+                                      "Tokens of admitted requests looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("ddtree_prefix_cache_hit_tokens",
+                                   "Tokens of admitted requests whose K/V the prefix cache held", registry=r)
+        self.prefix_pages = Gauge("ddtree_prefix_cache_pages", "KV pages holding cached prefixes (held or idle)",
+                                  registry=r)
         self._spec_seen = (0, 0, 0)  # (verify steps, accepted drafts, drafted nodes) already counted
+        self._prefix_seen = (0, 0)  # (queried, hit tokens) already counted
 
     def tokens(self, n: int, first: bool, gap: float) -> None:
         """`n` new tokens of one request; `gap`: seconds since its arrival (first) or its last tokens."""
@@ -56,6 +63,11 @@ class Metrics:
         self.kv_pages_total.set(engine.allocator.num_pages)
         self.waiting.set(len(engine.scheduler.waiting) + waiting_extra)
         self.running.set(len(engine.scheduler.running))
+        alloc = engine.allocator
+        self.prefix_pages.set(alloc.num_cached_pages)
+        self.prefix_queries.inc(alloc.queried_tokens - self._prefix_seen[0])
+        self.prefix_hits.inc(alloc.hit_tokens - self._prefix_seen[1])
+        self._prefix_seen = (alloc.queried_tokens, alloc.hit_tokens)
         if engine.speculator is not None:
             st = engine.speculator.stats
             steps, accepted = st.steps, sum(st.depth_accepted)

@@ -193,10 +193,15 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose K/V the prefix cache held")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SpecInfo(BaseModel):
