@@ -72,6 +72,8 @@ def test_greedy_output_and_logprobs_equal_transformers_alone_and_batched(limits,
     llm = LLM(hybrid, **ENGINE, **limits)
     batched = llm.generate(prompts, params)
     alone = [llm.generate([p], params)[0] for p in prompts[:2]]
+    # (repeated prompts are computed again: a hybrid's recurrent state is one per request, not per page)
+    assert not llm.engine.allocator.prefix_caching and not any(o.num_cached_tokens for o in alone)
     for prompt, got, one in zip(prompts, batched, alone + [None] * len(prompts)):
         want, logp = reference(hf, prompt, n)
         assert got.token_ids == want and (one is None or one.token_ids == want)

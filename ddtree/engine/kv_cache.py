@@ -98,9 +98,9 @@ class PageAllocator:
     def offer(self, seq: Sequence, final_tokens: int) -> None:
         """Caches the request's full pages among its first `final_tokens` tokens (entries that no later
         step of the request changes), those not offered before."""
-        if not self.prefix_caching:
-            return
         last = min(final_tokens, len(seq)) // self.page_size
+        if not self.prefix_caching or last <= seq.num_offered_pages:
+            return
         keys = self._keys(seq, last)
         for i in range(seq.num_offered_pages, last):
             page, key = seq.block_table[i], keys[i]
