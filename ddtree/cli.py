@@ -394,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--top-p", type=float, default=1.0)
     sb.add_argument("--warmup", type=int, default=None,
                     help="unmeasured requests before each level (default: the level's concurrency)")
+    sb.add_argument("--multi-turn", action="store_true",
+                    help="mtbench: send each conversation's turns in order, each after the answer to the one before")
     sb.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     sb.add_argument("--out", default="benchmarks/results/serve.jsonl")
     sb.set_defaults(func=cmd_bench_serve)

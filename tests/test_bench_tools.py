@@ -271,6 +271,22 @@ def test_serve_bench_reports_latency_stats_and_acceptance_from_metrics(serve_fil
         assert all(v["mean_ttft_ms"] > 0 and v["output_tok_per_s"] > 0 for v in cats.values())
 
 
+def test_multi_turn_serve_bench_sends_each_answer_back_and_reports_cached_prompt_tokens_per_turn(server, tmp_path):
+    from ddtree.cli import main
+    out = str(tmp_path / "turns.jsonl")
+    assert main(["bench", "serve", "--base-url", server, *MTBENCH, "--num-prompts", "2", "--concurrency", "1",
+                 "--multi-turn", "--max-tokens", "6", "--output-len", "fixed", "--warmup", "1", "--timeout", "60",
+                 "--out", out]) == 0
+    (r,) = read_rows(out)
+    turns = r["per_turn"]
+    assert set(turns) == {"1", "2"} and r["num_requests"] == 8 and r["num_errors"] == 0  # 4 conversations
+    assert turns["1"]["num_requests"] == turns["2"]["num_requests"] == 4
+    # a second turn holds the first turn's prompt and answer: longer, and its first pages come from the cache
+    assert turns["2"]["prompt_tokens"] > turns["1"]["prompt_tokens"] + 4 * 6
+    assert 0 < turns["2"]["cached_prompt_tokens"] < turns["2"]["prompt_tokens"]
+    assert r["cached_prompt_tokens"] == turns["1"]["cached_prompt_tokens"] + turns["2"]["cached_prompt_tokens"]
+
+
 def test_report_writes_markdown_and_plots_and_says_what_it_skipped(sweep_file, serve_file, tmp_path):
     from ddtree.cli import main
     out = tmp_path / "report"

@@ -28,6 +28,16 @@ def load_prompts(name: str, limit: int | None = None) -> list[dict]:
     return rows[:limit] if limit else rows
 
 
+def load_conversations(name: str, limit: int | None = None) -> list[dict]:
+    """MT-Bench as conversations: rows {"id", "category", "turns"} with its two user turns each (a client
+    sends the second with the first and the model's answer before it). Categories are taken in turn."""
+    if name != "mtbench":
+        raise ValueError(f"only mtbench has conversations of several turns, not {name!r}")
+    with open(os.path.join(DATA, "mtbench.jsonl")) as f:
+        turns = {r["id"]: r["turns"] for r in map(json.loads, f)}
+    return [{**r, "turns": turns[r["id"]]} for r in sample_prompts(name, limit)]
+
+
 def sharegpt_heldout(limit: int | None = None) -> list[dict]:
     """First human turns of ShareGPT conversations with index >= 15000: drafters trained by
     `ddtree train-drafter` never saw them."""

@@ -5,7 +5,9 @@ when its last one ends) until max(--num-prompts, C) requests are done; a warm-up
 first and is not counted. Client side: output tok/s (all generated tokens over the level's wall time),
 TTFT (to the first non-empty text chunk), TPOT ((latency - TTFT) / (tokens - 1)), ITL (gaps between
 text chunks: a speculative step's tokens arrive in one chunk) and end-to-end latency, as mean, p50, p90
-and p99 in ms. Server side: the mean acceptance length from the deltas of the server's `/metrics`
+and p99 in ms, and the prompt tokens the server's prefix cache held (its usage's `cached_tokens`).
+`--multi-turn` (MT-Bench) sends each conversation's turns in order, the second with the first and the
+model's answer before it, as a chat client does; rows then add `per_turn` statistics. Server side: the mean acceptance length from the deltas of the server's `/metrics`
 (speculation counters and the acceptance-length histogram) around the measured requests, and its
 distribution from the requests' own `ddtree.accept_lengths`. The server's mode, budget, topk and device
 come from the `ddtree` field of `/v1/models`. Rows are JSON lines with the fields of `bench latency`.
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from ddtree.bench.datasets import sample_prompts
+from ddtree.bench.datasets import load_conversations, sample_prompts
 from ddtree.bench.latency import accept_hist, environment
 
 SPEC_COUNTERS = ("ddtree_spec_verify_steps_total", "ddtree_spec_drafted_tokens_total",
@@ -39,6 +41,10 @@ class Result:
     tokens: int = 0
     accept_lengths: list[int] = field(default_factory=list)
     error: str | None = None
+    turn: int = 1
+    text: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, those the server's prefix cache held
 
     @property
     def tpot(self) -> float | None:
@@ -66,13 +72,16 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, category:
                     break
                 for ch in ev.get("choices") or []:
                     if (ch.get("delta") or {}).get("content"):
+                        res.text += ch["delta"]["content"]
                         if res.ttft is None:
                             res.ttft = now - t0
                         else:
                             res.itl.append(now - last)
                         last, chunks = now, chunks + 1
                 if ev.get("usage"):
-                    res.tokens = ev["usage"]["completion_tokens"]
+                    usage = ev["usage"]
+                    res.tokens, res.prompt_tokens = usage["completion_tokens"], usage.get("prompt_tokens", 0)
+                    res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 if (ev.get("ddtree") or {}).get("accept_lengths") is not None:
                     res.accept_lengths = ev["ddtree"]["accept_lengths"]
     except (httpx.HTTPError, json.JSONDecodeError) as e:
@@ -82,19 +91,42 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, category:
     return res
 
 
-async def closed_loop(client: httpx.AsyncClient, url: str, work: list[tuple[str, dict]],
+async def closed_loop(client: httpx.AsyncClient, url: str, work: list[tuple[str, dict, list[str] | None]],
                       concurrency: int) -> tuple[list[Result], float]:
-    """Runs `work` ((category, body) pairs) with `concurrency` clients; returns results and wall time."""
+    """Runs `work` ((category, body, turns) triples) with `concurrency` clients; returns results and wall
+    time. With `turns` (user messages), the body's messages are the conversation so far: each turn is
+    sent after the answer to the one before, which joins the conversation."""
     todo = iter(work)  # shared: each client takes the next request when its last one ends
     results: list[Result] = []
 
     async def client_loop():
-        for cat, body in todo:
-            results.append(await one_request(client, url, body, cat))
+        for cat, body, turns in todo:
+            if turns is None:
+                results.append(await one_request(client, url, body, cat))
+                continue
+            messages: list[dict] = []
+            for i, text in enumerate(turns, 1):
+                messages = messages + [{"role": "user", "content": text}]
+                res = await one_request(client, url, {**body, "messages": messages}, cat)
+                res.turn = i
+                results.append(res)
+                if res.error is not None:
+                    break
+                messages = messages + [{"role": "assistant", "content": res.text}]
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(min(concurrency, len(work)))))
     return results, time.perf_counter() - t0
+
+
+def warm_up(i: int, item: tuple[str, dict, list[str] | None]) -> tuple[str, dict, list[str] | None]:
+    """A warm-up request like `item`, its first user message begun with a mark of its own."""
+    cat, body, turns = item
+    mark = f"(warm-up request {i}) "
+    if turns is not None:
+        return cat, body, [mark + turns[0], *turns[1:]]
+    first = body["messages"][0]
+    return cat, {**body, "messages": [{**first, "content": mark + first["content"]}, *body["messages"][1:]]}, None
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -127,7 +159,9 @@ def summary(name: str, values: list[float]) -> dict[str, float | None]:
 
 
 def latency_stats(results: list[Result]) -> dict:
-    return {**summary("ttft", [r.ttft for r in results if r.ttft is not None]),
+    return {"prompt_tokens": sum(r.prompt_tokens for r in results),
+            "cached_prompt_tokens": sum(r.cached_tokens for r in results),
+            **summary("ttft", [r.ttft for r in results if r.ttft is not None]),
             **summary("tpot", [r.tpot for r in results if r.tpot is not None]),
             **summary("itl", [g for r in results for g in r.itl]),
             **summary("e2e", [r.latency for r in results])}
@@ -172,11 +206,12 @@ async def bench(args) -> list[dict]:
         card = models.json()["data"][0]
         model, served = args.served_model or card["id"], card.get("ddtree")
 
-        rows_in = sample_prompts(args.dataset, args.num_prompts)
+        multi_turn = getattr(args, "multi_turn", False)
+        rows_in = (load_conversations if multi_turn else sample_prompts)(args.dataset, args.num_prompts)
         fixed = args.output_len == "fixed"
 
         def body(r: dict) -> dict:
-            return {"model": model, "messages": r["messages"], "max_tokens": args.max_tokens,
+            return {"model": model, "messages": r.get("messages"), "max_tokens": args.max_tokens,
                     "temperature": args.temperature, "top_p": args.top_p, "stream": True, "stream_options": {"include_usage": True},
                     **({"ignore_eos": True} if fixed else {})}
 
@@ -186,10 +221,10 @@ async def bench(args) -> list[dict]:
             # Closed loop: each client sends several requests, so a level measures its concurrency and
             # not a batch draining; prompts repeat when there are fewer.
             n = max(len(rows_in), 4 * c)
-            work = [(r["category"], body(r)) for r in itertools.islice(itertools.cycle(rows_in), n)]
+            work = [(r["category"], body(r), r.get("turns")) for r in itertools.islice(itertools.cycle(rows_in), n)]
             warm = c if args.warmup is None else args.warmup
-            if warm:
-                await closed_loop(client, url, work[:warm], c)
+            if warm:  # (each prompt marked: the measured ones must not find the warm-up's in the prefix cache)
+                await closed_loop(client, url, [warm_up(i, item) for i, item in enumerate(work[:warm])], c)
             before = await spec_counters(client, base)
             results, wall = await closed_loop(client, url, work, c)
             after = await spec_counters(client, base)
@@ -216,6 +251,10 @@ async def bench(args) -> list[dict]:
                    **latency_stats(ok), "base_url": base, "model": model}
             if len(cats) > 1:
                 row["per_category"] = per_category(ok)
+            if multi_turn:
+                row["per_turn"] = {str(t): {"num_requests": sum(r.turn == t for r in ok),
+                                            **latency_stats([r for r in ok if r.turn == t])}
+                                   for t in sorted({r.turn for r in ok})}
             limit = (served or {}).get("max_num_seqs")
             row["server_max_num_seqs"] = limit
             if limit and c > limit:
