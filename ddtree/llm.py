@@ -350,7 +350,7 @@ class LLM:
         self._record_stats(seqs, before, time.perf_counter() - t0, steps)
         return [RequestOutput(s.prompt_ids, s.text, list(s.output_ids), s.finish_reason, list(s.accept_lengths),
                               None if s.logprobs is None else list(s.logprobs),
-                              min(s.num_prefix_cached, len(s.prompt_ids))) for s in seqs]
+                              s.num_cached_prompt or 0) for s in seqs]
 
     def _record_stats(self, seqs: list[Sequence], before: tuple[dict, dict], elapsed: float, steps: int) -> None:
         """`last_stats`: the requests' tokens, time and acceptance, and the engine counters' growth since

@@ -225,6 +225,27 @@ def test_a_hybrid_target_under_graphed_auto_switches_without_skipping_the_contex
     assert stats["ar_bursts"] > 0 and stats["spec_bursts"] > 0 and stats.get("refeeds", 0) == 0, stats
 
 
+def test_prefixes_cached_by_plain_ar_steps_are_fed_to_the_drafter_before_it_drafts(pairs, prompts, ar_out):
+    # Plain AR's steps (speculation hopeless) read nothing out for the drafter, yet the prefix cache keeps
+    # their pages, unmarked for the drafter. A later request that takes them starts with a gap in its drafter
+    # context, fed through the target again before its first draft, and stays lossless; the pages are then
+    # marked.
+    family = "qwen2"
+    ref = ar_out(family)
+    llm = auto_llm(pairs, family, cost_table=table(roofline))
+    plant_noisy_oracle(llm, continuation(prompts, ar_out(family, (max(MAX_TOKENS),) * 4)))
+    spec, alloc, params = llm.engine.speculator, llm.engine.allocator, params_of(MAX_TOKENS)
+    spec.policy = Scripted(["plain"])
+    first = llm.generate(prompts, params)
+    assert alloc.num_cached_pages > 0 and not alloc.drafted
+    spec.policy = Scripted([4, 8])
+    again = llm.generate(prompts, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again] == [r.token_ids for r in ref]
+    assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 4 * 4 for p in prompts]
+    assert llm.last_stats["bursts"].get("refeeds", 0) > 0 and alloc.drafted
+    assert_idle(llm)
+
+
 def test_policy_settings_come_from_the_engine_config(pairs, tmp_path):
     trace = tmp_path / "plans.jsonl"
     llm = auto_llm(pairs, "qwen2", cost_table=table(roofline), policy=PolicyConfig(margin=1.2, trace=str(trace)))

@@ -20,11 +20,11 @@ def test_a_request_takes_the_cached_pages_that_begin_its_tokens_and_computes_the
     alloc = cached()
     a = seq_of(range(14))
     assert alloc.admit(a) and a.num_cached == 0 and len(a.block_table) == 4
-    alloc.release(a, final_tokens=14)  # 3 full pages offered: tokens 0..11
+    alloc.release(a, 14)  # 3 full pages offered: tokens 0..11
     assert alloc.num_cached_pages == 3 and alloc.num_free == 16
     b = seq_of([*range(10), 99, 98, 97])  # pages 0..7 are a's; the third differs at its third token
     assert alloc.admit(b)
-    assert b.num_cached == b.num_prefix_cached == 8 and len(b.block_table) == 4
+    assert b.num_cached == b.num_cached_prompt == 8 and len(b.block_table) == 4
     assert alloc.hit_tokens == 8 and alloc.queried_tokens == 14 + 13
     c = seq_of(range(12))  # all three pages cached, but the last token is always computed
     assert alloc.admit(c) and c.num_cached == 8
@@ -46,13 +46,15 @@ def test_a_shared_page_goes_idle_when_its_last_holder_leaves_and_idle_pages_are_
     assert alloc.admit(c) and c.num_cached == 0
     alloc.release(c, 9)  # c's two pages are cached after a's
     assert alloc.num_free == 8 and alloc.num_cached_pages == 4
-    big = seq_of(range(200, 220))  # 5 pages: the 4 free ones, then the idle one unused longest (a's first)
+    # 5 pages: the 4 free ones, then the idle one unused longest: a request's pages go idle last one first,
+    # so a prefix is given up from its end (a's second page)
+    big = seq_of(range(200, 220))
     assert alloc.admit(big) and alloc.num_cached_pages == 3
     alloc.release(big, 0)
     hit = seq_of(range(100, 110))
     assert alloc.admit(hit) and hit.num_cached == 8
-    miss = seq_of([*range(8), 50])  # its first page is gone, so the second cannot be reached either
-    assert alloc.admit(miss) and miss.num_cached == 0
+    part = seq_of([*range(8), 50])
+    assert alloc.admit(part) and part.num_cached == 4
 
 
 def test_the_same_prefix_computed_twice_is_cached_once_and_the_other_copy_is_freed():
@@ -74,6 +76,33 @@ def test_admission_counts_its_idle_hits_as_taken_and_takes_nothing_when_short():
     assert alloc.num_free == 4 and alloc.num_cached_pages == 3
     c = seq_of([*range(8), 1, 2, 3, 4, 5])  # 2 hits and 2 more
     assert alloc.admit(c) and c.num_cached == 8 and alloc.num_free == 0
+
+
+def test_pages_are_marked_drafted_once_the_drafter_entries_are_final_and_a_fixed_budget_takes_only_those():
+    for require in (False, True):
+        alloc = PageAllocator(16, 4, prefix_caching=True, require_drafted=require)
+        a = seq_of(range(13))
+        assert alloc.admit(a)
+        alloc.offer(a, 12, drafted_tokens=5)  # three pages final, the drafter's entries in the first only
+        b = seq_of([*range(12), 7])
+        assert alloc.admit(b)
+        assert (b.num_cached, b.num_prefix_drafted) == ((4, 4) if require else (12, 4))
+        alloc.offer(a, 13, drafted_tokens=13)  # later: all three drafted
+        c = seq_of([*range(12), 8])
+        assert alloc.admit(c) and (c.num_cached, c.num_prefix_drafted) == (12, 12)
+
+
+def test_clearing_the_cache_frees_idle_pages_and_forgets_every_prefix():
+    alloc = cached(num_pages=8)
+    a, b = seq_of(range(9)), seq_of(range(100, 109))
+    assert alloc.admit(a) and alloc.admit(b)
+    alloc.release(a, 9)
+    alloc.offer(b, 8)
+    alloc.clear_cache()
+    assert alloc.num_cached_pages == 0 and alloc.num_free == 8 - 3 and len(alloc.free_pages) == 5
+    alloc.release(b, 9)  # (pages offered before the clear are not offered again)
+    again = seq_of(range(9))
+    assert alloc.admit(again) and again.num_cached == 0
 
 
 def test_without_prefix_caching_nothing_is_cached():

@@ -23,7 +23,7 @@ from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.transformer import CausalLM
 from ddtree.sampling_params import SamplingParams
 from ddtree.speculative.auto import AdaptiveSpeculator
-from ddtree.speculative.context import final_tokens
+from ddtree.speculative.context import drafted_tokens
 from ddtree.speculative.costs import CostTable
 from ddtree.speculative.decode import SPEC_BURST, Speculator
 from ddtree.speculative.draft import DraftRunner
@@ -47,7 +47,10 @@ class LLMEngine:
         self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype, logit_rows, tp)
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
                                        engine_cfg.max_num_seqs if cfg.is_hybrid else 0,
-                                       prefix_caching=engine_cfg.enable_prefix_caching and not cfg.is_hybrid)
+                                       prefix_caching=engine_cfg.enable_prefix_caching and not cfg.is_hybrid,
+                                       # (a fixed budget has no way to feed a drafter context's gap: budget
+                                       # auto refeeds it, or runs plain AR while it is open)
+                                       require_drafted=speculative and not auto)
         capacity = self.runner.num_pages * engine_cfg.page_size
         use_graphs = engine_cfg.cuda_graphs and self._graphs_supported()
         # Host ms of prefills and whole steps in every mode, and how graphed AR steps were grouped into
@@ -71,8 +74,8 @@ class LLMEngine:
         # the step's budget and admit them slowly.
         self.scheduler = Scheduler(self.allocator, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens,
                                    decode_width=width, decode_tokens=budget + 1 if speculative and not auto else 1)
-        if speculative:  # (pages offered to the prefix cache must hold the drafter's entries too)
-            self.scheduler.final_tokens = final_tokens
+        if speculative:  # (the prefix cache marks the pages whose drafter entries are final)
+            self.scheduler.drafted_tokens = drafted_tokens
         # A request at the limit must still find room for one step's width of speculative K/V.
         self.max_model_len = min(engine_cfg.max_model_len or cfg.max_position, cfg.max_position,
                                  capacity - width + 1)

@@ -5,13 +5,16 @@ token at position p lives at slot block_table[p // page_size] * page_size + p % 
 models also keep a recurrent state per request (models/hybrid.py): the allocator hands out a state
 slot with a request's first pages and takes it back with them.
 
-Prefix caching (`prefix_caching`): a full page whose entries are final is offered to the cache under
-a key for its tokens and all tokens before it (`page_key`), so the key names the whole prefix. A request
-admitted later takes the longest run of cached pages that begins its tokens and skips computing them;
-pages are shared by reference count. A page no request holds stays cached (`idle`, least recently used
-first) until the pool runs out of free pages and it is taken for new entries. A request always computes
-its last token (its logits are needed), so the pages it shares end before its first new token: no
-request writes into a shared page.
+Prefix caching (`prefix_caching`): a full page whose target K/V are final is offered to the cache under
+a key for its tokens and all tokens before it (`page_key`), so the key names the whole prefix; it is
+marked `drafted` once the drafter's entries in its slots (a speculative engine's) are final too. A
+request admitted later takes the longest run of cached pages that begins its tokens and skips computing
+them; pages are shared by reference count. A page no request holds stays cached (`idle`, least recently
+used first; a request's last pages go idle before its first, so a prefix is lost from its end) until the
+pool runs out of free pages and it is taken for new entries. A request always computes its last token
+(its logits are needed), so the pages it shares end before its first new token: no request writes its
+target K/V into a shared page. Its drafter context starts after the run of drafted pages it took; the
+speculative side fills the rest (`require_drafted`: a decoder that cannot takes drafted pages only).
 """
 from __future__ import annotations
 
@@ -31,10 +34,12 @@ def page_key(previous: bytes, tokens: list[int]) -> bytes:
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int, num_state_slots: int = 0, prefix_caching: bool = False):
+    def __init__(self, num_pages: int, page_size: int, num_state_slots: int = 0, prefix_caching: bool = False,
+                 require_drafted: bool = False):
         """`num_state_slots`: hybrid models, one per request that may hold pages at once. `prefix_caching`:
         keep full pages' entries for later requests with the same prefix (dense targets only: a hybrid's
-        recurrent state has no per-page form to share)."""
+        recurrent state has no per-page form to share). `require_drafted`: hits end at the first cached
+        page without the drafter's entries (a decoder that cannot feed a drafter context's gap)."""
         assert num_pages > 0 and page_size > 0
         assert not (prefix_caching and num_state_slots), "prefix caching shares K/V pages, not recurrent states"
         self.num_pages, self.page_size = num_pages, page_size
@@ -42,10 +47,11 @@ class PageAllocator:
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
         self.num_state_slots = num_state_slots
         self.free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
-        self.prefix_caching = prefix_caching
+        self.prefix_caching, self.require_drafted = prefix_caching, require_drafted
         self.refs = [0] * num_pages  # requests holding each page
         self.key_of: dict[int, bytes] = {}  # cached page -> its key
         self.page_of: dict[bytes, int] = {}  # key -> cached page
+        self.drafted: set[int] = set()  # cached pages whose drafter entries are final too
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached pages no request holds, oldest use first
         self.hit_tokens = self.queried_tokens = 0  # admitted prompts' tokens found cached, and looked up
 
@@ -80,7 +86,8 @@ class PageAllocator:
 
     def admit(self, seq: Sequence) -> bool:
         """Gives a waiting request pages for all its tokens, the cached ones first (its `num_cached` then
-        counts their tokens); False, and nothing taken, where the pool holds too few."""
+        counts their tokens, `num_prefix_drafted` those of the leading pages with the drafter's entries);
+        False, and nothing taken, where the pool holds too few."""
         hits = self._lookup(seq)
         idle_hits = sum(1 for p in hits if self.refs[p] == 0)
         if -(-len(seq) // self.page_size) - len(hits) > self.num_free - idle_hits:
@@ -88,31 +95,40 @@ class PageAllocator:
         for p in hits:
             self._hold(p)
         seq.block_table = hits
-        seq.num_cached = seq.num_prefix_cached = len(hits) * self.page_size
-        if self.prefix_caching:
-            self.queried_tokens += len(seq)
-            self.hit_tokens += seq.num_cached
+        seq.num_cached = len(hits) * self.page_size
+        drafted = next((i for i, p in enumerate(hits) if p not in self.drafted), len(hits))
+        seq.num_prefix_drafted = drafted * self.page_size
+        if self.prefix_caching and seq.num_cached_prompt is None:  # (a readmission finds its own pages)
+            seq.num_cached_prompt = min(seq.num_cached, len(seq.prompt_ids))
+            self.queried_tokens += len(seq.prompt_ids)
+            self.hit_tokens += seq.num_cached_prompt
         self.grow(seq, len(seq))
         return True
 
-    def offer(self, seq: Sequence, final_tokens: int) -> None:
-        """Caches the request's full pages among its first `final_tokens` tokens (entries that no later
-        step of the request changes), those not offered before."""
-        last = min(final_tokens, len(seq)) // self.page_size
-        if not self.prefix_caching or last <= seq.num_offered_pages:
+    def offer(self, seq: Sequence, final_tokens: int, drafted_tokens: int = 0) -> None:
+        """Caches the request's full pages among its first `final_tokens` tokens (target K/V that no
+        later step of the request changes), those not offered before, and marks the ones among its first
+        `drafted_tokens` (whose drafter entries are final too) drafted."""
+        if not self.prefix_caching:
             return
-        keys = self._keys(seq, last)
-        for i in range(seq.num_offered_pages, last):
-            page, key = seq.block_table[i], keys[i]
-            if key not in self.page_of and page not in self.key_of:  # (the same prefix computed twice: keep one)
-                self.page_of[key], self.key_of[page] = page, key
-        seq.num_offered_pages = max(seq.num_offered_pages, last)
+        last = min(final_tokens, len(seq)) // self.page_size
+        if last > seq.num_offered_pages:
+            keys = self._keys(seq, last)
+            for i in range(seq.num_offered_pages, last):
+                page, key = seq.block_table[i], keys[i]
+                if key not in self.page_of and page not in self.key_of:  # (one prefix computed twice: keep one)
+                    self.page_of[key], self.key_of[page] = page, key
+            seq.num_offered_pages = last
+        drafted = min(drafted_tokens // self.page_size, last)
+        if drafted > seq.num_drafted_pages:
+            self.drafted.update(p for p in seq.block_table[seq.num_drafted_pages:drafted] if p in self.key_of)
+            seq.num_drafted_pages = drafted
 
-    def release(self, seq: Sequence, final_tokens: int = 0) -> None:
-        """Takes back the request's pages (after caching those among its first `final_tokens` tokens) and
-        its state slot."""
-        self.offer(seq, final_tokens)
-        for p in seq.block_table:
+    def release(self, seq: Sequence, final_tokens: int = 0, drafted_tokens: int = 0) -> None:
+        """Takes back the request's pages (after caching those among its first `final_tokens` tokens, as
+        `offer`) and its state slot. Its last pages go idle first: the cache gives up a prefix from its end."""
+        self.offer(seq, final_tokens, drafted_tokens)
+        for p in reversed(seq.block_table):
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 if p in self.key_of:
@@ -124,6 +140,15 @@ class PageAllocator:
         seq.drop_cache()
         assert self.num_free <= self.num_pages and len(self.free_slots) <= self.num_state_slots
 
+    def clear_cache(self) -> None:
+        """Forgets every cached prefix (after a failed step, whose entries may be half written); pages no
+        request holds are free again."""
+        self.free_pages.extend(self.idle)
+        self.idle.clear()
+        self.key_of.clear()
+        self.page_of.clear()
+        self.drafted.clear()
+
     def _take(self) -> int:
         """A page for new entries: a free one, else the cached page unused the longest (uncached now)."""
         if self.free_pages:
@@ -131,6 +156,7 @@ class PageAllocator:
         else:
             page, _ = self.idle.popitem(last=False)
             del self.page_of[self.key_of.pop(page)]
+            self.drafted.discard(page)
         self.refs[page] = 1
         return page
 
@@ -153,7 +179,7 @@ class PageAllocator:
         hits = []
         for key in self._keys(seq, (len(seq) - 1) // self.page_size):
             page = self.page_of.get(key)
-            if page is None:
+            if page is None or (self.require_drafted and page not in self.drafted):
                 break
             hits.append(page)
         return hits

@@ -13,9 +13,10 @@ released and it goes back to the front of the queue; its prompt and output are r
 returns), so running out of KV pages slows the engine down but never crashes it or drops work.
 
 Prefix caching (engine/kv_cache.py): admission gives a request the cached pages that begin its tokens,
-and its prompt chunks start after them. Each step offers the running requests' full pages whose entries
-are final (`final_tokens`: the target's K/V, and the drafter's too where a drafter reads them), and a
-released request offers its own, so a preempted request finds its pages again unless they were taken.
+and its prompt chunks start after them. Each step offers the running requests' full pages whose target
+K/V are final (below `num_cached`), marking those whose drafter entries are final too (`drafted_tokens`,
+set by a speculative engine), and a released request offers its own, so a preempted request finds its
+pages again unless they were taken.
 """
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # admitted, holding pages, in admission order
         self.num_preemptions = 0
         self.out_of_pages = False  # the last schedule left a waiting request out for want of pages
-        # tokens of a request whose cache entries no later step changes (set by the engine's decoder)
-        self.final_tokens: Callable[[Sequence], int] = lambda seq: seq.num_cached
+        # tokens of a request whose drafter cache entries are final (a speculative engine's drafter)
+        self.drafted_tokens: Callable[[Sequence], int] = lambda seq: 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -82,7 +83,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             if alloc.prefix_caching:
-                alloc.offer(seq, self.final_tokens(seq))
+                alloc.offer(seq, seq.num_cached, self.drafted_tokens(seq))
             n = seq.num_uncached
             if n != 1:
                 if n > 1:
@@ -123,7 +124,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.release(seq, self.final_tokens(seq))
+        self.allocator.release(seq, seq.num_cached, self.drafted_tokens(seq))
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -135,4 +136,4 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.allocator.release(seq, self.final_tokens(seq) if seq.block_table else 0)
+        self.allocator.release(seq, seq.num_cached, self.drafted_tokens(seq))

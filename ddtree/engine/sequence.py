@@ -29,8 +29,12 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
-    num_prefix_cached: int = 0  # tokens the prefix cache gave it at its (last) admission (engine/kv_cache.py)
-    num_offered_pages: int = 0  # its first pages offered to the prefix cache
+    # The prefix cache (engine/kv_cache.py): of the tokens it gave the request at its (last) admission, those
+    # whose pages hold the drafter's entries too; its first pages offered, and marked drafted.
+    num_prefix_drafted: int = 0
+    num_offered_pages: int = 0
+    num_drafted_pages: int = 0
+    num_cached_prompt: int | None = None  # prompt tokens found cached at its first admission
     page_keys: list[bytes] = field(default_factory=list)  # the prefix cache's keys of its first full pages
     finish_reason: str | None = None
     accept_lengths: list[int] = field(default_factory=list)
@@ -48,7 +52,7 @@ class Sequence:
         """Forget all cached state (pages were released): everything is recomputed on readmission."""
         self.block_table = []
         self.state_slot = -1
-        self.num_cached = self.num_offered_pages = 0
+        self.num_cached = self.num_offered_pages = self.num_drafted_pages = 0
         self.draft_context = None
 
     @property

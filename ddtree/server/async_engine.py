@@ -262,7 +262,7 @@ class AsyncEngine:
                 self._active.remove(st)
                 self.metrics.requests.labels(seq.finish_reason).inc()
                 self._push(st, Delta(text, n, seq.finish_reason, list(seq.accept_lengths),
-                                     min(seq.num_prefix_cached, len(seq.prompt_ids)), logprobs=records))
+                                     seq.num_cached_prompt or 0, logprobs=records))
             elif text:
                 self._push(st, Delta(text, n, logprobs=records))
 
@@ -275,6 +275,7 @@ class AsyncEngine:
             self.metrics.requests.labels("error").inc()
             self._push(st, Delta("", st.seen_tokens, error=message))
         self._active.clear()
+        engine.allocator.clear_cache()  # (the failed step may have left entries half written)
 
     def _push(self, st: RequestStream, delta: Delta) -> None:
         self._call(st.queue.put_nowait, delta)

@@ -82,15 +82,16 @@ class DraftContext:
 
 
 def context_of(seq) -> DraftContext:
-    """The request's drafter context (made on first use, and again after preemption dropped it). Pages the
-    prefix cache gave the request hold the drafter's entries too: the cache holds those positions."""
+    """The request's drafter context (made on first use, and again after preemption dropped it). The
+    drafted pages the prefix cache gave the request hold the drafter's entries: the cache holds those
+    positions (the rest of its cached tokens are an open gap)."""
     if seq.draft_context is None:
-        seq.draft_context = DraftContext(stored=seq.num_prefix_cached, covered=seq.num_prefix_cached)
+        seq.draft_context = DraftContext(stored=seq.num_prefix_drafted, covered=seq.num_prefix_drafted)
     return seq.draft_context
 
 
-def final_tokens(seq) -> int:
-    """The request's tokens whose target and drafter cache entries are both final (what a speculative
-    engine may offer to the prefix cache): those the drafter cache holds."""
-    stored = seq.num_prefix_cached if seq.draft_context is None else seq.draft_context.stored
+def drafted_tokens(seq) -> int:
+    """The request's tokens whose drafter cache entries are final (its pages up to there may be marked
+    drafted in the prefix cache): those the drafter cache holds."""
+    stored = seq.num_prefix_drafted if seq.draft_context is None else seq.draft_context.stored
     return min(seq.num_cached, stored)

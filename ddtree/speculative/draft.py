@@ -86,7 +86,7 @@ def store_shape(rows: int) -> int:
 def has_gap(seq: Sequence) -> bool:
     """Whether some of the request's cached positions were never read out for the drafter."""
     ctx = seq.draft_context
-    return seq.num_cached > seq.num_prefix_cached if ctx is None else ctx.has_gap(seq.num_cached)
+    return seq.num_cached > seq.num_prefix_drafted if ctx is None else ctx.has_gap(seq.num_cached)
 
 
 def gap_rows(seq: Sequence) -> int:
