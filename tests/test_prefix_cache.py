@@ -92,6 +92,19 @@ def test_pages_are_marked_drafted_once_the_drafter_entries_are_final_and_a_fixed
         assert alloc.admit(c) and (c.num_cached, c.num_prefix_drafted) == (12, 12)
 
 
+def test_a_copy_with_the_drafter_entries_replaces_a_cached_copy_without():
+    alloc = PageAllocator(8, 4, prefix_caching=True, require_drafted=True)
+    a, b = seq_of(range(9)), seq_of(range(9))
+    assert alloc.admit(a)
+    alloc.offer(a, 8)  # cached, not drafted (budget auto's plain AR steps)
+    assert alloc.admit(b) and b.num_cached == 0  # a fixed budget takes drafted pages only
+    alloc.offer(b, 8, drafted_tokens=8)
+    c = seq_of(range(9))
+    assert alloc.admit(c) and c.num_cached == 8 and c.block_table[:2] == b.block_table[:2]
+    alloc.release(a, 9)  # a's copies are no longer cached: free
+    assert alloc.num_cached_pages == 2 and alloc.num_free == 8 - 4
+
+
 def test_clearing_the_cache_frees_idle_pages_and_forgets_every_prefix():
     alloc = cached(num_pages=8)
     a, b = seq_of(range(9)), seq_of(range(100, 109))

@@ -120,9 +120,18 @@ class PageAllocator:
                     self.page_of[key], self.key_of[page] = page, key
             seq.num_offered_pages = last
         drafted = min(drafted_tokens // self.page_size, last)
-        if drafted > seq.num_drafted_pages:
-            self.drafted.update(p for p in seq.block_table[seq.num_drafted_pages:drafted] if p in self.key_of)
-            seq.num_drafted_pages = drafted
+        for i in range(seq.num_drafted_pages, drafted):
+            page = seq.block_table[i]
+            if page not in self.key_of:  # another copy of this prefix was cached first: this one replaces it
+                key = seq.page_keys[i]  # where that one lacks the drafter's entries (or was taken since)
+                other = self.page_of.get(key)
+                if other in self.drafted:
+                    continue
+                if other is not None:
+                    self._uncache(other)
+                self.page_of[key], self.key_of[page] = page, key
+            self.drafted.add(page)
+        seq.num_drafted_pages = max(seq.num_drafted_pages, drafted)
 
     def release(self, seq: Sequence, final_tokens: int = 0, drafted_tokens: int = 0) -> None:
         """Takes back the request's pages (after caching those among its first `final_tokens` tokens, as
@@ -148,6 +157,14 @@ class PageAllocator:
         self.key_of.clear()
         self.page_of.clear()
         self.drafted.clear()
+
+    def _uncache(self, page: int) -> None:
+        """Drops a cached page's key; free again if no request holds it."""
+        del self.page_of[self.key_of.pop(page)]
+        self.drafted.discard(page)
+        if self.refs[page] == 0:
+            del self.idle[page]
+            self.free_pages.append(page)
 
     def _take(self) -> int:
         """A page for new entries: a free one, else the cached page unused the longest (uncached now)."""
