@@ -309,7 +309,8 @@ BAD = {
     "empty prompt": (COMP, {"prompt": ""}, "prompt"),
     "several prompts": (COMP, {"prompt": ["a", "b"]}, "prompt"),
     "token id out of range": (COMP, {"prompt": [1, 10**9]}, "prompt"),
-    "n above one": (CHAT, {"messages": MSG, "n": 2}, "n"),
+    "n above the limit": (CHAT, {"messages": MSG, "n": 17}, "n"),
+    "n zero": (COMP, {"prompt": "hi", "n": 0}, "n"),
     "bad params on a stream": (CHAT, {"messages": MSG, "stream": True, "top_p": 0}, "top_p"),
     # strict types: JSON numbers and booleans only, roles and content parts from their enums
     "max_tokens true": (COMP, {"prompt": "hi", "max_tokens": True}, "max_tokens"),
@@ -385,8 +386,37 @@ def test_null_fields_mean_the_defaults(ar):
 
 
 def test_openai_client_sees_bad_request_errors(ar):
-    with pytest.raises(openai.BadRequestError, match="n=3 is not supported"):
-        ar.client().chat.completions.create(model="tiny-qwen3", messages=MSG, n=3)
+    with pytest.raises(openai.BadRequestError, match="less than or equal to 16"):
+        ar.client().chat.completions.create(model="tiny-qwen3", messages=MSG, n=17)
+
+
+@pytest.mark.parametrize("which", ["ar", "spec"])
+def test_n_choices_are_the_requests_of_seeds_seed_plus_i_streamed_or_not(which, servers):
+    server = servers[which]
+    c = server.client()
+    sampled = dict(temperature=0.9, seed=5, max_tokens=12, extra_body={"ignore_eos": True})
+    r = c.chat.completions.create(model="tiny-qwen3", messages=MSG, n=3, **sampled)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    alone = [c.chat.completions.create(model="tiny-qwen3", messages=MSG, **{**sampled, "seed": 5 + i})
+             for i in range(3)]
+    assert [ch.message.content for ch in r.choices] == [a.choices[0].message.content for a in alone]
+    assert len({ch.message.content for ch in r.choices}) > 1  # (three seeds: different draws)
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens and r.usage.completion_tokens == 3 * 12
+    chunks = list(c.chat.completions.create(model="tiny-qwen3", messages=MSG, n=3, stream=True,
+                                            stream_options={"include_usage": True}, **sampled))
+    texts, finishes, roles = ["", "", ""], [], []
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] += choice.delta.content or ""
+            roles += [choice.index] if choice.delta.role else []
+            finishes += [choice.index] if choice.finish_reason else []
+    assert texts == [ch.message.content for ch in r.choices]
+    assert sorted(roles) == sorted(finishes) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == 3 * 12
+    comp = c.completions.create(model="tiny-qwen3", prompt="import numpy", n=2, logprobs=2, **sampled)
+    for ch in comp.choices:  # each choice's own logprobs, its offsets from its own text's start
+        assert len(ch.logprobs.tokens) == 12 and ch.logprobs.text_offset[0] == 0
+    server.wait_until(lambda m: m["ddtree_kv_pages_used"] == 0)
 
 
 # ---- concurrency, disconnects and KV pages

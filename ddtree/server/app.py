@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import gc
 import os
 import secrets
@@ -26,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ddtree.sampling_params import SamplingParams
 from ddtree.server import protocol as P
 from ddtree.server.async_engine import AsyncEngine, Delta, RequestStream
 from ddtree.server.logprobs import CompletionOffsets, TokenText, chat_logprobs, completion_logprobs
@@ -190,52 +192,64 @@ def create_app(load: Callable[[], object], cfg: ServerConfig,
         if req.model is not None and req.model != cfg.model_name:
             raise APIError(404, f"model {req.model!r} not found; this server serves {cfg.model_name!r}",
                            param="model", code="model_not_found")
-        if req.n != 1:
-            raise APIError(400, f"n={req.n} is not supported: this server returns one choice per request; "
-                                "send n requests instead", param="n")
-        stream = await engine.submit(prompt, P.sampling_params(req, engine.llm.config.vocab_size), max_tokens)
+        params = P.sampling_params(req, engine.llm.config.vocab_size)
+        streams: list[RequestStream] = []  # one request a choice
+        try:
+            for i in range(req.n or 1):
+                streams.append(await engine.submit(prompt, choice_params(params, i), max_tokens))
+        except BaseException:
+            for st in streams:
+                st.abort()
+            raise
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
                     model=cfg.model_name)
-        offsets = CompletionOffsets()
+        offsets = [CompletionOffsets() for _ in streams]
 
-        def logprobs(records: list | None):  # the records in the endpoint's shape
+        def logprobs(i: int, records: list | None):  # choice i's records in the endpoint's shape
             if records is None:
                 return None
             text = token_text()
-            return chat_logprobs(text, records) if chat else completion_logprobs(text, records, offsets)
+            return chat_logprobs(text, records) if chat else completion_logprobs(text, records, offsets[i])
 
         if not req.stream:
-            r = await collect(stream, request)
-            tail = dict(usage=usage(stream), ddtree=spec_info(r.accept_lengths))
+            try:
+                results = await asyncio.gather(*(collect(st, request) for st in streams))
+            finally:
+                for st in streams:
+                    st.abort()  # (a no-op once finished: the others of a choice that failed)
+            tail = dict(usage=usage(streams), ddtree=spec_info([a for r in results for a in r.accept_lengths]))
             if chat:
-                msg = P.ChatMessageOut(content=r.text)
-                choice = P.ChatChoice(message=msg, finish_reason=r.finish_reason, logprobs=logprobs(r.logprobs))
-                return P.ChatCompletionResponse(**head, **tail, choices=[choice])
-            choice = P.CompletionChoice(text=r.text, finish_reason=r.finish_reason, logprobs=logprobs(r.logprobs))
-            return P.CompletionResponse(**head, **tail, choices=[choice])
+                choices = [P.ChatChoice(index=i, message=P.ChatMessageOut(content=r.text), finish_reason=r.finish_reason,
+                                        logprobs=logprobs(i, r.logprobs)) for i, r in enumerate(results)]
+                return P.ChatCompletionResponse(**head, **tail, choices=choices)
+            choices = [P.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
+                                          logprobs=logprobs(i, r.logprobs)) for i, r in enumerate(results)]
+            return P.CompletionResponse(**head, **tail, choices=choices)
         Chunk = P.ChatCompletionChunk if chat else P.CompletionResponse
 
-        def chunk(text: str | None, finish: str | None = None, accepts: list[int] | None = None,
+        def chunk(i: int, text: str | None, finish: str | None = None, accepts: list[int] | None = None,
                   records: list | None = None):
-            choice = P.ChatChunkChoice(delta=P.ChatDelta(content=text), finish_reason=finish,
-                                       logprobs=logprobs(records)) if chat else \
-                P.CompletionChoice(text=text or "", finish_reason=finish, logprobs=logprobs(records))
+            choice = P.ChatChunkChoice(index=i, delta=P.ChatDelta(content=text), finish_reason=finish,
+                                       logprobs=logprobs(i, records)) if chat else \
+                P.CompletionChoice(index=i, text=text or "", finish_reason=finish, logprobs=logprobs(i, records))
             return Chunk(**head, choices=[choice], ddtree=spec_info(accepts))
 
         async def events():
             if chat:
-                yield Chunk(**head, choices=[P.ChatChunkChoice(delta=P.ChatDelta(role="assistant", content=""))])
-            async for d in stream:
+                for i in range(len(streams)):
+                    yield Chunk(**head, choices=[P.ChatChunkChoice(index=i, delta=P.ChatDelta(role="assistant",
+                                                                                               content=""))])
+            async for i, d in merged(streams):
                 if d.error is not None:
                     yield P.ErrorResponse(error=P.ErrorInfo(message=d.error, type="server_error"))
                     return
                 if d.text or (d.logprobs and d.finish_reason is None):
-                    yield chunk(d.text, records=d.logprobs)
+                    yield chunk(i, d.text, records=d.logprobs)
                 if d.finish_reason is not None:
-                    yield chunk(None, d.finish_reason, d.accept_lengths, None if d.text else d.logprobs)
+                    yield chunk(i, None, d.finish_reason, d.accept_lengths, None if d.text else d.logprobs)
             if req.include_usage:
-                yield Chunk(**head, choices=[], usage=usage(stream))
-        return SSEResponse(sse(stream, events()), media_type="text/event-stream")
+                yield Chunk(**head, choices=[], usage=usage(streams))
+        return SSEResponse(sse(streams, events()), media_type="text/event-stream")
 
     texts: list[TokenText] = []
 
@@ -253,10 +267,45 @@ def create_app(load: Callable[[], object], cfg: ServerConfig,
     return app
 
 
-def usage(stream: RequestStream) -> P.Usage:
-    n = stream.completion_tokens
-    return P.Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=n, total_tokens=stream.prompt_tokens + n,
-                   prompt_tokens_details=P.PromptTokensDetails(cached_tokens=stream.cached_tokens))
+def choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i's params: a seeded request's choice i draws with seed + i (so choice 0 is the request's own)."""
+    return params if i == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+
+
+def usage(streams: list[RequestStream]) -> P.Usage:
+    """The prompt's tokens once (and those the first choice found in the prefix cache), every choice's output."""
+    first, n = streams[0], sum(st.completion_tokens for st in streams)
+    return P.Usage(prompt_tokens=first.prompt_tokens, completion_tokens=n, total_tokens=first.prompt_tokens + n,
+                   prompt_tokens_details=P.PromptTokensDetails(cached_tokens=first.cached_tokens))
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
+    """The choices' deltas as they come, each with its choice's index."""
+    if len(streams) == 1:  # (no tasks for the common case)
+        async for d in streams[0]:
+            yield 0, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, st: RequestStream):
+        try:
+            async for d in st:
+                queue.put_nowait((i, d))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, d = await queue.get()
+            if d is None:
+                left -= 1
+            else:
+                yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def collect(stream: RequestStream, request: Request) -> Result:
@@ -286,14 +335,15 @@ async def collect(stream: RequestStream, request: Request) -> Result:
         stream.abort()  # a no-op once finished
 
 
-async def sse(stream: RequestStream, events: AsyncIterator) -> AsyncIterator[str]:
+async def sse(streams: list[RequestStream], events: AsyncIterator) -> AsyncIterator[str]:
     try:
         async for event in events:
             drop = {"ddtree"} if getattr(event, "ddtree", 0) is None else None
             yield f"data: {event.model_dump_json(exclude=drop)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        stream.abort()  # a no-op once finished; frees the pages of a request whose client left
+        for st in streams:
+            st.abort()  # a no-op once finished; frees the pages of a request whose client left
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -22,6 +22,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter
 
 from ddtree.sampling_params import SamplingParams
 
+MAX_CHOICES = 16  # `n`: choices a request may ask for (each is a request of its own to the engine)
 # A request's seed: an integer JSON carries exactly everywhere (|n| < 2^53; clients in JavaScript and
 # schema-driven generators compare larger bounds as floats, whose rounding lets 2^63 + 1 pass as 2^63).
 MAX_SEED = 2**53 - 1
@@ -103,7 +104,8 @@ class SamplingRequest(Strict):
     # (bounded: every stop string is searched for in each token's new text)
     stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | \
         Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOPS)] | None = None
-    n: Integer(ge=1) | None = Field(1, json_schema_extra={"maximum": 1}, description="only 1 is supported")
+    n: Integer(ge=1, le=MAX_CHOICES) | None = Field(1, description="choices, each generated as a request of its own; "
+                                                             "a seeded request's choice i draws with seed + i")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = Field(False, description="extension: keep generating past end-of-sequence tokens")
