@@ -279,6 +279,7 @@ def test_multi_turn_serve_bench_sends_each_answer_back_and_reports_cached_prompt
                  "--out", out]) == 0
     (r,) = read_rows(out)
     turns = r["per_turn"]
+    assert r["server_prefix_caching"] is True  # (from the server's model card)
     assert set(turns) == {"1", "2"} and r["num_requests"] == 8 and r["num_errors"] == 0  # 4 conversations
     assert turns["1"]["num_requests"] == turns["2"]["num_requests"] == 4
     # a second turn holds the first turn's prompt and answer: longer, and its first pages come from the cache

@@ -182,6 +182,7 @@ def test_health_is_ok_and_models_list_the_served_name(servers, ar, keyed):
     assert httpx.get(ar.url + "/health").json() == {"status": "ok"}
     models = ar.client().models.list().data
     assert [m.id for m in models] == ["tiny-qwen3"] and models[0].max_model_len == 128
+    assert models[0].ddtree["spec"] == "none" and models[0].ddtree["prefix_caching"] is True
     assert ar.client().models.retrieve("tiny-qwen3").id == "tiny-qwen3"
     assert [m.id for m in keyed.client().models.list().data] == ["keyed"]
 

@@ -257,6 +257,7 @@ async def bench(args) -> list[dict]:
                                    for t in sorted({r.turn for r in ok})}
             limit = (served or {}).get("max_num_seqs")
             row["server_max_num_seqs"] = limit
+            row["server_prefix_caching"] = (served or {}).get("prefix_caching")
             if limit and c > limit:
                 print(f"  note: C={c} exceeds the server's max_num_seqs={limit}: requests queue (TTFT includes it)")
             rows.append(row)

@@ -162,6 +162,7 @@ def create_app(load: Callable[[], object], cfg: ServerConfig,
         dev = llm.device
         spec = P.ServedSpec(spec=llm.spec, budget=llm.budget, topk=llm.topk,
                             max_num_seqs=llm.engine.scheduler.max_num_seqs,
+                            prefix_caching=llm.engine.allocator.prefix_caching,
                             device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type)
         return P.ModelCard(id=cfg.model_name, created=int(started), max_model_len=llm.engine.max_model_len,
                            ddtree=spec)

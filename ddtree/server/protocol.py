@@ -300,6 +300,7 @@ class ServedSpec(BaseModel):
     topk: int
     max_num_seqs: int
     device: str
+    prefix_caching: bool = Field(False, description="whether prompts reuse the K/V of prefixes seen before")
 
 
 class Health(BaseModel):
