@@ -52,7 +52,7 @@ class Sequence:
         """Forget all cached state (pages were released): everything is recomputed on readmission."""
         self.block_table = []
         self.state_slot = -1
-        self.num_cached = self.num_offered_pages = self.num_drafted_pages = 0
+        self.num_cached = self.num_prefix_drafted = self.num_offered_pages = self.num_drafted_pages = 0
         self.draft_context = None
 
     @property
