@@ -51,7 +51,9 @@ def run_other_node(args) -> int:
 
 def add_prefix_cache_arg(p: argparse.ArgumentParser, default: bool = True) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=default,
-                   help="reuse the K/V of prompt prefixes seen before (full pages; not for hybrid targets)")
+                   help="reuse the K/V (hybrids: and recurrent state) of prompt prefixes seen before, by full pages")
+    p.add_argument("--prefix-state-snapshots", type=int, default=None,
+                   help="hybrid targets: recurrent states the prefix cache keeps (default: --max-num-seqs)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -77,7 +79,7 @@ def llm_from_args(args):
     print(f"[loading {args.model or 'the default model'} ...]", file=sys.stderr, flush=True)
     llm = LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
               device=args.device, dtype=args.dtype, parallel=parallel_from_args(args),
-              enable_prefix_caching=args.enable_prefix_caching)
+              enable_prefix_caching=args.enable_prefix_caching, prefix_state_snapshots=args.prefix_state_snapshots)
     mode = llm.spec if llm.spec == "none" else f"{llm.spec} budget {llm.budget} topk {llm.topk}"
     print(f"[loaded in {time.perf_counter() - t0:.1f} s: {llm.device.type}, spec {mode}]", file=sys.stderr, flush=True)
     return llm

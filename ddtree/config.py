@@ -312,12 +312,22 @@ class EngineConfig:
     kernels: str = "auto"
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # budget "auto"
     # Requests that begin with the tokens of an earlier one reuse its full pages of K/V (engine/kv_cache.py).
-    # Dense and MoE targets; a hybrid target's recurrent state is not paged, so hybrids compute every prompt.
     enable_prefix_caching: bool = True
+    # Hybrid targets under prefix caching: recurrent-state snapshots kept, one a cached prompt prefix (the
+    # state after its last full page), each the size of a running request's state; None: max_num_seqs.
+    prefix_state_snapshots: int | None = None
 
     def __post_init__(self):
+        if self.prefix_state_snapshots is not None and self.prefix_state_snapshots < 0:
+            raise ValueError(f"prefix_state_snapshots must be >= 0, got {self.prefix_state_snapshots}")
         if self.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {self.kernels!r}")
+
+    def state_snapshots(self, hybrid: bool) -> int:
+        """Recurrent-state snapshots the prefix cache keeps (0: a dense target, or no prefix caching)."""
+        if not (hybrid and self.enable_prefix_caching):
+            return 0
+        return self.max_num_seqs if self.prefix_state_snapshots is None else self.prefix_state_snapshots
 
     def use_triton(self, device: torch.device) -> bool:
         """Whether the Triton kernels run on `device`."""

@@ -60,13 +60,15 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  kv_cache_gb: float = 1.0, cuda_graphs: bool = True, kernels: str = "auto", tokenizer=None,
                  cost_table=None, tensor_parallel_size: int = 1, parallel: ParallelConfig | None = None,
-                 policy: PolicyConfig | None = None, load_format: str = "auto", enable_prefix_caching: bool = True):
+                 policy: PolicyConfig | None = None, load_format: str = "auto", enable_prefix_caching: bool = True,
+                 prefix_state_snapshots: int | None = None):
         """`tensor_parallel_size` > 1 splits the target over that many ranks (processes) on this host;
         `parallel` sets more (several hosts: parallel/workers.py). `close()` stops them. `kernels`:
         EngineConfig's (the reference torch ops with "torch"); `policy`: budget "auto"'s tunables.
         `load_format="dummy"`: the checkpoint's config with random weights, nothing else read (to
         measure speed without the weights). `enable_prefix_caching`: a prompt that begins with an earlier
-        request's tokens reuses their K/V (full pages; not for hybrid targets)."""
+        request's tokens reuses their K/V by full pages (hybrid targets: and a recurrent state kept at an
+        earlier prompt's last full page; `prefix_state_snapshots` of them, default `max_num_seqs`)."""
         from ddtree.models.hub import default_draft, is_default_model, resolve_model
         from ddtree.models.loader import load_model
 
@@ -92,7 +94,8 @@ class LLM:
         self.engine_cfg = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                        kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs, kernels=kernels,
-                                       policy=policy or PolicyConfig(), enable_prefix_caching=enable_prefix_caching)
+                                       policy=policy or PolicyConfig(), enable_prefix_caching=enable_prefix_caching,
+                                       prefix_state_snapshots=prefix_state_snapshots)
         self.drafter = None
         default_pair = draft is None and spec is None and is_default_model(model)
         if draft is None and spec != "none" and is_default_model(model):

@@ -72,8 +72,11 @@ def test_greedy_output_and_logprobs_equal_transformers_alone_and_batched(limits,
     llm = LLM(hybrid, **ENGINE, **limits)
     batched = llm.generate(prompts, params)
     alone = [llm.generate([p], params)[0] for p in prompts[:2]]
-    # (repeated prompts are computed again: a hybrid's recurrent state is one per request, not per page)
-    assert not llm.engine.allocator.prefix_caching and not any(o.num_cached_tokens for o in alone)
+    # (repeated prompts start from the prefix cache: the K/V of their pages before the last one, and the
+    # recurrent state kept where the batched run's prompt chunks stopped, at the last full page; with 16
+    # pages the batched run's preemptions leave none of them cached)
+    if "max_num_seqs" not in limits:
+        assert [o.num_cached_tokens for o in alone] == [36, 4]
     for prompt, got, one in zip(prompts, batched, alone + [None] * len(prompts)):
         want, logp = reference(hf, prompt, n)
         assert got.token_ids == want and (one is None or one.token_ids == want)
@@ -103,6 +106,27 @@ def drafter(hybrid, tmp_path_factory) -> str:
     d = str(tmp_path_factory.mktemp("hybrid_drafter"))
     save_drafter(random_drafter(ModelConfig.from_dir(hybrid), num_layers=1, block_size=8, target_layer_ids=[0, 3]), d)
     return d
+
+
+@pytest.mark.parametrize("spec, budget, topk", [("dflash", None, None), ("ddtree", 8, 2)])
+def test_prefix_cache_hits_restore_the_recurrent_state_and_stay_lossless(spec, budget, topk, hybrid, drafter, prompts):
+    # A prompt's chunks stop at its last full page, where the prefix cache keeps the recurrent state; a later
+    # request that begins alike starts from that state (copied into its slot) and the pages' K/V, and a
+    # longer prompt past the kept state computes the rest. Outputs equal AR's without the cache.
+    from test_spec import continuation, noisy_oracle, plant
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    turns = prompts + [prompts[0] + [41, 42, 43, 44, 45, 46]]
+    ar = LLM(hybrid, **ENGINE, num_pages=256, enable_prefix_caching=False).generate(turns, params)
+    llm = LLM(hybrid, draft=drafter, spec=spec, budget=budget, topk=topk, **ENGINE, num_pages=256)
+    plant(llm, noisy_oracle(continuation(turns, ar), vocab=llm.config.vocab_size))
+    first = llm.generate(turns[:4], params)
+    again = [llm.generate([t], params)[0] for t in turns]
+    assert [o.token_ids for o in first + again] == [o.token_ids for o in ar[:4] + ar]
+    assert [o.num_cached_tokens for o in first] == [0] * 4
+    assert [o.num_cached_tokens for o in again] == [36, 4, 0, 28, 36]
+    alloc = llm.engine.allocator
+    assert len(alloc.snapshot_of) == 4  # (at 36, 4, 28 and the longer prompt's 40; a 1-token prompt keeps none)
+    assert_idle(llm)
 
 
 @pytest.mark.parametrize("drafter_kind", ["oracle", "noisy"])

@@ -57,7 +57,8 @@ def main(args) -> int:
     llm = LLM(args.model, draft=args.draft, device=args.device, dtype=args.dtype, spec="none",
               max_num_seqs=max(args.concurrency), num_pages=args.num_pages,
               policy=PolicyConfig(trace=getattr(args, "policy_trace", None)),
-              enable_prefix_caching=getattr(args, "enable_prefix_caching", False))
+              enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
+              prefix_state_snapshots=getattr(args, "prefix_state_snapshots", None))
     rows_in = sample_prompts(args.dataset, args.num_prompts)
     prompts = [llm.encode_chat(r["messages"]) for r in rows_in]
     cats = [r["category"] for r in rows_in]

@@ -45,12 +45,16 @@ class LLMEngine:
         # rows of logits one forward can produce: every request's tree (or its one token)
         logit_rows = engine_cfg.max_num_seqs * (budget + 1 if speculative else 1)
         self.runner = ModelRunner(model, cfg, engine_cfg, device, dtype, logit_rows, tp)
+        snapshots = self.runner.snapshot_slots
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
                                        engine_cfg.max_num_seqs if cfg.is_hybrid else 0,
-                                       prefix_caching=engine_cfg.enable_prefix_caching and not cfg.is_hybrid,
+                                       prefix_caching=engine_cfg.enable_prefix_caching and
+                                       (not cfg.is_hybrid or bool(snapshots)),
                                        # (a fixed budget has no way to feed a drafter context's gap: budget
-                                       # auto refeeds it, or runs plain AR while it is open)
-                                       require_drafted=speculative and not auto)
+                                       # auto refeeds it, or runs plain AR while it is open; never over a
+                                       # hybrid's states, which a refeed would advance twice)
+                                       require_drafted=speculative and (not auto or cfg.is_hybrid),
+                                       snapshot_slots=snapshots)
         capacity = self.runner.num_pages * engine_cfg.page_size
         use_graphs = engine_cfg.cuda_graphs and self._graphs_supported()
         # Host ms of prefills and whole steps in every mode, and how graphed AR steps were grouped into
@@ -153,9 +157,18 @@ class LLMEngine:
         if step.empty:
             self._unblock()
             return []
+        self._copy_states(self.allocator.take_state_copies())  # (hybrids: prefix hits' states, before the step)
         touched = self.decoder.step(step.prefill, step.decode)
+        self._copy_states([c for seq, _ in step.prefill if seq.snapshot_at and seq.num_cached == seq.snapshot_at
+                           and (c := self.allocator.snapshot(seq))])
         self.timing["engine_ms"] += (time.perf_counter() - t0) * 1e3
         return touched
+
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Hybrid models: (source, destination) recurrent-state slot copies for the prefix cache."""
+        if copies:
+            src, dst = zip(*copies)
+            self.runner.copy_states(list(src), list(dst))
 
     def _unblock(self) -> None:
         # Nothing could be scheduled: the queue head needs more pages than the whole cache has

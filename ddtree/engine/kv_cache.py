@@ -15,6 +15,13 @@ pool runs out of free pages and it is taken for new entries. A request always co
 (its logits are needed), so the pages it shares end before its first new token: no request writes its
 target K/V into a shared page. Its drafter context starts after the run of drafted pages it took; the
 speculative side fills the rest (`require_drafted`: a decoder that cannot takes drafted pages only).
+
+Hybrid targets keep a recurrent state per request, not per page, so their prefix cache also keeps state
+snapshots (`snapshot_slots`, slots of the state cache past the requests'): a request's prompt is fed in
+chunks that stop at its last full page (`Sequence.snapshot_at`), the state there is copied into a snapshot
+slot tied to that page (`snapshot`), and a later request's hits end at the last page with a snapshot,
+which its own slot is given (`take_state_copies`: the engine copies the states before the step). When the
+snapshots run out, the one unused longest is dropped; a page that is taken drops its snapshot.
 """
 from __future__ import annotations
 
@@ -35,13 +42,13 @@ def page_key(previous: bytes, tokens: list[int]) -> bytes:
 
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int, num_state_slots: int = 0, prefix_caching: bool = False,
-                 require_drafted: bool = False):
+                 require_drafted: bool = False, snapshot_slots: list[int] = ()):
         """`num_state_slots`: hybrid models, one per request that may hold pages at once. `prefix_caching`:
-        keep full pages' entries for later requests with the same prefix (dense targets only: a hybrid's
-        recurrent state has no per-page form to share). `require_drafted`: hits end at the first cached
-        page without the drafter's entries (a decoder that cannot feed a drafter context's gap)."""
+        keep full pages' entries for later requests with the same prefix (a hybrid's with `snapshot_slots`,
+        the state cache's slots for its snapshots). `require_drafted`: hits end at the first cached page
+        without the drafter's entries (a decoder that cannot feed a drafter context's gap)."""
         assert num_pages > 0 and page_size > 0
-        assert not (prefix_caching and num_state_slots), "prefix caching shares K/V pages, not recurrent states"
+        assert not (prefix_caching and num_state_slots and not snapshot_slots), "a hybrid's cache needs snapshots"
         self.num_pages, self.page_size = num_pages, page_size
         # A stack: the most recently freed pages are reused first (warm in cache, low ids).
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
@@ -53,6 +60,9 @@ class PageAllocator:
         self.page_of: dict[bytes, int] = {}  # key -> cached page
         self.drafted: set[int] = set()  # cached pages whose drafter entries are final too
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached pages no request holds, oldest use first
+        self.free_snapshots: list[int] = list(snapshot_slots)[::-1]
+        self.snapshot_of: OrderedDict[int, int] = OrderedDict()  # page -> the state after it, oldest use first
+        self.state_copies: list[tuple[int, int]] = []  # (snapshot, request slot) for the engine to copy
         self.hit_tokens = self.queried_tokens = 0  # admitted prompts' tokens found cached, and looked up
 
     @property
@@ -94,8 +104,13 @@ class PageAllocator:
             return False
         for p in hits:
             self._hold(p)
-        seq.block_table = hits
+        seq.block_table = list(hits)
         seq.num_cached = len(hits) * self.page_size
+        # (a hybrid's prompt stops at its last full page, whose state is then kept, unless it was a hit)
+        last_page = (len(seq) - 1) // self.page_size * self.page_size
+        seq.snapshot_at = last_page if self.free_snapshots or self.snapshot_of else 0
+        if seq.snapshot_at <= seq.num_cached:
+            seq.snapshot_at = 0
         drafted = next((i for i, p in enumerate(hits) if p not in self.drafted), len(hits))
         seq.num_prefix_drafted = drafted * self.page_size
         if self.prefix_caching and seq.num_cached_prompt is None:  # (a readmission finds its own pages)
@@ -103,7 +118,32 @@ class PageAllocator:
             self.queried_tokens += len(seq.prompt_ids)
             self.hit_tokens += seq.num_cached_prompt
         self.grow(seq, len(seq))
+        if hits and self.num_state_slots:
+            self.snapshot_of.move_to_end(hits[-1])
+            self.state_copies.append((self.snapshot_of[hits[-1]], seq.state_slot))
         return True
+
+    def snapshot(self, seq: Sequence) -> tuple[int, int] | None:
+        """Hybrid models, a request whose prompt chunks reached `snapshot_at`: the snapshot slot its state
+        goes to, as (its slot, the snapshot slot) for the engine to copy; None where that page's state is
+        kept already. The page is cached now if it was not."""
+        at, seq.snapshot_at = seq.snapshot_at, 0
+        assert seq.num_cached == at, "a snapshot is taken where the prompt's chunks stopped"
+        self.offer(seq, at)
+        page = self.page_of.get(self._keys(seq, at // self.page_size)[-1])
+        if page is None or page in self.snapshot_of:
+            return None
+        if self.free_snapshots:
+            slot = self.free_snapshots.pop()
+        else:  # the snapshot unused the longest gives its slot
+            _, slot = self.snapshot_of.popitem(last=False)
+        self.snapshot_of[page] = slot
+        return seq.state_slot, slot
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The (snapshot, request slot) copies admission asked for since the last call."""
+        copies, self.state_copies = self.state_copies, []
+        return copies
 
     def offer(self, seq: Sequence, final_tokens: int, drafted_tokens: int = 0) -> None:
         """Caches the request's full pages among its first `final_tokens` tokens (target K/V that no
@@ -127,9 +167,12 @@ class PageAllocator:
                 other = self.page_of.get(key)
                 if other in self.drafted:
                     continue
+                slot = self.snapshot_of.pop(other, None)  # (the state after the prefix is the same: it moves)
                 if other is not None:
                     self._uncache(other)
                 self.page_of[key], self.key_of[page] = page, key
+                if slot is not None:
+                    self.snapshot_of[page] = slot
             self.drafted.add(page)
         seq.num_drafted_pages = max(seq.num_drafted_pages, drafted)
 
@@ -157,11 +200,19 @@ class PageAllocator:
         self.key_of.clear()
         self.page_of.clear()
         self.drafted.clear()
+        self.free_snapshots.extend(self.snapshot_of.values())
+        self.snapshot_of.clear()
+
+    def _forget(self, page: int) -> None:
+        """Drops a cached page's key, mark and snapshot."""
+        del self.page_of[self.key_of.pop(page)]
+        self.drafted.discard(page)
+        if page in self.snapshot_of:
+            self.free_snapshots.append(self.snapshot_of.pop(page))
 
     def _uncache(self, page: int) -> None:
         """Drops a cached page's key; free again if no request holds it."""
-        del self.page_of[self.key_of.pop(page)]
-        self.drafted.discard(page)
+        self._forget(page)
         if self.refs[page] == 0:
             del self.idle[page]
             self.free_pages.append(page)
@@ -172,8 +223,7 @@ class PageAllocator:
             page = self.free_pages.pop()
         else:
             page, _ = self.idle.popitem(last=False)
-            del self.page_of[self.key_of.pop(page)]
-            self.drafted.discard(page)
+            self._forget(page)
         self.refs[page] = 1
         return page
 
@@ -199,6 +249,8 @@ class PageAllocator:
             if page is None or (self.require_drafted and page not in self.drafted):
                 break
             hits.append(page)
+        while self.num_state_slots and hits and hits[-1] not in self.snapshot_of:
+            hits.pop()  # (a hybrid's hits end where a state was kept)
         return hits
 
 

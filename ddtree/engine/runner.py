@@ -36,11 +36,12 @@ class ModelRunner:
                                           cfg.num_kv_heads, cfg.head_dim, dtype, device, self.kv_parts)
         self.scratch_page = self.num_pages
         self.num_slots = (self.num_pages + 1) * self.page_size
-        # Hybrid models: a recurrent-state slot per request that may run (engine/kv_cache.py).
-        # One slot more: the scratch slot, which the padding rows of a graphed step advance.
-        self.state_cache = allocate_state_cache(cfg, engine_cfg.max_num_seqs + 1, dtype, device) if cfg.is_hybrid \
+        # Hybrid models: a recurrent-state slot per request that may run (engine/kv_cache.py). One slot more:
+        # the scratch slot, which the padding rows of a graphed step advance; then the prefix cache's snapshots.
+        self.state_cache = allocate_state_cache(cfg, self._state_slots(engine_cfg), dtype, device) if cfg.is_hybrid \
             else None
         self.scratch_state_slot = engine_cfg.max_num_seqs
+        self.snapshot_slots = list(range(engine_cfg.max_num_seqs + 1, self._state_slots(engine_cfg)))
         self.bind_cache()
         self.tp = tp
         if tp is not None:  # the workers build the same caches over their shards
@@ -97,11 +98,15 @@ class ModelRunner:
             layers[index].linear_attn.conv_state = self.state_cache[0][i]
             layers[index].linear_attn.recurrent_state = self.state_cache[1][i]
 
+    def _state_slots(self, ec: EngineConfig) -> int:
+        """Hybrid models: the requests' state slots, the scratch slot and the prefix cache's snapshots."""
+        return ec.max_num_seqs + 1 + ec.state_snapshots(self.cfg.is_hybrid)
+
     def _state_bytes(self, ec: EngineConfig) -> int:
         """Hybrid models: the recurrent-state cache's size (`allocate_state_cache`), 0 for dense ones."""
         if not self.cfg.is_hybrid:
             return 0
-        lin, slots = self.cfg.linear, ec.max_num_seqs + 1
+        lin, slots = self.cfg.linear, self._state_slots(ec)
         per_slot = lin.conv_dim * (lin.conv_kernel - 1) * self.dtype.itemsize + \
             lin.num_v_heads * lin.k_head_dim * lin.v_head_dim * 4
         return len(self.cfg.linear_layers) * slots * per_slot
@@ -239,6 +244,15 @@ class ModelRunner:
             self.tp.call("commit_states", self.tp_id, state_slots, nodes)
         for index in self.cfg.linear_layers:
             self.model.model.layers[index].linear_attn.commit(state_slots, nodes)
+
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
+        """Hybrid models: the recurrent states and convolution windows of slots `src` into slots `dst`, in
+        every linear layer (the prefix cache's snapshots, taken and given back)."""
+        if self.tp is not None:
+            self.tp.call("copy_states", self.tp_id, src, dst)
+        s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        for cache in self.state_cache:  # [layers, slots, ...]
+            cache[:, d] = cache[:, s]
 
     def tables(self, seqs: list[Sequence]) -> torch.Tensor:
         """Page tables [R, P] on the device (unused entries: the scratch page)."""

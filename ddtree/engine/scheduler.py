@@ -16,7 +16,8 @@ Prefix caching (engine/kv_cache.py): admission gives a request the cached pages 
 and its prompt chunks start after them. Each step offers the running requests' full pages whose target
 K/V are final (below `num_cached`), marking those whose drafter entries are final too (`drafted_tokens`,
 set by a speculative engine), and a released request offers its own, so a preempted request finds its
-pages again unless they were taken.
+pages again unless they were taken. A hybrid's prompt chunks stop at `snapshot_at`, where the prefix
+cache keeps its recurrent state.
 """
 from __future__ import annotations
 
@@ -119,6 +120,8 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int, step: ScheduledStep) -> int:
         n = min(seq.num_uncached, budget)
+        if seq.num_cached < seq.snapshot_at < seq.num_cached + n:  # (a hybrid's state is kept there)
+            n = seq.snapshot_at - seq.num_cached
         step.prefill.append((seq, n))
         return n
 

@@ -191,7 +191,7 @@ def serve_rank(rank: int, pcfg: ParallelConfig, model_path: str, device_type: st
                     bound = rid
                 if method == "forward":
                     model(*rest)
-                else:  # move_kv, commit_states, logits, embed, all_reduce
+                else:  # move_kv, commit_states, copy_states, logits, embed, all_reduce
                     getattr(runner, method)(*rest)
     except Exception:
         traceback.print_exc(file=sys.stderr)

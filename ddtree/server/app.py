@@ -401,7 +401,8 @@ def serve(args) -> int:
         llm = LLM(args.model, draft=args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
                   device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages,
                   max_model_len=args.max_model_len, parallel=parallel_from_args(args),
-                  enable_prefix_caching=args.enable_prefix_caching)
+                  enable_prefix_caching=args.enable_prefix_caching,
+                  prefix_state_snapshots=args.prefix_state_snapshots)
         # The server keeps this one engine for its life: what exists now is never garbage, and frozen it
         # is not walked by every full collection (hundreds of thousands of objects with the default pair),
         # which would stall the engine loop mid-stream.
