@@ -158,7 +158,8 @@ def test_tree_verify_logits_equal_separate_forwards_of_each_root_to_node_path(hy
     eng = llm.engine
     prompt = list(range(40, 71))
     seq = eng.add_request(prompt, SamplingParams(max_tokens=50, ignore_eos=True))
-    eng.step()  # the prompt is cached; its first token is drawn (the tree's root)
+    while not seq.output_ids:  # the prompt is cached (in two chunks: the prefix cache keeps the state at
+        eng.step()              # its last full page); its first token is drawn (the tree's root)
     parents = [-1, 0, 0, 0, 1, 1, 4, 2]
     tokens = [seq.output_ids[0], 11, 12, 13, 21, 22, 31, 23]
     depth = [0] + [0] * 7

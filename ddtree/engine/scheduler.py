@@ -86,8 +86,8 @@ class Scheduler:
             if alloc.prefix_caching:
                 alloc.offer(seq, seq.num_cached, self.drafted_tokens(seq))
             n = seq.num_uncached
-            if n != 1:
-                if n > 1:
+            if n != 1 or not seq.output_ids:  # (a prompt's last token is a chunk: it gives the first output)
+                if n >= 1:
                     prefilling.append(seq)
                 continue
             need = alloc.pages_needed(seq, seq.num_cached + width)
