@@ -118,30 +118,35 @@ def test_clearing_the_cache_frees_idle_pages_and_forgets_every_prefix():
     assert alloc.admit(again) and again.num_cached == 0
 
 
-def test_a_hybrid_keeps_the_state_at_a_prompts_last_full_page_and_hits_end_at_a_kept_state():
-    # (the engine feeds a prompt up to `snapshot_at`, copies the state the allocator names, and copies the
-    # states admission asks for before the next step; here num_cached stands for what it fed)
+def test_a_hybrid_keeps_states_where_prompts_branch_off_and_at_their_last_full_page():
+    # (the engine feeds a prompt up to each of its `snapshot_at` stops, copies the state the allocator names
+    # there, and copies the states admission asks for before the next step; num_cached stands for what it fed)
     alloc = PageAllocator(16, 4, num_state_slots=2, prefix_caching=True, snapshot_slots=[10, 11])
     a = seq_of(range(14))
-    assert alloc.admit(a) and a.snapshot_at == 12 and alloc.take_state_copies() == []
+    assert alloc.admit(a) and a.snapshot_at == [12] and alloc.take_state_copies() == []
     a.num_cached = 12
-    assert alloc.snapshot(a) == (a.state_slot, 10) and a.snapshot_at == 0
+    assert alloc.snapshot(a) == (a.state_slot, 10) and a.snapshot_at == []
     alloc.release(a, 12)
     b = seq_of([*range(12), 50, 51])
-    assert alloc.admit(b) and b.num_cached == 12 and b.snapshot_at == 0  # (its last full page's state: a hit)
+    assert alloc.admit(b) and b.num_cached == 12 and b.snapshot_at == []  # (its last full page's state: a hit)
     assert alloc.take_state_copies() == [(10, b.state_slot)]
-    c = seq_of([*range(10), 60, 61, 62])  # a's first two pages are cached, but no state after them
-    assert alloc.admit(c) and c.num_cached == 0 and c.snapshot_at == 12
     alloc.release(b, 0)
-    alloc.release(c, 0)
-    for start in (100, 200):  # two more kept states: the one unused longest (a's) gives its slot
-        s = seq_of(range(start, start + 9))
-        assert alloc.admit(s)
-        s.num_cached = 8
-        assert alloc.snapshot(s) is not None
-        alloc.release(s, 8)
+    c = seq_of([*range(8), 60, 61, 62, 63, 64])  # branches off a's pages after two of them: no state kept there
+    assert alloc.admit(c) and c.num_cached == 0 and c.snapshot_at == [8, 12]
+    c.num_cached = 8
+    assert alloc.snapshot(c) == (c.state_slot, 11) and c.snapshot_at == [12]
+    alloc.release(c, 8)
+    d = seq_of([*range(8), 70, 71, 72, 73, 74])  # a third prompt on the same head starts from the kept state
+    assert alloc.admit(d) and d.num_cached == 8 and alloc.take_state_copies() == [(11, d.state_slot)]
+    assert d.snapshot_at == [12]
+    alloc.release(d, 0)
+    s = seq_of(range(100, 109))  # one more kept state: the one unused longest (a's, at 12) gives its slot
+    assert alloc.admit(s)
+    s.num_cached = 8
+    assert alloc.snapshot(s) == (s.state_slot, 10)
+    alloc.release(s, 8)
     again = seq_of([*range(12), 50, 51])
-    assert alloc.admit(again) and again.num_cached == 0 and alloc.num_cached_pages == 3 + 2 + 2
+    assert alloc.admit(again) and again.num_cached == 8  # (the state at 8 is still kept)
     alloc.release(again, 0)
     alloc.admit(seq_of(range(300, 364)))  # every page: the cached ones are taken and their states dropped
     assert not alloc.snapshot_of and sorted(alloc.free_snapshots) == [10, 11]

@@ -159,7 +159,7 @@ class LLMEngine:
             return []
         self._copy_states(self.allocator.take_state_copies())  # (hybrids: prefix hits' states, before the step)
         touched = self.decoder.step(step.prefill, step.decode)
-        self._copy_states([c for seq, _ in step.prefill if seq.snapshot_at and seq.num_cached == seq.snapshot_at
+        self._copy_states([c for seq, _ in step.prefill if seq.snapshot_at and seq.num_cached == seq.snapshot_at[0]
                            and (c := self.allocator.snapshot(seq))])
         self.timing["engine_ms"] += (time.perf_counter() - t0) * 1e3
         return touched

@@ -18,10 +18,13 @@ speculative side fills the rest (`require_drafted`: a decoder that cannot takes 
 
 Hybrid targets keep a recurrent state per request, not per page, so their prefix cache also keeps state
 snapshots (`snapshot_slots`, slots of the state cache past the requests'): a request's prompt is fed in
-chunks that stop at its last full page (`Sequence.snapshot_at`), the state there is copied into a snapshot
-slot tied to that page (`snapshot`), and a later request's hits end at the last page with a snapshot,
-which its own slot is given (`take_state_copies`: the engine copies the states before the step). When the
-snapshots run out, the one unused longest is dropped; a page that is taken drops its snapshot.
+chunks that stop where a later request may branch off (`Sequence.snapshot_at`): at the end of the cached
+pages it shares with earlier requests (where it branches off them) and at its last full page. The state
+at each stop is copied into a snapshot slot tied to that page (`snapshot`), and a later request's hits
+end at the last page with a snapshot, which its own slot is given (`take_state_copies`: the engine copies
+the states before the step). So a head that many prompts share (a system prompt) has its state kept once
+a second prompt has branched off it. When the snapshots run out, the one unused longest is dropped; a
+page that is taken drops its snapshot.
 """
 from __future__ import annotations
 
@@ -98,7 +101,7 @@ class PageAllocator:
         """Gives a waiting request pages for all its tokens, the cached ones first (its `num_cached` then
         counts their tokens, `num_prefix_drafted` those of the leading pages with the drafter's entries);
         False, and nothing taken, where the pool holds too few."""
-        hits = self._lookup(seq)
+        hits, shared = self._lookup(seq)
         idle_hits = sum(1 for p in hits if self.refs[p] == 0)
         if -(-len(seq) // self.page_size) - len(hits) > self.num_free - idle_hits:
             return False
@@ -106,11 +109,9 @@ class PageAllocator:
             self._hold(p)
         seq.block_table = list(hits)
         seq.num_cached = len(hits) * self.page_size
-        # (a hybrid's prompt stops at its last full page, whose state is then kept, unless it was a hit)
-        last_page = (len(seq) - 1) // self.page_size * self.page_size
-        seq.snapshot_at = last_page if self.free_snapshots or self.snapshot_of else 0
-        if seq.snapshot_at <= seq.num_cached:
-            seq.snapshot_at = 0
+        if self.free_snapshots or self.snapshot_of:  # (a hybrid's: where its chunks stop for a state snapshot)
+            stops = {shared * self.page_size, (len(seq) - 1) // self.page_size * self.page_size}
+            seq.snapshot_at = sorted(p for p in stops if p > seq.num_cached)
         drafted = next((i for i, p in enumerate(hits) if p not in self.drafted), len(hits))
         seq.num_prefix_drafted = drafted * self.page_size
         if self.prefix_caching and seq.num_cached_prompt is None:  # (a readmission finds its own pages)
@@ -124,13 +125,13 @@ class PageAllocator:
         return True
 
     def snapshot(self, seq: Sequence) -> tuple[int, int] | None:
-        """Hybrid models, a request whose prompt chunks reached `snapshot_at`: the snapshot slot its state
-        goes to, as (its slot, the snapshot slot) for the engine to copy; None where that page's state is
-        kept already. The page is cached now if it was not."""
-        at, seq.snapshot_at = seq.snapshot_at, 0
+        """Hybrid models, a request whose prompt chunks reached its next stop (`snapshot_at[0]`): the
+        snapshot slot its state goes to, as (its slot, the snapshot slot) for the engine to copy; None where
+        that page's state is kept already. The page is cached now if it was not."""
+        at = seq.snapshot_at.pop(0)
         assert seq.num_cached == at, "a snapshot is taken where the prompt's chunks stopped"
         self.offer(seq, at)
-        page = self.page_of.get(self._keys(seq, at // self.page_size)[-1])
+        page = self.page_of.get(self._keys(seq, at // self.page_size)[at // self.page_size - 1])
         if page is None or page in self.snapshot_of:
             return None
         if self.free_snapshots:
@@ -239,19 +240,21 @@ class PageAllocator:
             keys.append(page_key(keys[-1] if keys else b"", seq.tokens(i * ps, (i + 1) * ps)))
         return keys
 
-    def _lookup(self, seq: Sequence) -> list[int]:
-        """The cached pages that begin the request's tokens, up to its last one (always computed)."""
+    def _lookup(self, seq: Sequence) -> tuple[list[int], int]:
+        """The cached pages that begin the request's tokens, up to its last one (always computed), and how
+        many there are before a hybrid's hits are cut back to the last page with a kept state."""
         if not self.prefix_caching:
-            return []
+            return [], 0
         hits = []
         for key in self._keys(seq, (len(seq) - 1) // self.page_size):
             page = self.page_of.get(key)
             if page is None or (self.require_drafted and page not in self.drafted):
                 break
             hits.append(page)
+        shared = len(hits)
         while self.num_state_slots and hits and hits[-1] not in self.snapshot_of:
             hits.pop()  # (a hybrid's hits end where a state was kept)
-        return hits
+        return hits, shared
 
 
 def allocate_kv_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,

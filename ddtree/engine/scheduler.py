@@ -120,8 +120,8 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int, step: ScheduledStep) -> int:
         n = min(seq.num_uncached, budget)
-        if seq.num_cached < seq.snapshot_at < seq.num_cached + n:  # (a hybrid's state is kept there)
-            n = seq.snapshot_at - seq.num_cached
+        if seq.snapshot_at and seq.snapshot_at[0] < seq.num_cached + n:  # (a hybrid's state is kept there)
+            n = seq.snapshot_at[0] - seq.num_cached
         step.prefill.append((seq, n))
         return n
 

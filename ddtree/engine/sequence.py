@@ -35,7 +35,8 @@ class Sequence:
     num_offered_pages: int = 0
     num_drafted_pages: int = 0
     num_cached_prompt: int | None = None  # prompt tokens found cached at its first admission
-    snapshot_at: int = 0  # hybrid models: where its prompt chunks stop for the prefix cache's state snapshot
+    # hybrid models: where its prompt chunks stop for the prefix cache's state snapshots (ascending)
+    snapshot_at: list[int] = field(default_factory=list)
     page_keys: list[bytes] = field(default_factory=list)  # the prefix cache's keys of its first full pages
     finish_reason: str | None = None
     accept_lengths: list[int] = field(default_factory=list)
@@ -54,7 +55,7 @@ class Sequence:
         self.block_table = []
         self.state_slot = -1
         self.num_cached = self.num_prefix_drafted = self.num_offered_pages = self.num_drafted_pages = 0
-        self.snapshot_at = 0
+        self.snapshot_at = []
         self.draft_context = None
 
     @property
