@@ -16,8 +16,8 @@ Prefix caching (engine/kv_cache.py): admission gives a request the cached pages 
 and its prompt chunks start after them. Each step offers the running requests' full pages whose target
 K/V are final (below `num_cached`), marking those whose drafter entries are final too (`drafted_tokens`,
 set by a speculative engine), and a released request offers its own, so a preempted request finds its
-pages again unless they were taken. A hybrid's prompt chunks stop at `snapshot_at`, where the prefix
-cache keeps its recurrent state.
+pages again unless they were taken. A hybrid's prompt chunks stop at each of its `snapshot_at`, where the
+prefix cache keeps its recurrent state.
 """
 from __future__ import annotations
 
