@@ -165,9 +165,11 @@ class LLMEngine:
         return touched
 
     def _copy_states(self, copies: list[tuple[int, int]]) -> None:
-        """Hybrid models: (source, destination) recurrent-state slot copies for the prefix cache."""
-        if copies:
-            src, dst = zip(*copies)
+        """Hybrid models: (source, destination) recurrent-state slot copies for the prefix cache, in order:
+        of copies to one slot (a step's snapshot that took the slot of one taken before it) the last."""
+        last = {dst: src for src, dst in copies}  # (an indexed copy with a repeated destination is undefined)
+        if last:
+            dst, src = zip(*last.items())
             self.runner.copy_states(list(src), list(dst))
 
     def _unblock(self) -> None:

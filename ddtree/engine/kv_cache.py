@@ -203,6 +203,7 @@ class PageAllocator:
         self.drafted.clear()
         self.free_snapshots.extend(self.snapshot_of.values())
         self.snapshot_of.clear()
+        self.state_copies.clear()
 
     def _forget(self, page: int) -> None:
         """Drops a cached page's key, mark and snapshot."""

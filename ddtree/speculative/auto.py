@@ -90,7 +90,8 @@ class AdaptiveSpeculator(Speculator):
         self.skips_context = not drafter.hybrid_target  # (plain AR's steps, which skip the read-out)
         self.draft_graphs, self.ar_graphs, self.step_graphs = None, None, {}
         if use_graphs:  # one memory pool for all: each graph's outputs are consumed before the next replays
-            pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot}
+            pad = {"block_tables": runner.scratch_page, "ctx_slots": drafter.scratch_slot,
+                   "state_slots": runner.scratch_state_slot}  # (hybrids: padding rows advance the scratch state)
             widths = {"block_tables": max_pages}
             pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None  # (CPU: tests)
             # The draft alone and auto's own AR step are graphed only to be timed for the cost table.
@@ -131,6 +132,7 @@ class AdaptiveSpeculator(Speculator):
             if n not in seqs:
                 seqs[n] = Sequence([0] * (ps + n), SamplingParams(), None)
                 seqs[n].block_table = [scratch] * (1 + n // ps + 1)
+                seqs[n].state_slot = runner.scratch_state_slot
             return seqs[n], ps, n
 
         for lengths in variant_shapes(runner.max_num_batched_tokens, runner.heads_per_kv, runner.cfg.num_kv_heads):
