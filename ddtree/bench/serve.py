@@ -7,9 +7,10 @@ TTFT (to the first non-empty text chunk), TPOT ((latency - TTFT) / (tokens - 1))
 text chunks: a speculative step's tokens arrive in one chunk) and end-to-end latency, as mean, p50, p90
 and p99 in ms, and the prompt tokens the server's prefix cache held (its usage's `cached_tokens`).
 `--multi-turn` (MT-Bench) sends each conversation's turns in order, the second with the first and the
-model's answer before it, as a chat client does; rows then add `per_turn` statistics. Server side: the mean acceptance length from the deltas of the server's `/metrics`
-(speculation counters and the acceptance-length histogram) around the measured requests, and its
-distribution from the requests' own `ddtree.accept_lengths`. The server's mode, budget, topk and device
+model's answer before it, as a chat client does; rows then add `per_turn` statistics. Server side: the
+mean acceptance length from the deltas of the server's `/metrics` (speculation counters and the
+acceptance-length histogram) around the measured requests, and its distribution from the requests' own
+`ddtree.accept_lengths`. The server's mode, budget, topk and device
 come from the `ddtree` field of `/v1/models`. Rows are JSON lines with the fields of `bench latency`.
 """
 from __future__ import annotations

@@ -63,6 +63,7 @@ class PageAllocator:
         self.page_of: dict[bytes, int] = {}  # key -> cached page
         self.drafted: set[int] = set()  # cached pages whose drafter entries are final too
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached pages no request holds, oldest use first
+        self.keeps_states = bool(snapshot_slots)  # (a hybrid's cache: hits end where a state was kept)
         self.free_snapshots: list[int] = list(snapshot_slots)[::-1]
         self.snapshot_of: OrderedDict[int, int] = OrderedDict()  # page -> the state after it, oldest use first
         self.state_copies: list[tuple[int, int]] = []  # (snapshot, request slot) for the engine to copy
@@ -109,7 +110,7 @@ class PageAllocator:
             self._hold(p)
         seq.block_table = list(hits)
         seq.num_cached = len(hits) * self.page_size
-        if self.free_snapshots or self.snapshot_of:  # (a hybrid's: where its chunks stop for a state snapshot)
+        if self.keeps_states:  # (where its chunks stop for a state snapshot)
             stops = {shared * self.page_size, (len(seq) - 1) // self.page_size * self.page_size}
             seq.snapshot_at = sorted(p for p in stops if p > seq.num_cached)
         drafted = next((i for i, p in enumerate(hits) if p not in self.drafted), len(hits))
@@ -119,7 +120,7 @@ class PageAllocator:
             self.queried_tokens += len(seq.prompt_ids)
             self.hit_tokens += seq.num_cached_prompt
         self.grow(seq, len(seq))
-        if hits and self.num_state_slots:
+        if hits and self.keeps_states:
             self.snapshot_of.move_to_end(hits[-1])
             self.state_copies.append((self.snapshot_of[hits[-1]], seq.state_slot))
         return True
@@ -253,7 +254,7 @@ class PageAllocator:
                 break
             hits.append(page)
         shared = len(hits)
-        while self.num_state_slots and hits and hits[-1] not in self.snapshot_of:
+        while self.keeps_states and hits and hits[-1] not in self.snapshot_of:
             hits.pop()  # (a hybrid's hits end where a state was kept)
         return hits, shared
 
