@@ -504,6 +504,42 @@ def test_seeded_sampled_output_equals_seeded_ar_alone_and_batched(case, drafter_
     assert_idle(llm)
 
 
+STRUCTURES = [dict(json_schema={"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+                                "required": ["ok", "n"]}),
+              dict(regex=r"(yes|no), [a-z]{1,6}\."), {}, dict(grammar='start: "x" NUM (";" NUM)*\nNUM: /[0-9]{1,3}/')]
+
+
+def structured_params(sampled: bool, max_tokens=MAX_TOKENS) -> list[SamplingParams]:
+    """A JSON schema, a regex, no structure and a Lark grammar, seeded sampled (the third greedy) or greedy."""
+    from dataclasses import replace
+    base = sampled_params(max_tokens) if sampled else greedy_params(max_tokens)
+    return [replace(p, **shape) for p, shape in zip(base, STRUCTURES)]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("case", [("qwen3", 8, "dflash", None, None), ("qwen3", 8, "ddtree", 16, 4),
+                                  ("qwen3", 8, "ddtree", "auto", 4), ("qwen3_5", 8, "ddtree", 8, 2)], ids=case_id)
+def test_structured_output_equals_constrained_ar(case, sampled, tiny, drafter, ar, prompts):
+    # Each tree node's draw is masked by the structure after the node's own path, so a node is accepted
+    # only where constrained AR draws its token at that position: the same tokens, and the same ends
+    # (a complete structure ends the request). The noisy oracle proposes constrained AR's continuation
+    # at ranks 0-2 or not at all, so the structured requests accept several tokens a step, along side
+    # branches too, beside an unconstrained one.
+    family, block, spec, budget, topk = case
+    params = structured_params(sampled)
+    ref = ar(family, prompts, params)
+    full = continuation(prompts, ar(family, prompts, structured_params(sampled, [LONGEST] * 4)))
+    llm = spec_llm(tiny(family), drafter(family, block), spec, budget, topk)
+    plant(llm, noisy_oracle(full, vocab=llm.engine.cfg.vocab_size))
+    got = llm.generate(prompts, params)
+    for r, g in zip(ref, got):
+        assert g.token_ids == r.token_ids and g.finish_reason == r.finish_reason
+    assert any(r.finish_reason == "stop" for r in ref)  # (a structure completed inside a speculative step)
+    structured = [n for o, p in zip(got, params) if p.constrained for n in o.accept_lengths]
+    assert budget == "auto" or sum(structured) > 1.3 * len(structured), structured
+    assert_idle(llm)
+
+
 def assert_same_tokens_and_logprobs(got, ref) -> None:
     """The same tokens, logprobs where the reference has them, with the same values and top tokens."""
     for r, g in zip(ref, got):
@@ -550,15 +586,16 @@ def test_logprobs_equal_transformers_and_ar_while_requests_without_them_share_th
 
 
 @pytest.mark.parametrize("spec, budget", [("none", None), ("ddtree", 16), ("ddtree", "auto")])
-def test_requests_with_logprobs_step_beside_graphed_bursts_with_ar_values(spec, budget, tiny, drafter, ar, prompts,
-                                                                           monkeypatch):
-    # With CUDA graphs (emulated on the CPU) the requests without logprobs run graphed bursts and the
-    # ones with logprobs eager steps beside them (their logits read by the host), in the same engine
-    # steps: every request gets AR's tokens, and the scored ones AR's log-probabilities.
+def test_requests_with_logprobs_or_a_structure_step_beside_graphed_bursts_with_ar_values(spec, budget, tiny, drafter,
+                                                                                         ar, prompts, monkeypatch):
+    # With CUDA graphs (emulated on the CPU) the requests without logprobs or a structure run graphed
+    # bursts, and the others eager steps beside them (their logits read or masked by the host), in the
+    # same engine steps: every request gets AR's tokens, and the scored ones AR's log-probabilities.
     from dataclasses import replace
 
     from emulated import fake_gpu_graphs
-    params = [replace(p, logprobs=n) for p, n in zip(sampled_params(), (None, 2, None, 1))]
+    params = [replace(p, logprobs=n, **shape) for p, n, shape in
+              zip(sampled_params(), (None, 2, None, 1), ({}, {}, STRUCTURES[1], STRUCTURES[3]))]
     ref = ar("qwen3", prompts, params)
     fake_gpu_graphs(monkeypatch)
     llm = spec_llm(tiny("qwen3"), drafter("qwen3", 8), spec, budget, 4 if budget else None)
@@ -567,7 +604,8 @@ def test_requests_with_logprobs_step_beside_graphed_bursts_with_ar_values(spec, 
         if decoder is not None:
             real = getattr(decoder, name)
             monkeypatch.setattr(decoder, name, lambda seqs, *a, real=real, **kw:
-                                graphed.append([s.logprobs is not None for s in seqs]) or real(seqs, *a, **kw))
+                                graphed.append([s.logprobs is not None or s.params.constrained for s in seqs])
+                                or real(seqs, *a, **kw))
     got = llm.generate(prompts, params)
     assert graphed and not any(map(any, graphed))
     assert_same_tokens_and_logprobs(got, ref)

@@ -8,8 +8,8 @@ prefill graphs store them in the drafter cache, and tapped decode bursts hand th
 On the GPU every forward replays a CUDA graph: decode steps by batch-size bucket, prompt chunks by
 width. Greedy and sampled rows share the graphs (engine/sampler.py): a step's tokens are drawn on the
 device and feed the next step there, so a burst of steps runs without waiting for the host. Requests
-that ask for logprobs take one-token steps beside the burst, through the prefill graphs: the host reads
-their logits.
+that ask for logprobs or follow a structure take one-token steps beside the burst, through the prefill
+graphs: the host reads or masks their logits.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from ddtree.config import EngineConfig, ModelConfig
 from ddtree.engine.graphs import GraphPool
 from ddtree.engine.readback import TokenReadback, pipelined
 from ddtree.engine.runner import ModelRunner
-from ddtree.engine.sampler import COLUMNS, logprob_records, sample, sampling_columns, wants_logprobs
+from ddtree.engine.grammar import constrained_rows
+from ddtree.engine.sampler import COLUMNS, logprob_records, needs_host, sample, sampling_columns
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import pack_rows, page_slots
@@ -125,18 +126,19 @@ class ARDecoder:
 
     def step(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence]) -> list[Sequence]:
         """One engine step of plain AR: the prompt chunks, then a graphed burst of decode steps; without
-        graphs both kinds share one forward, as do the decode requests that ask for logprobs.
+        graphs both kinds share one forward, as do the decode requests whose logits the host reads or masks
+        (logprobs, structured output).
         Returns the requests that got tokens."""
-        decode, scored = wants_logprobs(decode)
+        decode, hosted = needs_host(decode)
         if not self.can_burst(len(decode)):
-            decode += scored
-            scored = []
+            decode += hosted
+            hosted = []
             t0 = time.perf_counter()
             touched = self._feed(prefill + [(seq, 1) for seq in decode])
             self.timing["prefill_ms"] += (time.perf_counter() - t0) * 1e3 if prefill else 0.0
             self.timing["ar_tokens"] += len(decode)
             return touched
-        touched = self.prefill(prefill + [(seq, 1) for seq in scored]) if prefill or scored else []
+        touched = self.prefill(prefill + [(seq, 1) for seq in hosted]) if prefill or hosted else []
         if decode:
             t0 = time.perf_counter()
             burst = self.burst(decode)
@@ -173,7 +175,8 @@ class ARDecoder:
             cols = sampling_columns([s.params for s in seqs], [s.seed for s in seqs]) + [[len(s) for s in seqs]]
             draw = torch.tensor(cols, dtype=torch.long).T.contiguous().to(self.device)
             rows = logits[done]
-            tokens = sample(rows, draw[:, :COLUMNS], draw[:, COLUMNS], self.runner.use_triton).tolist()
+            allowed = constrained_rows(rows, [s.constraint for s in seqs])
+            tokens = sample(allowed, draw[:, :COLUMNS], draw[:, COLUMNS], self.runner.use_triton).tolist()
             for i, (seq, tok) in enumerate(zip(seqs, tokens)):
                 scores = None if seq.logprobs is None else logprob_records(rows[i:i + 1], [tok], seq.params.logprobs)
                 self.commit(seq, [tok], scores)

@@ -14,6 +14,7 @@ import torch
 from ddtree.config import EngineConfig, ModelConfig
 from ddtree.engine.ar import DECODE_BURST, ARDecoder
 from ddtree.engine.detokenizer import IncrementalDetokenizer
+from ddtree.engine.grammar import Grammars
 from ddtree.engine.kv_cache import PageAllocator
 from ddtree.engine.runner import ModelRunner
 from ddtree.engine.sampler import request_seed
@@ -109,6 +110,7 @@ class LLMEngine:
         self.eos_ids = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
+        self.grammars = Grammars(tokenizer, cfg.vocab_size, self.eos_ids)
 
     @property
     def decoder(self):
@@ -133,10 +135,12 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        constraint = self.grammars.constraint(params)  # (ValueError where it does not compile)
         incremental = stream or bool(params.stop)
         seq = Sequence(list(prompt_ids), params,
                        IncrementalDetokenizer(self.tokenizer, prompt_ids) if incremental else None)
         seq.seed = request_seed(params)
+        seq.constraint = constraint
         if params.logprobs is not None:
             seq.logprobs = []
         self.scheduler.add(seq)
@@ -200,7 +204,8 @@ class LLMEngine:
             if detok is not None:
                 seq.text += detok.add([tok])
             reason, cut = None, False
-            if tok in eos or tok in p.stop_token_ids:
+            complete = seq.constraint is not None and seq.constraint.advance(tok)
+            if tok in eos or tok in p.stop_token_ids or complete:
                 reason = "stop"
             elif p.stop and self._cut_at_stop(seq, before):
                 reason, cut = "stop", True

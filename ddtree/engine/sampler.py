@@ -51,10 +51,11 @@ def logprob_records(logits: torch.Tensor, tokens: list[int], top: int) -> list[t
     return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
 
-def wants_logprobs(seqs) -> tuple[list, list]:
-    """The requests that do not ask for logprobs, and those that do (they run eager steps, whose
-    logits the host reads)."""
-    return [s for s in seqs if s.logprobs is None], [s for s in seqs if s.logprobs is not None]
+def needs_host(seqs) -> tuple[list, list]:
+    """The requests whose steps run on the device alone, and those whose rows of logits the host reads
+    (logprobs) or masks (structured output, engine/grammar.py): they run eager steps."""
+    host = [s for s in seqs if s.logprobs is not None or s.constraint is not None]
+    return [s for s in seqs if s.logprobs is None and s.constraint is None], host
 
 
 def request_seed(params: SamplingParams) -> int:

@@ -45,6 +45,9 @@ class Sequence:
     # With params.logprobs: per output token (its log-probability, [(token, log-probability)] of the
     # params.logprobs most likely), engine/sampler.py `logprob_records`.
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # Structured output: the matcher of the request's json_schema, regex or grammar (engine/grammar.py
+    # `Constraint`), advanced by each committed token.
+    constraint: object | None = None
     text: str = ""  # detokenized output, cut at a stop string
     # Speculative decoding: the drafter's context for this request (speculative/context.py `DraftContext`,
     # owned by the speculative side; dropped with the cache).

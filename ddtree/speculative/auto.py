@@ -11,7 +11,7 @@ request's context is left with an open gap (speculative/context.py). Elsewhere t
   gaps through the target again first (`_refeed_gaps`) either way, and the plan prices that.
 - A budget b > 0 runs as a pipelined burst of one whole-step graph per budget (draft, candidates for the
   largest budget, the tree of b cut from them, verify, accept), each step reading back the drafter's
-  E(b) of every budget for the policy; or as one eager step (no graphs, requests that ask for logprobs).
+  E(b) of every budget for the policy; or as one eager step (no graphs, requests that ask for logprobs or follow a structure).
 
 Hybrid targets never skip the read-out: feeding skipped rows again would advance their recurrent states
 twice.
@@ -28,7 +28,8 @@ from ddtree.config import PolicyConfig
 from ddtree.engine.ar import ARDecoder, decode_inputs
 from ddtree.engine.graphs import GraphPool, buckets_up_to
 from ddtree.engine.runner import ModelRunner
-from ddtree.engine.sampler import wants_logprobs
+from ddtree.engine.grammar import constrained_rows
+from ddtree.engine.sampler import needs_host
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import page_slots
 from ddtree.sampling_params import SamplingParams
@@ -164,12 +165,14 @@ class AdaptiveSpeculator(Speculator):
         fixed = (expected * EXPECTED_SCALE).round().long()
         return StepOutputs(torch.cat([out.packed, fixed], dim=1), out.feats)
 
-    def _budget_step(self, budget: int, inp: RootInputs | TreeInputs, scored: bool = False) -> StepOutputs:
+    def _budget_step(self, budget: int, inp: RootInputs | TreeInputs, scored: bool = False,
+                     constraints: list | None = None) -> StepOutputs:
         """Verify the tree of `budget` nodes; device ops only. Budget 0: one AR step that also stores
         the root's target features in the drafter cache (its context). `scored`: the outputs keep the
-        logits along the accepted path (for logprobs)."""
+        logits along the accepted path (for logprobs). `constraints`: each request's structure or None
+        (engine/grammar.py: the draws are masked by it, on the host)."""
         if budget:
-            return self._verify(inp, cut_tree(inp.candidates, inp.roots, budget), scored)
+            return self._verify(inp, cut_tree(inp.candidates, inp.roots, budget), scored, constraints)
         R = inp.roots.shape[0]
         ids = inp.roots[:, None]
         logits, feats = self.runner.verify(inp.block_tables, inp.starts, ids, torch.zeros_like(ids), None,
@@ -178,18 +181,19 @@ class AdaptiveSpeculator(Speculator):
             self.runner.commit_states(inp.state_slots, torch.zeros_like(inp.starts))
         slots = page_slots(inp.block_tables, inp.starts[:, None], self.runner.page_size).flatten()
         self.drafter.store_context(feats[:, 0], inp.starts, slots)
-        packed = torch.cat([torch.zeros_like(ids), self.target_draws(logits, inp, torch.zeros_like(ids)), ids], 1)
+        allowed = logits if constraints is None else constrained_rows(logits[:, 0], constraints)[:, None]
+        packed = torch.cat([torch.zeros_like(ids), self.target_draws(allowed, inp, torch.zeros_like(ids)), ids], 1)
         return StepOutputs(packed.view(R, 3), feats, logits if scored else None)
 
     @torch.inference_mode()
     def step(self, prefill: list[tuple[Sequence, int]], decode: list[Sequence]) -> list[Sequence]:
         """The engine's step: plain AR's where speculation cannot win at this batch size; else prompt
         chunks, then the plan's budget for the decode requests (a graphed burst, or eager steps). Requests
-        that ask for logprobs take one eager step of that budget."""
+        that ask for logprobs or follow a structure take one eager step of that budget."""
         if self.skips_context and self.policy.hopeless(max(len(decode), self.ar.scheduler.headed_for())):
             return self.ar.step(prefill, decode)
-        plain, scored = wants_logprobs(decode)
-        batch = plain or scored
+        plain, hosted = needs_host(decode)
+        batch = plain or hosted
         budget = self.policy.plan(len(batch), partial(self._switch, batch)) if batch else 0
         if not budget and self.skips_context and any(map(has_gap, decode)):
             return self.ar.step(prefill, decode)  # (a switch feeds the gaps again first in any case)
@@ -203,12 +207,12 @@ class AdaptiveSpeculator(Speculator):
                 self._ar_burst(plain)
             else:
                 self.ar_step(plain)
-        if scored:
-            self.timed = False  # (its host-side logprob work is no step time to learn from)
+        if hosted:
+            self.timed = False  # (its host-side logprob and mask work is no step time to learn from)
             if budget:
-                self._eager_step(scored, budget)
+                self._eager_step(hosted, budget)
             else:
-                self.ar_step(scored)
+                self.ar_step(hosted)
         return touched + decode
 
     def _switch(self, seqs: list[Sequence]) -> tuple[int, float]:
@@ -272,7 +276,7 @@ class AdaptiveSpeculator(Speculator):
                           self.runner.device)
         t0 = time.perf_counter()
         out = self._budget_step(0, RootInputs(d.ids, d.starts, d.block_tables, d.draw, d.state_slots),
-                                any(s.logprobs is not None for s in seqs))
+                                any(s.logprobs is not None for s in seqs), [s.constraint for s in seqs])
         self._commit(seqs, out, 0)
         timed = self.timed and self.draft_graphs is None  # (timed as the table was: eager)
         self.policy.observe_burst(0, len(seqs), 1, len(seqs), (time.perf_counter() - t0) * 1e3 if timed else None)
@@ -296,7 +300,7 @@ class AdaptiveSpeculator(Speculator):
         expected = dict(zip(self.budgets[1:], expected[:R].sum(0).tolist()))
         out = self._budget_step(budget, TreeInputs(inp.roots, inp.starts, inp.block_tables, inp.draw, c.score,
                                                    c.parent, c.rank, c.order, c.tokens, inp.state_slots),
-                                any(s.logprobs is not None for s in seqs))
+                                any(s.logprobs is not None for s in seqs), [s.constraint for s in seqs])
         committed = self.stats.committed
         accepted = self._commit(seqs, out, budget)
         self.policy.observe_step(budget, R, expected, accepted)

@@ -4,8 +4,9 @@ The device part (`device_step`) is shape-static and free of host reads, so on GP
 in a CUDA graph per batch-size bucket; the host reads back one small tensor per step. DFlash
 linear is the same step with topk = 1 and budget = block_size - 1 (the tree is a chain of the
 drafter's argmax tokens), so both modes share this code. `AdaptiveSpeculator` (speculative/auto.py, budget
-"auto") picks the budget, 0 = AR included, per burst of these steps. Requests that ask for logprobs
-take eager steps beside the graphed ones: the host reads the logits along their accepted paths.
+"auto") picks the budget, 0 = AR included, per burst of these steps. Requests that ask for logprobs or
+follow a structure take eager steps beside the graphed ones: the host reads the logits along their
+accepted paths, or masks each tree node's row by the structure after the node's path (engine/grammar.py).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from ddtree.engine.ar import SHORT_BURST, ARDecoder
 from ddtree.engine.graphs import GraphPool
 from ddtree.engine.readback import TokenReadback, pipelined
 from ddtree.engine.runner import ModelRunner
-from ddtree.engine.sampler import COLUMNS, logprob_records, sample, wants_logprobs
+from ddtree.engine.grammar import constrained_tree
+from ddtree.engine.sampler import COLUMNS, logprob_records, needs_host, sample
 from ddtree.engine.sequence import Sequence
 from ddtree.ops.attention import page_slots
 from ddtree.speculative.context import context_of
@@ -62,7 +64,8 @@ class SpecStats:
 class StepOutputs:
     packed: torch.Tensor  # [R, 2 + (D+1)]: accepted length, bonus, tokens along the path (root first)
     feats: torch.Tensor  # [R, D+1, K*D] target features along the path: the drafter's next context
-    # (eager steps for requests that ask for logprobs) [R, D+1, V] the target's logits along the path:
+    # (eager steps for requests that ask for logprobs) [R, D+1, V] the target's logits along the path
+    # (as the model gives them: before a structure's mask, temperature, top-k and top-p):
     # the distributions the path's tokens after the root and the bonus were drawn from
     path_logits: torch.Tensor | None = None
 
@@ -117,11 +120,12 @@ class Speculator:
         """Cache positions a step writes past num_cached: the verified tree or the drafter block."""
         return max(self.budget + 1, self.drafter.block_size)
 
-    def device_step(self, inp: StepInputs, scored: bool = False) -> StepOutputs:
-        """Draft, build the tree, verify it, accept, and compact the accepted K/V; device ops only.
-        `scored`: the outputs keep the logits along the accepted path (for logprobs)."""
+    def device_step(self, inp: StepInputs, scored: bool = False, constraints: list | None = None) -> StepOutputs:
+        """Draft, build the tree, verify it, accept, and compact the accepted K/V; device ops only, unless
+        `constraints` (eager steps). `scored`: the outputs keep the logits along the accepted path (for
+        logprobs). `constraints`: each request's structure (engine/grammar.py) or None."""
         tree = build_tree(self.drafter.logits(inp), inp.roots, self.budget, self.topk)
-        return self._verify(inp, tree, scored)
+        return self._verify(inp, tree, scored, constraints)
 
     def target_draws(self, logits: torch.Tensor, inp, depth: torch.Tensor) -> torch.Tensor:
         """The target's token at every node [R, N] from its logits [R, N, V]: the draw (or argmax) for
@@ -130,13 +134,16 @@ class Speculator:
         positions = (inp.starts[:, None] + depth + 1).flatten()
         return sample(logits.reshape(R * N, V), inp.draw, positions, self.runner.use_triton).view(R, N)
 
-    def _verify(self, inp, tree: Tree, scored: bool = False) -> StepOutputs:
+    def _verify(self, inp, tree: Tree, scored: bool = False, constraints: list | None = None) -> StepOutputs:
         """Verify a tree, accept, compact; `inp` has the requests' roots, starts, block_tables and
-        sampling settings. `scored`: keep the logits along the accepted path."""
+        sampling settings. `scored`: keep the logits along the accepted path. `constraints`: each
+        request's structure or None; the nodes' draws are masked by it (a host walk of the tree)."""
         state_slots = getattr(inp, "state_slots", None)
         logits, feats = self.runner.verify(inp.block_tables, inp.starts, tree.tokens, tree.depth, tree.mask,
                                            self.drafter.layer_ids, state_slots)
-        acc = walk(tree, self.target_draws(logits, inp, tree.depth))
+        allowed = logits if constraints is None else \
+            constrained_tree(logits, constraints, tree.tokens, tree.parent, tree.valid)
+        acc = walk(tree, self.target_draws(allowed, inp, tree.depth))
         self._compact(inp, acc.length, acc.path)
         if state_slots is not None:  # hybrid targets: the recurrent state becomes the accepted path's
             self.runner.commit_states(state_slots, acc.path.gather(1, acc.length[:, None])[:, 0])
@@ -165,13 +172,13 @@ class Speculator:
         """The engine's step: prompt chunks (their context stored), then the decode requests'
         speculation. Returns the requests that got tokens."""
         touched = self.ar.prefill(prefill, taps=True) if prefill else []
-        plain, scored = wants_logprobs(decode)
+        plain, hosted = needs_host(decode)
         if plain:
             self.timed = not prefill  # (a prefill chunk still running on the device would count in the times)
             self.short_bursts = self.ar.scheduler.admitting()
             self.decode(plain)
-        if scored:
-            self._eager_step(scored)
+        if hosted:
+            self._eager_step(hosted)
         return touched + decode
 
     def decode(self, seqs: list[Sequence]) -> None:
@@ -187,7 +194,7 @@ class Speculator:
     def _eager_step(self, seqs: list[Sequence]) -> None:
         """One step without graphs (the CPU), or for a batch larger than the graphs'."""
         inp = self.drafter.prepare(seqs)
-        out = self.device_step(inp, scored=any(s.logprobs is not None for s in seqs))
+        out = self.device_step(inp, any(s.logprobs is not None for s in seqs), [s.constraint for s in seqs])
         self._commit(seqs, out, self.budget)
 
     def _burst(self, seqs: list[Sequence], graphs: GraphPool | None = None, budget: int | None = None,

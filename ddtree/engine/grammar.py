@@ -1,0 +1,160 @@
+"""Structured output: a request's text follows a JSON schema, a regular expression or a Lark grammar.
+
+llguidance compiles the constraint against the tokenizer and keeps, for each constrained request, the
+set of tokens that may come next (`Constraint`). Before a draw, every token outside that set loses its
+logit (`masked`), so each output token is a draw from the model's distribution restricted to what the
+constraint allows, by the same keyed sampler as any other token (engine/sampler.py).
+
+Speculation keeps this exact. A tree node's row is masked by the constraint's state after the node's own
+ancestors (`Constraint.fill_tree`: a walk down the tree that advances the matcher on the way down and
+rolls it back on the way up), so a node is accepted only where AR, masked at the same position, would
+have drawn its token: DDTree and DFlash commit the tokens constrained AR commits, greedy or seeded.
+The masks need the host between the draft and the draw, so constrained requests take the eager steps
+that requests asking for logprobs take.
+
+A request ends ("stop") when its constraint is complete: the text matches and nothing may follow. Where
+it matches but may go on (a regex `ab|abc` after "ab"), the model's end-of-sequence tokens are allowed.
+"""
+from __future__ import annotations
+
+import torch
+
+from ddtree.sampling_params import SamplingParams
+
+WORD = 32  # tokens per word of a bitmask row (llguidance's int32 layout)
+
+
+def grammar_source(params: SamplingParams) -> str | None:
+    """The llguidance grammar of a request's constraint, or None for an unconstrained request."""
+    import llguidance
+
+    if params.json_schema is not None:
+        return llguidance.LLMatcher.grammar_from_json_schema(params.json_schema)
+    if params.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if params.grammar is not None:
+        return llguidance.LLMatcher.grammar_from_lark(params.grammar)
+    return None
+
+
+class Grammars:
+    """The engine's constraint compiler: the tokenizer as llguidance sees it (built on first use) and the
+    model's stop tokens, which the end of a complete text allows alike."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: set[int]):
+        self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(stop_ids)
+        self._ll_tokenizer = None
+
+    def constraint(self, params: SamplingParams) -> Constraint | None:
+        """A new request's constraint; ValueError where it does not compile."""
+        if not params.constrained:
+            return None
+        import llguidance
+        import llguidance.hf
+
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, which structured output needs")
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+        source = grammar_source(params)
+        error = llguidance.LLMatcher.validate_grammar(source, self._ll_tokenizer)
+        if error:
+            raise ValueError(f"the {params.constraint_kind} does not compile: {error.strip()}")
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, source)
+        if matcher.is_error():
+            raise ValueError(f"the {params.constraint_kind} does not compile: {matcher.get_error()}")
+        return Constraint(matcher, self._ll_tokenizer.eos_token, self.stop_ids, self.vocab_size)
+
+
+class Constraint:
+    """One request's matcher, advanced by the tokens the engine commits."""
+
+    def __init__(self, matcher, eos: int, stop_ids: list[int], vocab_size: int):
+        self.matcher, self.eos, self.stop_ids = matcher, eos, stop_ids
+        self.words = -(-vocab_size // WORD)
+
+    def advance(self, token: int) -> bool:
+        """Takes a committed token; True when the text is complete (the request ends with it)."""
+        if token in self.stop_ids or token == self.eos:  # (only allowed where the text may end)
+            return True
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} broke the request's constraint: {self.matcher.get_error()}")
+        return self.matcher.is_stopped()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """The tokens that may come next into `bitmask[row]` (int32 words, bit t % 32 of word t // 32)."""
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        if self.stop_ids:  # every stop token where the text may end, none elsewhere
+            may_end = bool((bitmask[row, self.eos // WORD] >> (self.eos % WORD)) & 1)
+            for t in self.stop_ids:
+                w, bit = t // WORD, 1 << (t % WORD)
+                word = int(bitmask[row, w]) & 0xFFFFFFFF
+                word = word | bit if may_end else word & ~bit
+                bitmask[row, w] = word - (1 << 32) if word >= 1 << 31 else word
+
+    def fill_tree(self, bitmask: torch.Tensor, first: int, tokens: list[int], parents: list[int],
+                  valid: list[bool]) -> None:
+        """Rows first + n of `bitmask` for the nodes n of one request's tree (node 0 the root, its last
+        committed token; parents before children): the tokens that may follow each node's path. A node
+        the constraint forbids is never accepted, and its row and its subtree's stay all ones."""
+        children: list[list[int]] = [[] for _ in tokens]
+        for n in range(1, len(tokens)):
+            if valid[n]:
+                children[parents[n]].append(n)
+        bitmask[first:first + len(tokens)] = -1
+        self.fill(bitmask, first)
+
+        def visit(n: int) -> None:
+            for c in children[n]:
+                t = tokens[c]
+                allowed = (int(bitmask[first + n, t // WORD]) >> (t % WORD)) & 1
+                if not allowed or t in self.stop_ids or t == self.eos:  # (the request ends at a stop token)
+                    continue
+                self.matcher.consume_token(t)
+                self.fill(bitmask, first + c)
+                visit(c)
+                self.matcher.rollback(1)
+
+        visit(0)
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A host bitmask of `rows` rows with every token allowed."""
+    return torch.full((rows, -(-vocab_size // WORD)), -1, dtype=torch.int32)
+
+
+def masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` [M, V] with -inf wherever `bitmask` [M, W] (host, int32) has a 0 bit."""
+    bits = bitmask.to(logits.device, non_blocking=True)
+    cols = torch.arange(logits.shape[-1], device=logits.device)
+    allowed = (bits[:, cols // WORD] >> (cols % WORD)) & 1
+    return logits.masked_fill(allowed == 0, float("-inf"))
+
+
+def constrained_rows(logits: torch.Tensor, constraints: list[Constraint | None]) -> torch.Tensor:
+    """One row of logits per request [R, V], the constrained requests' rows masked to their next tokens."""
+    if not any(constraints):
+        return logits
+    bitmask = new_bitmask(len(constraints), logits.shape[-1])
+    for i, c in enumerate(constraints):
+        if c is not None:
+            c.fill(bitmask, i)
+    return masked(logits, bitmask)
+
+
+def constrained_tree(logits: torch.Tensor, constraints: list[Constraint | None], tokens: torch.Tensor,
+                     parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each request's tree of logits [R, N, V] (`tokens`, `parents`, `valid` [R, N]: speculative/tree.py's
+    `Tree`), each constrained request's nodes masked by its constraint after their paths (`fill_tree`)."""
+    if not any(constraints):
+        return logits
+    R, N, V = logits.shape
+    bitmask = new_bitmask(R * N, V)
+    tok, par, ok = tokens.tolist(), parents.tolist(), valid.tolist()
+    for r, c in enumerate(constraints):
+        if c is not None:
+            c.fill_tree(bitmask, r * N, tok[r], par[r], ok[r])
+    return masked(logits.reshape(R * N, V), bitmask).view(R, N, V)
+
