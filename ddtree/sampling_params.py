@@ -55,6 +55,11 @@ class SamplingParams:
         for k in ("regex", "grammar"):
             if getattr(self, k) is not None and not isinstance(getattr(self, k), str):
                 raise ValueError(f"{k} must be a string, got {type(getattr(self, k)).__name__}")
+        if self.constrained:
+            from ddtree.engine.grammar import grammar_source, validate
+            error = validate(grammar_source(self))
+            if error:
+                raise ValueError(f"the {self.constraint_kind} does not compile: {error}")
         if 0 < self.temperature < 1e-5:  # logits / temperature would overflow: this is greedy anyway
             self.temperature = 0.0
 

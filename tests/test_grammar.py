@@ -107,29 +107,28 @@ def test_every_stop_token_is_allowed_exactly_where_the_text_may_end(grammars, to
     assert c.advance(tokenizer.encode("c")[0])  # complete: nothing may follow
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(regex="a(b"), "regex does not compile"),
-    (dict(json_schema={"type": "nonsense"}), "json_schema does not compile"),
-    (dict(grammar="start: missing_rule"), "grammar does not compile"),
-])
-def test_a_structure_that_does_not_compile_is_a_clear_error_that_leaks_nothing(bad, message, make_llm):
-    llm = make_llm()
-    with pytest.raises(ValueError, match=message):
-        llm.generate(["Hello"], SamplingParams(max_tokens=4, **bad))
-    assert not llm.engine.has_work()
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
-    assert llm.generate(["Hello"], SamplingParams(max_tokens=3))[0].token_ids  # (the engine still serves)
-
-
 @pytest.mark.parametrize("params, message", [
     (dict(regex="a", grammar="start: \"a\""), "at most one of json_schema, regex and grammar"),
     (dict(json_schema="{not json"), "json_schema is not valid JSON"),
     (dict(json_schema=3), "json_schema must be a dict or JSON text"),
     (dict(regex=5), "regex must be a string"),
+    (dict(regex="a(b"), "regex does not compile"),
+    (dict(json_schema={"type": "nonsense"}), "json_schema does not compile"),
+    (dict(grammar="start: missing_rule"), "grammar does not compile"),
 ])
 def test_sampling_params_reject_malformed_structures(params, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**params)
+
+
+def test_a_structure_without_a_tokenizer_is_a_clear_error_that_leaks_nothing(make_llm, tmp_path):
+    from tiny import make_tiny_model
+    llm = make_llm(model=make_tiny_model(str(tmp_path), with_tokenizer=False))
+    with pytest.raises(ValueError, match="no tokenizer, which structured output needs"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, regex="ab"))
+    assert not llm.engine.has_work()
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids  # (the engine still serves)
 
 
 def test_constrained_texts_follow_their_structure_and_end_with_it(make_llm):

@@ -37,6 +37,13 @@ def grammar_source(params: SamplingParams) -> str | None:
     return None
 
 
+def validate(source: str, ll_tokenizer=None) -> str:
+    """What is wrong with an llguidance grammar ("" where nothing is), against a tokenizer if given."""
+    import llguidance
+
+    return llguidance.LLMatcher.validate_grammar(source, ll_tokenizer).strip()
+
+
 class Grammars:
     """The engine's constraint compiler: the tokenizer as llguidance sees it (built on first use) and the
     model's stop tokens, which the end of a complete text allows alike."""
@@ -57,9 +64,9 @@ class Grammars:
         if self._ll_tokenizer is None:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
         source = grammar_source(params)
-        error = llguidance.LLMatcher.validate_grammar(source, self._ll_tokenizer)
+        error = validate(source, self._ll_tokenizer)
         if error:
-            raise ValueError(f"the {params.constraint_kind} does not compile: {error.strip()}")
+            raise ValueError(f"the {params.constraint_kind} does not compile: {error}")
         matcher = llguidance.LLMatcher(self._ll_tokenizer, source)
         if matcher.is_error():
             raise ValueError(f"the {params.constraint_kind} does not compile: {matcher.get_error()}")
