@@ -1,7 +1,7 @@
 """What a Triton kernel costs in registers, spills and instructions on a Hopper GPU, read off its compiled
 code on any machine: Triton compiles it for sm_90 with the ptxas it ships, no GPU needed.
 
-    python benchmarks/kernel_resources.py [OUT.json] [--kernel tree] [--nodes 33] [--head 128] [--key-chunk 32] [--stack]
+    python benchmarks/kernel_resources.py [OUT.json] [--kernel tree] [--nodes 33] [--head 128] [--key-chunk 32]
     python benchmarks/kernel_resources.py [OUT.json] --kernel attention [--head 64] [--group 7]
 
 - `tree`: the hybrid tree kernel (`_tree_delta_kernel`) at each split the autotuner may pick
@@ -56,12 +56,12 @@ def compile_for_hopper(kernel, constants: dict, warps: int, stages: int):
 
 
 def compile_tree_kernel(nodes: int, head: int, block_v: int, warps: int, stages: int = 3,
-                        block_k: int | None = None, stack: bool = False):
+                        block_k: int | None = None):
     """The launch `tree_delta` makes for trees of `nodes` nodes, heads of `head` key and value channels
-    (`block_k` key channels at a time: `key_chunk`'s unless given; `stack`: the stacked products)."""
+    (`block_k` key channels at a time: `key_chunk`'s unless given)."""
     NP = max(16, triton.next_power_of_2(nodes - 1))
     constants = dict(DK=head, DV=head, NP=NP, LOG_NP=NP.bit_length() - 1, SOLVE="tf32", BLOCK_V=block_v,
-                     BLOCK_K=block_k or key_chunk(head), STACK=stack)
+                     BLOCK_K=block_k or key_chunk(head))
     return compile_for_hopper(_tree_delta_kernel, constants, warps, stages)
 
 
@@ -100,7 +100,6 @@ def main():
     ap.add_argument("--group", type=int, default=7, help="attention: query heads a KV head")
     ap.add_argument("--stages", type=int, default=3, help="tree: software pipelining stages")
     ap.add_argument("--key-chunk", type=int, default=None, help="tree: key channels at a time (key_chunk's)")
-    ap.add_argument("--stack", action="store_true", help="tree: the stacked products (`_stacked_products`)")
     args = ap.parse_args()
     rows, scratch = [], os.path.join(tempfile.mkdtemp(), "kernel.cubin")
     if args.kernel == "tree":
@@ -109,9 +108,8 @@ def main():
             block_v, warps = config.kwargs["BLOCK_V"], config.num_warps
             if block_v <= head:
                 row = {"nodes": args.nodes, "head": head, "block_v": block_v, "warps": warps, "stages": args.stages,
-                       "block_k": args.key_chunk or key_chunk(head), "stack": args.stack}
-                kernel = compile_tree_kernel(args.nodes, head, block_v, warps, args.stages, args.key_chunk,
-                                             args.stack)
+                       "block_k": args.key_chunk or key_chunk(head)}
+                kernel = compile_tree_kernel(args.nodes, head, block_v, warps, args.stages, args.key_chunk)
                 rows.append(row | resources(kernel, scratch))
                 print(json.dumps(rows[-1]), flush=True)
     else:

@@ -1,11 +1,10 @@
 """Times the hybrid tree kernel (`tree_delta`: a verify's Gated DeltaNet solve, one layer) at a model's
 linear-attention shapes, for every split of a head's value columns (BLOCK_V), key channels read at a time
-(BLOCK_K), warps and the products' layout (STACK: q and k rows in one tile, `_stacked_products`), at a
-few batch sizes and tree sizes; `autotuned` rows time the launch the engine makes (the autotuner's pick
-among `TREE_SPLITS`). CUDA graph replays, median of 200, random trees with many siblings a depth.
+(BLOCK_K) and warps, at a few batch sizes and tree sizes; `autotuned` rows time the launch the engine
+makes (the autotuner's pick among `TREE_SPLITS`). CUDA graph replays, median of 200, random trees with many siblings a depth.
 
     python benchmarks/tree_tune.py OUT.jsonl [--config benchmarks/configs/qwen3.5-0.8b.json]
-        [--batch 1,8] [--nodes 17,33,65] [--key-chunks 16,32,64] [--warps 2,4,8] [--stack 0,1] [--baseline FILE]
+        [--batch 1,8] [--nodes 17,33,65] [--key-chunks 16,32,64] [--warps 2,4,8] [--baseline FILE]
 
 `--baseline FILE` (repeatable): the ops module of another revision (`git show REV:ddtree/ops/triton_gdn.py >
 FILE`), whose `tree_delta` is timed beside this tree's at the same inputs and splits, in the same run (rows
@@ -64,7 +63,6 @@ def main() -> int:
     ap.add_argument("--nodes", default="17,33,65", help="nodes a tree (the root included)")
     ap.add_argument("--key-chunks", default="16,32,64,128", help="BLOCK_K values to try (at most the key head's)")
     ap.add_argument("--warps", default="2,4,8")
-    ap.add_argument("--stack", default="0,1", help="STACK values to try (1: the stacked products' layout)")
     ap.add_argument("--baseline", action="append", default=[],
                     help="triton_gdn.py of another revision, timed beside this one (repeatable: rows named by file stem)")
     args = ap.parse_args()
@@ -83,14 +81,13 @@ def main() -> int:
     block_vs = [bv for bv in (16, 32, 64, 128) if bv <= DV]
     chunks = [int(x) for x in args.key_chunks.split(",") if int(x) <= cfg["linear_key_head_dim"]]
     warps = [int(x) for x in args.warps.split(",")]
-    stacks = [int(x) for x in args.stack.split(",")]
     cases = itertools.product([int(x) for x in args.batch.split(",")], [int(x) for x in args.nodes.split(",")])
     with open(args.out, "w") as out:  # (a row a line as measured: a run cut short keeps its rows)
         for R, N in cases:
             runs = {name: launcher(cfg, R, N, dev, solve) for name, solve in kernels.items()}
             want = runs["current"](None)[0].float()
-            splits = [None] + [dict(BLOCK_V=bv, BLOCK_K=bk, num_warps=w, STACK=bool(st)) for bv, bk, w, st in
-                               itertools.product(block_vs, chunks, warps, stacks)]
+            splits = [None] + [dict(BLOCK_V=bv, BLOCK_K=bk, num_warps=w) for bv, bk, w in
+                               itertools.product(block_vs, chunks, warps)]
             for split, (name, run) in itertools.product(splits, runs.items()):
                 try:
                     err = float((run(split)[0].float() - want).abs().max())

@@ -218,55 +218,11 @@ def _products(q_rows, valid, root_rows, root_row, base, keep, dv, KEY_DIM, DK: t
 
 
 @triton.jit
-def _stacked_products(Mixed, first, q_rows, valid, root_rows, root_row, base, keep, dv, N, C, hk, KEY_DIM,
-                      DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, SOLVE: tl.constexpr,
-                      BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`_products`'s results from the nodes' q and k stacked as one tile of 2 NP rows (q first): each
-    product with S0, k or the root rows is one tensor-core product of twice the height (five products a
-    chunk, not eight), and the halves are split apart once, after the loop."""
-    x = tl.arange(0, 2 * NP)
-    x_node = (x % NP) + 1
-    x_ok = x_node < N
-    x_rows = Mixed + (first + x_node)[:, None] * C + hk * DK + tl.where(x >= NP, KEY_DIM, 0)[:, None]
-    xs0 = tl.zeros((2 * NP, BLOCK_V), dtype=tl.float32)
-    xk = tl.zeros((2 * NP, NP), dtype=tl.float32)
-    xr = tl.zeros((2 * NP, 16), dtype=tl.float32)
-    rs0 = tl.zeros((16, BLOCK_V), dtype=tl.float32)
-    rr = tl.zeros((16, 16), dtype=tl.float32)
-    x_sq = tl.zeros((2 * NP, BLOCK_K), dtype=tl.float32)
-    r_sq = tl.zeros((16, BLOCK_K), dtype=tl.float32)
-    for c in tl.static_range(0, DK, BLOCK_K):
-        ch = c + tl.arange(0, BLOCK_K)
-        qk_rows = tl.load(x_rows + ch[None, :], mask=x_ok[:, None], other=0.0)
-        k = tl.load(q_rows + KEY_DIM + ch[None, :], mask=valid[:, None], other=0.0)
-        r01 = tl.load(root_rows[:, None] + ch[None, :], mask=(root_row < 2)[:, None], other=0.0)
-        s0 = tl.where(keep, tl.load(base + ch[:, None] * DV + dv[None, :]), 0.0)
-        xs0 = tl.dot(qk_rows, s0, xs0, input_precision=SOLVE)
-        xk = tl.dot(qk_rows, tl.trans(k), xk, input_precision=SOLVE)
-        xr = tl.dot(qk_rows, tl.trans(r01), xr, input_precision=SOLVE)
-        rs0 = tl.dot(r01, s0, rs0, input_precision=SOLVE)
-        rr = tl.dot(r01, tl.trans(r01), rr, input_precision=SOLVE)
-        x_sq += qk_rows * qk_rows
-        r_sq += r01 * r01
-    qs0, ks0 = _halves(xs0, NP, BLOCK_V)
-    qk, kk = _halves(xk, NP, NP)
-    qr, kr = _halves(xr, NP, 16)
-    q_sq, k_sq = tl.split(tl.permute(tl.reshape(tl.sum(x_sq, 1), (2, NP)), (1, 0)))
-    return qs0, ks0, kk, qk, rs0, kr, qr, rr, q_sq, k_sq, tl.sum(r_sq, 1)
-
-
-@triton.jit
-def _halves(t, NP: tl.constexpr, M: tl.constexpr):
-    """The two NP-row halves of a [2 NP, M] tile."""
-    return tl.split(tl.permute(tl.reshape(t, (2, NP, M)), (1, 2, 0)))
-
-
-@triton.jit
 def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_ba, ALog, DtBias, Out, Mask,
                        stride_mask_r, stride_mask_q, Dbuf, Gbuf, stride_slot, stride_head, HV, REPEAT, KEY_DIM,
                        VALUE_OFF, C, N, R_KEY, DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr,
                        LOG_NP: tl.constexpr, SOLVE: tl.constexpr, BLOCK_V: tl.constexpr,
-                       BLOCK_K: tl.constexpr, STACK: tl.constexpr):
+                       BLOCK_K: tl.constexpr):
     # Node 0 (the root: ancestors come first, so it has none) is solved on its own, and the NP-row tiles
     # hold nodes 1 to N - 1: a tree of 2^m + 1 nodes (a budget of 2^m) fills them without padding.
     r = tl.program_id(0)
@@ -291,17 +247,10 @@ def _tree_delta_kernel(State, Slots, stride_slots, Prefix, Mixed, B, A, stride_b
     # at once, not of DK), from the raw q and k: a row's L2 norm is a scalar that factors out of its
     # products, applied after. The root's q and k are rows 0 and 1 of a 16-row tile, so that their
     # products too are tensor-core products accumulated over the chunks; each is read out once, after.
-    # STACK takes `_stacked_products`' layout; the engine launches `_products` (benchmarks/tree_tune.py
-    # times both).
     root_row = tl.arange(0, 16)  # (0: the root's q, 1: its k, the rest zero)
     root_rows = q_root + tl.where(root_row == 1, KEY_DIM, 0)
-    if STACK:
-        qs0, ks0, kk, qk, rs0, kr, qr, rr, q_sq, k_sq, r_sq = _stacked_products(
-            Mixed, r * N, q_rows, valid, root_rows, root_row, base, keep, dv, N, C, hk, KEY_DIM, DK, DV, NP, SOLVE,
-            BLOCK_V, BLOCK_K)
-    else:
-        qs0, ks0, kk, qk, rs0, kr, qr, rr, q_sq, k_sq, r_sq = _products(
-            q_rows, valid, root_rows, root_row, base, keep, dv, KEY_DIM, DK, DV, NP, SOLVE, BLOCK_V, BLOCK_K)
+    qs0, ks0, kk, qk, rs0, kr, qr, rr, q_sq, k_sq, r_sq = _products(
+        q_rows, valid, root_rows, root_row, base, keep, dv, KEY_DIM, DK, DV, NP, SOLVE, BLOCK_V, BLOCK_K)
     q0s0 = tl.sum(tl.where(root_row[:, None] == 0, rs0, 0.0), 0)
     k0s0 = tl.sum(tl.where(root_row[:, None] == 1, rs0, 0.0), 0)
     kk0 = tl.sum(tl.where(root_row[None, :] == 1, kr, 0.0), 1)
@@ -408,8 +357,7 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
     rows. Returns the gated, normed outputs [R * N, Hv Dv] (z's dtype), the updates d [R, Hv, N, Dv] and
     the decay sums G [R, Hv, N] (float32) that `tree_commit` needs. One program per (request, head,
     BLOCK_V value columns); then one per (node, head) norms and gates the outputs. `split` (BLOCK_V,
-    BLOCK_K, num_warps; STACK: the stacked products of `_stacked_products`) fixes the launch in place of the
-    autotuner's pick (`benchmarks/tree_tune.py`)."""
+    BLOCK_K, num_warps) fixes the launch in place of the autotuner's pick (`benchmarks/tree_tune.py`)."""
     R, N = depth.shape
     H, DK, DV = state.shape[1], state.shape[2], state.shape[3]
     assert N <= MAX_TREE and above.stride(2) == 1 and state.stride(3) == 1 and state.stride(2) == DV
@@ -424,7 +372,6 @@ def tree_delta(state: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, m
         kernel, fixed = _tree_delta_kernel, dict(BLOCK_V=min(DV, 32), BLOCK_K=key_chunk(DK), num_warps=4)
     else:
         kernel, fixed = _tree_delta, dict(BLOCK_K=key_chunk(DK))
-    fixed = {"STACK": False, **fixed}  # (the engine's launches take `_products`)
     assert DK % fixed["BLOCK_K"] == 0 and fixed["BLOCK_K"] >= 16 and fixed.get("BLOCK_V", 16) <= DV, fixed
     NP = max(16, triton.next_power_of_2(N - 1))  # (the nodes past the root)
     kernel[lambda meta: (R, H, triton.cdiv(DV, meta["BLOCK_V"]))](
