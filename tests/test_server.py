@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -334,6 +335,14 @@ BAD = {
     "lone surrogate in a prompt": (COMP, '{"prompt": "x\\ud800y", "max_tokens": 2}', "prompt"),
     "lone surrogate in a message": (CHAT, '{"messages": [{"role": "user", "content": "\\udc00"}]}', "messages"),
     "lone surrogate in a stop string": (COMP, '{"prompt": "hi", "stop": ["a\\ud801"]}', "stop"),
+    "response_format of an unknown type": (CHAT, {"messages": MSG, "response_format": {"type": "xml"}},
+                                           "response_format"),
+    "json_schema format without its schema": (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}},
+                                              "response_format"),
+    "a schema that does not compile": (CHAT, {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+    "a regex that does not compile": (COMP, {"prompt": "hi", "regex": "a("}, "regex"),
+    "two structures": (COMP, {"prompt": "hi", "regex": "a", "grammar": 'start: "a"'}, "grammar"),
 }
 
 
@@ -502,7 +511,7 @@ def test_requests_beyond_the_queue_limit_get_429(keyed):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    (CHAT, "tools", [{"type": "function"}]), (CHAT, "response_format", {"type": "json_object"}), (COMP, "echo", True),
+    (CHAT, "tools", [{"type": "function"}]), (COMP, "echo", True),
     (COMP, "best_of", 2), (CHAT, "logit_bias", {"5": 10}), (CHAT, "frequency_penalty", -0.5)])
 def test_unsupported_openai_fields_are_refused_naming_them(ar, path, field, value):
     body = {"messages": MSG} if path == CHAT else {"prompt": "Hello"}
@@ -660,8 +669,9 @@ def test_a_repeated_prefix_comes_from_the_prefix_cache_with_the_same_answer(whic
 def test_schemathesis_generated_requests_get_what_the_schema_says(ar):
     # Every check: no 5xx, status codes, content types, headers, response bodies and SSE events as
     # documented, invalid input refused, and valid input accepted, except where the loaded model sets
-    # the limit (its context length and its vocabulary, which no schema can state in tokens): a valid
-    # request over them gets a 400 that says so.
+    # the limit (its context length and its vocabulary, which no schema can state in tokens) and where a
+    # structure (regex, grammar, JSON schema) does not compile, which no schema of strings can state: a
+    # valid request over them gets a 400 that says so.
     import schemathesis
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
@@ -680,7 +690,8 @@ def test_schemathesis_generated_requests_get_what_the_schema_says(ar):
                 calls.append(response.status_code)
                 if mode is GenerationMode.POSITIVE and response.status_code in (400, 422):
                     message = response.json()["error"]["message"]
-                    assert "context limit" in message or "out of range" in message, (case.body, message)
+                    assert any(m in message for m in ("context limit", "out of range", "does not compile")), \
+                        (case.body, message)
             try:
                 check()
             except Unsatisfiable:  # nothing invalid to generate (an operation without parameters)
@@ -828,3 +839,42 @@ def test_logprob_offsets_skip_every_special_token_the_text_leaves_out(tiny_qwen2
     assert lp.tokens[len(tok.encode("Hello"))] == "<|reserved_0|>"
     assert [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens) if t != "<|reserved_0|>"] == \
         [t for t in lp.tokens if t != "<|reserved_0|>"]
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                         "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["answer", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_response_format_json_schema_gives_that_json_and_speculation_gives_ars(stream, ar, spec):
+    # A random tiny model writes JSON only because every token is masked to the schema; the speculative
+    # server's greedy text equals the AR server's, streamed or not.
+    def ask(server) -> tuple[str, str]:
+        kw = dict(model="tiny-qwen3", messages=MSG, max_tokens=60, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": ANSWER}})
+        if not stream:
+            choice = server.client().chat.completions.create(**kw).choices[0]
+            return choice.message.content, choice.finish_reason
+        parts, finish = [], None
+        for chunk in server.client().chat.completions.create(stream=True, **kw):
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+        return "".join(parts), finish
+
+    text, finish = ask(ar)
+    assert finish == "stop", text
+    value = json.loads(text)
+    assert value["answer"] in ("yes", "no") and isinstance(value["n"], int) and set(value) == {"answer", "n"}
+    assert ask(spec) == (text, finish)
+
+
+def test_json_object_and_regex_requests_follow_their_structure(ar):
+    r = ar.post(COMP, {"prompt": "hi", "max_tokens": 30, "regex": "(yes|no), [a-z]{1,5}\\.", "seed": 3})
+    assert r.status_code == 200 and re.fullmatch("(yes|no), [a-z]{1,5}\\.", r.json()["choices"][0]["text"]), r.text
+    r = ar.post(CHAT, {"messages": MSG, "max_tokens": 40, "response_format": {"type": "json_object"}})
+    text = r.json()["choices"][0]["message"]["content"]
+    assert r.status_code == 200 and text.lstrip().startswith("{")
+    if r.json()["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(text), dict)

@@ -14,8 +14,11 @@ that requests asking for logprobs take.
 
 A request ends ("stop") when its constraint is complete: the text matches and nothing may follow. Where
 it matches but may go on (a regex `ab|abc` after "ab"), the model's end-of-sequence tokens are allowed.
+JSON comes on one line, `{"a": 1, "b": [2, 3]}` (`json_layout`).
 """
 from __future__ import annotations
+
+import json
 
 import torch
 
@@ -29,12 +32,24 @@ def grammar_source(params: SamplingParams) -> str | None:
     import llguidance
 
     if params.json_schema is not None:
-        return llguidance.LLMatcher.grammar_from_json_schema(params.json_schema)
+        return llguidance.LLMatcher.grammar_from_json_schema(json_layout(params.json_schema))
     if params.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if params.grammar is not None:
         return llguidance.LLMatcher.grammar_from_lark(params.grammar)
     return None
+
+
+def json_layout(schema: str) -> str:
+    """The schema with JSON's layout fixed to one line, separators as Python's json.dumps writes them, unless
+    the schema sets its own llguidance options (`x-guidance`): where any whitespace may come between
+    tokens, a model can go on writing newlines until max_tokens."""
+    value = json.loads(schema)
+    if value is True:
+        value = {}
+    if isinstance(value, dict) and "x-guidance" not in value:
+        value = {**value, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}}
+    return json.dumps(value)
 
 
 def validate(source: str, ll_tokenizer=None) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import combinations
 from typing import Annotated, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, WithJsonSchema, model_serializer,
@@ -76,7 +77,7 @@ MAX_STOPS, MAX_STOP_CHARS = 64, 1024  # stop strings a request may give, and the
 
 # OpenAI request fields without an implementation here: a request that sets one to anything but what
 # the default does (`_unset`) gets a 400.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "echo", "best_of", "suffix",
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "echo", "best_of", "suffix",
                "logit_bias", "presence_penalty", "frequency_penalty")
 MAX_CHAT_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5  # top tokens a request may see per position, as in OpenAI
 
@@ -93,8 +94,51 @@ def _unset(name: str, value) -> bool:
     return value in ([], {}, "", "none", "auto", {"type": "text"})
 
 
+class JsonSchemaFormat(Strict):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | bool | None = Field(None, alias="schema", description="the schema the text follows; "
+                                                                              "none: any JSON value")
+    strict: bool | None = Field(None, description="always strict here: the text follows the schema exactly")
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+    def target_schema(self) -> None:
+        return None
+
+
+class JsonObjectFormat(Strict):
+    type: Literal["json_object"]
+
+    def target_schema(self) -> dict:
+        return {"type": "object"}
+
+
+class JsonSchemaResponseFormat(Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+    def target_schema(self) -> dict | bool:
+        return True if self.json_schema.json_schema is None else self.json_schema.json_schema
+
+
+# text, any JSON object, or JSON that follows a schema (`target_schema`: the schema, None for text)
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+
+
+def _one_structure() -> dict:
+    """JSON Schema for "at most one of regex, grammar and a JSON response_format" (a null is no value)."""
+    given = {name: {"required": [name], "properties": {name: {"type": "string"}}} for name in ("regex", "grammar")}
+    given["response_format"] = {"required": ["response_format"], "properties": {"response_format": {
+        "type": "object", "required": ["type"], "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}
+    return {"not": {"anyOf": [{"allOf": [given[a], given[b]]} for a, b in combinations(given, 2)]}}
+
+
 class SamplingRequest(Strict):
     """Fields shared by both completion endpoints."""
+    model_config = ConfigDict(json_schema_extra=_one_structure())
     model: str | None = Field(None, description="must be the served model name when given")
     max_tokens: Integer(ge=1) | None = Field(None, description="default: the rest of the context")
     temperature: float | None = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0 = greedy")
@@ -110,6 +154,10 @@ class SamplingRequest(Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = Field(False, description="extension: keep generating past end-of-sequence tokens")
     user: str | None = None
+    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema: the text is "
+                                                                     "JSON that follows it, and ends with it")
+    regex: str | None = Field(None, description="extension: the text matches this regular expression")
+    grammar: str | None = Field(None, description="extension: the text follows this Lark grammar")
 
     @model_validator(mode="before")
     @classmethod
@@ -163,7 +211,7 @@ class ChatCompletionRequest(SamplingRequest):
     # top_logprobs above 0 needs logprobs: true (`_top_needs_logprobs`), stated in the schema too
     model_config = ConfigDict(json_schema_extra={
         "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
-        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}, **_one_structure()})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Integer(ge=1) | None = Field(None, description="preferred over max_tokens")
     logprobs: bool | None = Field(False, description="the model's log-probability of each generated token "
@@ -377,11 +425,16 @@ def sampling_params(req: SamplingRequest, vocab_size: int) -> SamplingParams:
             valid_unicode(s, "stop")
     except ValueError as e:
         raise APIError(400, str(e), param="stop") from None
+    schema = req.response_format.target_schema() if req.response_format else None
+    structure = {k: v for k, v in (("response_format", schema), ("regex", req.regex), ("grammar", req.grammar))
+                 if v is not None}
+    if len(structure) > 1:
+        raise APIError(400, f"give at most one of {' and '.join(structure)}", param=list(structure)[1])
     try:
         return SamplingParams(
             max_tokens=1, temperature=req.temperature if req.temperature >= 1e-5 else 0.0,  # tiny = greedy
             top_p=max(req.top_p, 1e-6),  # keeps just the top token, as any smaller top_p would
             top_k=min(req.top_k, vocab_size), seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
-            logprobs=req.top_logprobs_count)
+            logprobs=req.top_logprobs_count, json_schema=schema, regex=req.regex, grammar=req.grammar)
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=next(iter(structure), None)) from None
