@@ -63,3 +63,29 @@ def test_default_pair_dflash_and_ar_equal_ddtree(llm):
     for spec, budget in (("dflash", None), ("none", None), ("ddtree", "auto")):
         llm.set_mode(spec, budget, cost_table=table if budget == "auto" else None)
         assert [o.token_ids for o in llm.chat(convs, params)] == want, spec
+
+
+def test_default_pair_structured_output_equals_constrained_ar(llm):
+    # A JSON schema with other keys allowed, on the real tokenizer (tokens such as `",` and ` ["` cross the
+    # structure's boundaries): DDTree's tree masks, each node's from the structure after its own path,
+    # give constrained AR's tokens, greedy and seeded.
+    import json
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 150},
+                                               "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+              "required": ["name", "age", "languages"]}
+    conv = [{"role": "user", "content": "Give me a JSON record of a fictional programmer."}]
+    params = [SamplingParams(max_tokens=48, json_schema=schema),
+              SamplingParams(max_tokens=48, temperature=0.7, seed=1, json_schema=schema)]
+    table = llm.engine.speculator.policy.table
+    try:
+        llm.set_mode("none", None)
+        want = llm.chat([conv, conv], params)
+        llm.set_mode("ddtree", 16, 4)
+        got = llm.chat([conv, conv], params)
+    finally:
+        llm.set_mode("ddtree", "auto", cost_table=table)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert max(n for o in got for n in o.accept_lengths) >= 3
+    value = json.loads(want[0].text)  # (complete within 48 tokens)
+    assert isinstance(value["name"], str) and 0 <= value["age"] <= 150 and want[0].finish_reason == "stop"

@@ -16,6 +16,8 @@ VOCAB = 400  # the model's rows: the tokenizer's 384 tokens and unused ones abov
 REGEX = r"(yes|no), [a-z]{1,8}\."
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
           "required": ["ok", "n"], "additionalProperties": False}
+OPEN_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items":
+               {"type": "string"}}}, "required": ["name"]}  # (other keys allowed, of any value)
 LARK = 'start: "x" NUM ";"\nNUM: /[0-9]{1,4}/'
 
 
@@ -34,8 +36,8 @@ def allowed(bitmask: torch.Tensor, row: int) -> set[int]:
     return {t for t in range(VOCAB) if (int(bitmask[row, t // WORD]) >> (t % WORD)) & 1}
 
 
-@pytest.mark.parametrize("shape", [dict(regex=REGEX), dict(json_schema=SCHEMA), dict(grammar=LARK)],
-                         ids=["regex", "json", "lark"])
+@pytest.mark.parametrize("shape", [dict(regex=REGEX), dict(json_schema=SCHEMA), dict(json_schema=OPEN_SCHEMA),
+                                   dict(grammar=LARK)], ids=["regex", "json", "open-json", "lark"])
 def test_tree_rows_equal_a_fresh_matcher_fed_each_nodes_path(shape, grammars):
     # A tree grown mostly from allowed tokens (deep paths) with forbidden ones among them: every allowed
     # node's row is the mask of a fresh constraint fed the node's path; a forbidden node's subtree is
@@ -67,6 +69,15 @@ def test_tree_rows_equal_a_fresh_matcher_fed_each_nodes_path(shape, grammars):
         bitmask = new_bitmask(5 + len(tokens), VOCAB)
         probe.fill_tree(bitmask, 5, tokens, parents, ok)
         assert (bitmask[:5] == -1).all()
+        # The walk leaves the constraint as it found it: the deepest allowed path, committed, leaves it where
+        # a fresh one fed that path is.
+        deepest = max((n for n in range(len(tokens)) if legal[n]), key=lambda n: len(path_of(n, tokens, parents)))
+        fresh = grammars.constraint(params)
+        for t in path_of(deepest, tokens, parents):
+            probe.advance(t), fresh.advance(t)
+        mine, theirs = new_bitmask(1, VOCAB), new_bitmask(1, VOCAB)
+        probe.fill(mine, 0), fresh.fill(theirs, 0)
+        assert torch.equal(mine, theirs)
         for n in range(len(tokens)):
             path = path_of(n, tokens, parents)
             fresh = grammars.constraint(params)

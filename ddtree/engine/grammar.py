@@ -6,9 +6,12 @@ logit (`masked`), so each output token is a draw from the model's distribution r
 constraint allows, by the same keyed sampler as any other token (engine/sampler.py).
 
 Speculation keeps this exact. A tree node's row is masked by the constraint's state after the node's own
-ancestors (`Constraint.fill_tree`: a walk down the tree that advances the matcher on the way down and
-rolls it back on the way up), so a node is accepted only where AR, masked at the same position, would
-have drawn its token: DDTree and DFlash commit the tokens constrained AR commits, greedy or seeded.
+ancestors (`Constraint.fill_tree`: a walk down the tree that advances a copy of the matcher into each
+branch), so a node is accepted only where AR, masked at the same position, would have drawn its token:
+DDTree and DFlash commit the tokens constrained AR commits, greedy or seeded. The walk copies rather than
+rolls back: with llguidance 1.9, tokens consumed after a rollback left a matcher in another state than a
+fresh one fed the same tokens (a JSON schema on Qwen2.5's tokenizer, `test_default_model.py`), and the
+request's own matcher must only ever take its committed tokens.
 The masks need the host between the draft and the draw, so constrained requests take the eager steps
 that requests asking for logprobs take.
 
@@ -103,11 +106,12 @@ class Constraint:
             raise RuntimeError(f"token {token} broke the request's constraint: {self.matcher.get_error()}")
         return self.matcher.is_stopped()
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """The tokens that may come next into `bitmask[row]` (int32 words, bit t % 32 of word t // 32)."""
+    def fill(self, bitmask: torch.Tensor, row: int, matcher=None) -> None:
+        """The tokens that may come next into `bitmask[row]` (int32 words, bit t % 32 of word t // 32), after
+        the committed tokens (or in `matcher`'s state)."""
         import llguidance.torch
 
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        llguidance.torch.fill_next_token_bitmask(matcher or self.matcher, bitmask, row)
         if self.stop_ids:  # every stop token where the text may end, none elsewhere
             may_end = bool((bitmask[row, self.eos // WORD] >> (self.eos % WORD)) & 1)
             for t in self.stop_ids:
@@ -120,7 +124,8 @@ class Constraint:
                   valid: list[bool]) -> None:
         """Rows first + n of `bitmask` for the nodes n of one request's tree (node 0 the root, its last
         committed token; parents before children): the tokens that may follow each node's path. A node
-        the constraint forbids is never accepted, and its row and its subtree's stay all ones."""
+        the constraint forbids is never accepted, and its row and its subtree's stay all ones. The
+        request's matcher is left as it was (each branch takes a copy)."""
         children: list[list[int]] = [[] for _ in tokens]
         for n in range(1, len(tokens)):
             if valid[n]:
@@ -128,18 +133,18 @@ class Constraint:
         bitmask[first:first + len(tokens)] = -1
         self.fill(bitmask, first)
 
-        def visit(n: int) -> None:
+        def visit(n: int, matcher) -> None:
             for c in children[n]:
                 t = tokens[c]
                 allowed = (int(bitmask[first + n, t // WORD]) >> (t % WORD)) & 1
                 if not allowed or t in self.stop_ids or t == self.eos:  # (the request ends at a stop token)
                     continue
-                self.matcher.consume_token(t)
-                self.fill(bitmask, first + c)
-                visit(c)
-                self.matcher.rollback(1)
+                branch = matcher.deep_copy()
+                branch.consume_token(t)
+                self.fill(bitmask, first + c, branch)
+                visit(c, branch)
 
-        visit(0)
+        visit(0, self.matcher)
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
