@@ -153,10 +153,12 @@ def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` [M, V] with -inf wherever `bitmask` [M, W] (host, int32) has a 0 bit."""
-    bits = bitmask.to(logits.device, non_blocking=True)
-    cols = torch.arange(logits.shape[-1], device=logits.device)
-    allowed = (bits[:, cols // WORD] >> (cols % WORD)) & 1
+    """`logits` [M, V] with -inf wherever `bitmask` [M, W] (host, int32) has a 0 bit. The words are unpacked
+    a byte at a time (little-endian: byte k of word w holds tokens 32 w + 8 k to 32 w + 8 k + 7)."""
+    M, V = logits.shape
+    octets = bitmask.view(torch.uint8).to(logits.device, non_blocking=True)
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    allowed = ((octets[:, :, None] >> shifts) & 1).view(M, -1)[:, :V]
     return logits.masked_fill(allowed == 0, float("-inf"))
 
 
