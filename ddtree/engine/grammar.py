@@ -70,17 +70,23 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(stop_ids)
         self._ll_tokenizer = None
 
+    def prepare(self) -> None:
+        """Builds llguidance's view of the tokenizer now (about a second for a vocabulary of 150k tokens), so
+        that a server's first constrained request does not hold up the others' steps."""
+        if self._ll_tokenizer is None and self.tokenizer is not None:
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+
     def constraint(self, params: SamplingParams) -> Constraint | None:
         """A new request's constraint; ValueError where it does not compile."""
         if not params.constrained:
             return None
         import llguidance
-        import llguidance.hf
 
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, which structured output needs")
-        if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+        self.prepare()
         source = grammar_source(params)
         error = validate(source, self._ll_tokenizer)
         if error:

@@ -164,6 +164,7 @@ class AsyncEngine:
                 self._call(self._on_fatal, e)
             return
         engine = self.llm.engine
+        engine.grammars.prepare()  # (structured output's view of the tokenizer, before the first request)
         self.ready = True
         log.info(f"model loaded: {self.llm.model_path} (spec {self.llm.spec}); ready")
         self.metrics.engine_state(engine)
