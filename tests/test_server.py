@@ -843,7 +843,8 @@ def test_logprob_offsets_skip_every_special_token_the_text_leaves_out(tiny_qwen2
 
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
                                          "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["answer", "n"], "additionalProperties": False}
+          "required": ["answer", "n"], "additionalProperties": False,
+          "x-guidance": {"whitespace_flexible": False}}  # (a random model would fill every gap's allowed whitespace)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -17,7 +17,7 @@ that requests asking for logprobs take.
 
 A request ends ("stop") when its constraint is complete: the text matches and nothing may follow. Where
 it matches but may go on (a regex `ab|abc` after "ab"), the model's end-of-sequence tokens are allowed.
-JSON comes on one line, `{"a": 1, "b": [2, 3]}` (`json_layout`).
+JSON's whitespace is bounded (`JSON_GAP`).
 """
 from __future__ import annotations
 
@@ -43,15 +43,20 @@ def grammar_source(params: SamplingParams) -> str | None:
     return None
 
 
+# Whitespace between two JSON tokens: a space, or at most one line break and an indent. Models lay JSON out
+# as they were trained to (pretty-printed, mostly), and a gap cannot grow without bound, as it could if any
+# whitespace were allowed: a model can then write newlines until max_tokens.
+JSON_GAP = r"[ ]?|\n[ ]{0,32}|\n\t{0,8}"
+
+
 def json_layout(schema: str) -> str:
-    """The schema with JSON's layout fixed to one line, separators as Python's json.dumps writes them, unless
-    the schema sets its own llguidance options (`x-guidance`): where any whitespace may come between
-    tokens, a model can go on writing newlines until max_tokens."""
+    """The schema with JSON's whitespace limited to `JSON_GAP`, unless the schema sets its own llguidance
+    options (`x-guidance`)."""
     value = json.loads(schema)
     if value is True:
         value = {}
     if isinstance(value, dict) and "x-guidance" not in value:
-        value = {**value, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}}
+        value = {**value, "x-guidance": {"whitespace_flexible": True, "whitespace_pattern": JSON_GAP}}
     return json.dumps(value)
 
 
