@@ -14,7 +14,7 @@ from tiny import make_tokenizer
 
 VOCAB = 400  # the model's rows: the tokenizer's 384 tokens and unused ones above them
 REGEX = r"(yes|no), [a-z]{1,8}\."
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 999}},
           "required": ["ok", "n"], "additionalProperties": False}
 OPEN_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items":
                {"type": "string"}}}, "required": ["name"]}  # (other keys allowed, of any value)
@@ -132,14 +132,50 @@ def test_sampling_params_reject_malformed_structures(params, message):
         SamplingParams(**params)
 
 
-def test_a_structure_without_a_tokenizer_is_a_clear_error_that_leaks_nothing(make_llm, tmp_path):
-    from tiny import make_tiny_model
-    llm = make_llm(model=make_tiny_model(str(tmp_path), with_tokenizer=False))
-    with pytest.raises(ValueError, match="no tokenizer, which structured output needs"):
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, regex="ab"))
+def assert_serving_and_idle(llm) -> None:
     assert not llm.engine.has_work()
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids  # (the engine still serves)
+
+
+@pytest.mark.parametrize("model, message", [(dict(with_tokenizer=False), "this model has no tokenizer"),
+                                            (dict(vocab_size=300), "llguidance cannot use this model's tokenizer")],
+                         ids=["no tokenizer", "tokenizer beyond the model's rows"])
+def test_structure_without_a_usable_tokenizer_is_a_clear_error_that_leaks_nothing(model, message, make_llm, tmp_path):
+    from tiny import make_tiny_model
+    llm = make_llm(model=make_tiny_model(str(tmp_path), **model))
+    llm.engine.grammars.prepare()  # (as the server does at start-up: it must not raise)
+    with pytest.raises(ValueError, match=f"structured output is not available: {message}"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, regex="ab"))
+    assert_serving_and_idle(llm)
+
+
+def test_a_schema_that_fails_at_its_first_step_is_refused_at_admission(make_llm):
+    # (its references never end: it compiles, and fails on its first mask)
+    endless = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    llm = make_llm()
+    with pytest.raises(ValueError, match="json_schema does not compile"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, json_schema=endless))
+    assert_serving_and_idle(llm)
+
+
+def test_a_grammar_that_names_a_stop_token_ends_there_without_breaking_the_step(make_llm, tmp_path):
+    # A model with two stop tokens; the grammar asks for the second first. The request ends at it (a stop
+    # token ends a request wherever it comes), and the requests beside it go on.
+    from tiny import make_tiny_model
+    tok = make_tokenizer()
+    start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    path = make_tiny_model(str(tmp_path))
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump({**config, "eos_token_id": [end, start]}, f)
+    llm = make_llm(model=path)
+    outs = llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=8, grammar='start: <|im_start|> "a"'),
+                                             SamplingParams(max_tokens=6, ignore_eos=True)])
+    assert outs[0].token_ids == [start] and outs[0].finish_reason == "stop"
+    assert len(outs[1].token_ids) == 6
+    assert_serving_and_idle(llm)
 
 
 def test_constrained_texts_follow_their_structure_and_end_with_it(make_llm):

@@ -74,62 +74,71 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, stop_ids: set[int]):
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(stop_ids)
         self._ll_tokenizer = None
+        self.unavailable = None if tokenizer is not None else "this model has no tokenizer"
 
     def prepare(self) -> None:
         """Builds llguidance's view of the tokenizer now (about a second for a vocabulary of 150k tokens), so
-        that a server's first constrained request does not hold up the others' steps."""
-        if self._ll_tokenizer is None and self.tokenizer is not None:
-            import llguidance.hf
+        that a server's first constrained request does not hold up the others' steps. A tokenizer llguidance
+        cannot take (not byte-level BPE, or more tokens than the model's rows) leaves structured output
+        unavailable, with the reason, and everything else as it was."""
+        if self._ll_tokenizer is not None or self.unavailable:
+            return
+        import llguidance.hf
 
+        try:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+        except Exception as e:  # noqa: BLE001 - whatever llguidance refuses, it refuses this tokenizer
+            self.unavailable = f"llguidance cannot use this model's tokenizer: {e}"
 
     def constraint(self, params: SamplingParams) -> Constraint | None:
-        """A new request's constraint; ValueError where it does not compile."""
+        """A new request's constraint; ValueError where it does not compile, or fails at its first step (a
+        schema whose references never end compiles lazily)."""
         if not params.constrained:
             return None
         import llguidance
 
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, which structured output needs")
         self.prepare()
+        if self.unavailable:
+            raise ValueError(f"structured output is not available: {self.unavailable}")
         source = grammar_source(params)
         error = validate(source, self._ll_tokenizer)
         if error:
             raise ValueError(f"the {params.constraint_kind} does not compile: {error}")
         matcher = llguidance.LLMatcher(self._ll_tokenizer, source)
+        c = Constraint(matcher, self.stop_ids)
+        c.fill(new_bitmask(1, self.vocab_size), 0)
         if matcher.is_error():
             raise ValueError(f"the {params.constraint_kind} does not compile: {matcher.get_error()}")
-        return Constraint(matcher, self._ll_tokenizer.eos_token, self.stop_ids, self.vocab_size)
+        return c
 
 
 class Constraint:
-    """One request's matcher, advanced by the tokens the engine commits."""
+    """One request's matcher, advanced by the tokens the engine commits. The model's stop tokens end the
+    request wherever they come (where the grammar names one too); the mask allows them where the text may
+    end."""
 
-    def __init__(self, matcher, eos: int, stop_ids: list[int], vocab_size: int):
-        self.matcher, self.eos, self.stop_ids = matcher, eos, stop_ids
-        self.words = -(-vocab_size // WORD)
+    def __init__(self, matcher, stop_ids: list[int]):
+        self.matcher, self.stop_ids = matcher, stop_ids
 
     def advance(self, token: int) -> bool:
-        """Takes a committed token; True when the text is complete (the request ends with it)."""
-        if token in self.stop_ids or token == self.eos:  # (only allowed where the text may end)
+        """Takes a committed token; True when the text is complete (the request ends with it). A token the
+        matcher refuses (which its mask does not let through) ends the request too, rather than the step."""
+        if token in self.stop_ids:
             return True
-        if not self.matcher.consume_token(token):
-            raise RuntimeError(f"token {token} broke the request's constraint: {self.matcher.get_error()}")
-        return self.matcher.is_stopped()
+        return not self.matcher.consume_token(token) or self.matcher.is_stopped()
 
     def fill(self, bitmask: torch.Tensor, row: int, matcher=None) -> None:
         """The tokens that may come next into `bitmask[row]` (int32 words, bit t % 32 of word t // 32), after
-        the committed tokens (or in `matcher`'s state)."""
+        the committed tokens (or in `matcher`'s state): the matcher's, and every stop token where the text
+        may end or where nothing else may come."""
         import llguidance.torch
 
-        llguidance.torch.fill_next_token_bitmask(matcher or self.matcher, bitmask, row)
-        if self.stop_ids:  # every stop token where the text may end, none elsewhere
-            may_end = bool((bitmask[row, self.eos // WORD] >> (self.eos % WORD)) & 1)
+        matcher = matcher or self.matcher
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+        if self.stop_ids and (matcher.is_accepting() or not bool((bitmask[row] != 0).any())):
+            words = bitmask[row].view(torch.uint8)  # (little-endian: byte t // 8 holds token t)
             for t in self.stop_ids:
-                w, bit = t // WORD, 1 << (t % WORD)
-                word = int(bitmask[row, w]) & 0xFFFFFFFF
-                word = word | bit if may_end else word & ~bit
-                bitmask[row, w] = word - (1 << 32) if word >= 1 << 31 else word
+                words[t // 8] |= 1 << (t % 8)
 
     def fill_tree(self, bitmask: torch.Tensor, first: int, tokens: list[int], parents: list[int],
                   valid: list[bool]) -> None:
@@ -148,7 +157,7 @@ class Constraint:
             for c in children[n]:
                 t = tokens[c]
                 allowed = (int(bitmask[first + n, t // WORD]) >> (t % WORD)) & 1
-                if not allowed or t in self.stop_ids or t == self.eos:  # (the request ends at a stop token)
+                if not allowed or t in self.stop_ids:  # (the request ends at a stop token)
                     continue
                 branch = matcher.deep_copy()
                 branch.consume_token(t)
