@@ -1,6 +1,6 @@
 """Structured output's cost on the CPU: the default pair, constrained and free, AR and DDTree (budget 16, top-4).
 
-    python benchmarks/results/cpu_<commit>_structured/measure.py OUT.jsonl
+    python benchmarks/results/cpu_d12517e_structured/measure.py OUT.jsonl
 """
 import json
 import sys
